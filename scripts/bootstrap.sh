@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# One idempotent set-up for `make demo` and `make test` on a fresh Debian machine.
+#
+# 1. system packages (Open MPI, cmake, g++), only those missing, via apt-get as root;
+# 2. a virtual environment in a cache directory outside the clone, named by a hash of
+#    everything it is built from, so a second run with nothing changed takes seconds;
+# 3. Horovod 0.28.1 from its PyPI sdist with third_party/horovod-0.28.1.patch
+#    (C++17 for PyTorch >= 2.1, TF 2.21 XLA headers, tf_keras backend);
+# 4. this project, editable; `.venv` in the repo root points at the environment.
+set -euo pipefail
+
+repo=$(cd "$(dirname "$0")/.." && pwd)
+cache=${CROSSOVER_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/crossover}
+horovod_version=0.28.1
+python=${PYTHON:-python3}
+
+log() { printf '[bootstrap] %s\n' "$*" >&2; }
+
+# --- 1. system packages ------------------------------------------------------------
+need=()
+command -v mpirun >/dev/null 2>&1 || need+=(openmpi-bin)
+[ -e /usr/include/x86_64-linux-gnu/openmpi/mpi.h ] || [ -n "$(find /usr/lib /usr/include -name mpi.h -path '*openmpi*' -print -quit 2>/dev/null)" ] || need+=(libopenmpi-dev)
+command -v cmake >/dev/null 2>&1 || need+=(cmake)
+command -v g++ >/dev/null 2>&1 || need+=(g++)
+command -v ip >/dev/null 2>&1 || need+=(iproute2)
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" != 0 ]; then
+    log "missing system packages: ${need[*]}; run as root or install them: apt-get install -y ${need[*]}"
+    exit 1
+  fi
+  log "apt-get install ${need[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+
+# --- 2. the environment, keyed by what it is built from ----------------------------
+key=$( { "$python" -c 'import sys; print(sys.version)'; cat "$repo/requirements.txt" \
+  "$repo/third_party/horovod-$horovod_version.patch" "$repo/scripts/bootstrap.sh"; } \
+  | sha256sum | cut -c1-16)
+venv="$cache/env-$key"
+
+if [ ! -f "$venv/.complete" ]; then
+  log "building environment $venv (first time: about 10 minutes)"
+  rm -rf "$venv"
+  mkdir -p "$cache"
+  "$python" -m venv "$venv"
+  pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
+  pin() { grep -E "^$1==" "$repo/requirements.txt"; }
+  "${pip[@]}" --upgrade pip setuptools wheel
+  "${pip[@]}" "$(pin torch)"
+  "${pip[@]}" "$(pin tensorflow-cpu)" "$(pin numpy)"
+  "${pip[@]}" --no-deps "tf-keras==$(pin tensorflow-cpu | cut -d= -f3)"
+  "${pip[@]}" -r "$repo/requirements.txt"
+
+  log "building Horovod $horovod_version (2-4 minutes)"
+  src=$(mktemp -d)
+  trap 'rm -rf "$src"' EXIT
+  "$venv/bin/python" -m pip download -q --no-deps --no-binary :all: \
+    "horovod==$horovod_version" -d "$src"
+  tar xzf "$src/horovod-$horovod_version.tar.gz" -C "$src"
+  (cd "$src/horovod-$horovod_version" && patch -s -p1 < "$repo/third_party/horovod-$horovod_version.patch")
+  HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
+    HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS=-j"$(nproc)" \
+    "${pip[@]}" --no-build-isolation --no-cache-dir "$src/horovod-$horovod_version"
+  touch "$venv/.complete"
+fi
+
+# --- 3. this project ---------------------------------------------------------------
+# Editable, so the cached environment follows whichever clone ran the bootstrap last.
+"$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
+  --no-build-isolation -e "$repo"
+ln -sfn "$venv" "$repo/.venv"
+log "environment ready: $repo/.venv -> $venv"
