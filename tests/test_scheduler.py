@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from crossover.scheduler import Grant, Phase, SchedulerError, SlotScheduler, make_policy
 
-C, M, I = Phase.COMPUTE, Phase.COMMUNICATE, Phase.IDLE
+M, IDLE = Phase.COMMUNICATE, Phase.IDLE
 
 
 class FakeClock:
@@ -62,7 +62,7 @@ TABLE = [
     ("communicate hands over", "crossover", TWO_JOBS,
      [("req", "A", 0), ("req", "B", 0), ("rel", "A", 0, M)], [["A:0"], [], ["B:0"]]),
     ("round-robin keeps through communicate", "round-robin", TWO_JOBS,
-     [("req", "A", 0), ("req", "B", 0), ("rel", "A", 0, M), ("req", "A", 0), ("rel", "A", 0, I)],
+     [("req", "A", 0), ("req", "B", 0), ("rel", "A", 0, M), ("req", "A", 0), ("rel", "A", 0, IDLE)],
      [["A:0"], [], [], ["A:0"], ["B:0"]]),
     ("re-request while holding is idempotent", "crossover", TWO_JOBS,
      [("req", "A", 0), ("req", "A", 0)], [["A:0"], ["A:0"]]),
@@ -164,7 +164,7 @@ event = st.tuples(
     st.sampled_from(["req", "rel", "bye", "tick"]),
     st.sampled_from(list(JOBS3)),
     st.integers(0, 1),
-    st.sampled_from([M, I]),
+    st.sampled_from([M, IDLE]),
     st.floats(0.1, 4.0),
 )
 
@@ -213,7 +213,7 @@ def test_every_request_granted_within_one_turn_per_other_job(policy, order_of_tu
                 assert waited[j] <= len(jobs) - 1, f"{j} starved under {policy}"
         waited[holder] = 0
         clock.now += 1.0
-        grants = sched.release(holder, 0, I)
+        grants = sched.release(holder, 0, IDLE)
         sched.request(holder, 0)
         holder = grants[0].job if grants else holder
 

@@ -1,0 +1,422 @@
+"""The coordinator daemon: one process per node, jobs' ranks connect over a Unix socket.
+
+The daemon processes of all nodes form one MPI world. Daemon 0 (the leader) decides the
+global job order when a job first joins anywhere and tells every daemon; each daemon then
+grants its own devices with that order, so a job's ranks are in the same phase on every
+node without any cross-node message on the grant path.
+
+Reliability: a rank whose connection closes (crash, kill, exit) loses its slot at once;
+a rank that holds past its lease loses it then. Clients treat a vanished daemon as
+"run uncoordinated" (see `client`).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import selectors
+import signal
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from crossover import protocol as P
+from crossover.scheduler import Grant, Phase, SchedulerError, SlotScheduler, make_policy
+from crossover.transport import FrameBuffer, PeerChannel, send_msg, socket_path
+
+log = logging.getLogger("crossover.daemon")
+
+#: Environment variable: fake this many nodes on one machine (daemon rank r is node r;
+#: a rank of local rank l talks to node l % N). For tests and benchmarks.
+FAKE_NODES_ENV = "CROSSOVER_FAKE_NODES"
+
+
+class _SoloComm:
+    """A one-process stand-in for an MPI communicator: a daemon run without mpirun
+    does not initialise MPI at all."""
+
+    def Get_rank(self) -> int:  # noqa: N802 - mirrors mpi4py
+        return 0
+
+    def Get_size(self) -> int:  # noqa: N802
+        return 1
+
+
+def default_comm() -> Any:
+    """COMM_WORLD when launched by mpirun, else a one-process stand-in."""
+    if "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ:
+        from mpi4py import MPI
+
+        return MPI.COMM_WORLD
+    return _SoloComm()
+
+
+def node_identity(comm: Any) -> tuple[str, list[int]]:
+    """This daemon's node name and the CPU cores its devices are made of."""
+    cores = sorted(os.sched_getaffinity(0))
+    fake = int(os.environ.get(FAKE_NODES_ENV, "0") or 0)
+    if fake:
+        r = comm.Get_rank()
+        return f"fake{r}", cores[r % len(cores) :: fake] or cores
+    return socket.gethostname(), cores
+
+
+@dataclass
+class _Conn:
+    sock: socket.socket
+    frames: FrameBuffer = field(default_factory=FrameBuffer)
+    hello: P.Hello | None = None
+    registered: bool = False
+    seq: int = 0  # the rank's outstanding Acquire
+
+    @property
+    def key(self) -> tuple[str, int] | None:
+        return (self.hello.job, self.hello.rank) if self.hello else None
+
+
+class Daemon:
+    """One node's coordinator.
+
+    Args:
+        policy: scheduling policy name (see `crossover.scheduler.POLICIES`).
+        lease_s: how long a grant lasts without renewal.
+        idle_shutdown_s: exit after no job has been connected anywhere for this long
+            (None: never).
+        runtime_dir: directory of the sockets (default: see `transport.runtime_dir`).
+        comm: the daemons' communicator (default: COMM_WORLD under mpirun).
+        cpu_devices: how many devices this node's CPU cores form (default: one per core).
+        clock: monotonic clock, injectable for tests.
+    """
+
+    def __init__(
+        self,
+        policy: str = "crossover",
+        lease_s: float = 30.0,
+        idle_shutdown_s: float | None = None,
+        runtime_dir: str | os.PathLike | None = None,
+        comm: Any = None,
+        cpu_devices: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.comm = comm if comm is not None else default_comm()
+        self.node, self.cores = node_identity(self.comm)
+        self.cpu_devices = max(1, min(cpu_devices or len(self.cores), len(self.cores)))
+        self.clock = clock
+        self.sched = SlotScheduler(make_policy(policy), clock, lease_s)
+        self.idle_shutdown_s = idle_shutdown_s
+        self.path = socket_path(self.node, runtime_dir)
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self.peers = PeerChannel(self.comm, self._wakeup)
+        self._conns: dict[tuple[str, int], _Conn] = {}
+        self._orders: dict[str, int] = {}  # global job order, decided by the leader
+        self._pending: dict[str, list[_Conn]] = {}  # ranks waiting for their job's order
+        self._status_waits: dict[int, tuple[_Conn, dict, float]] = {}
+        self._status_token = 0
+        self._stop = False
+        # leader only
+        self._next_order = 0
+        self._members: dict[str, set[int]] = {}  # job -> daemon ranks with its ranks
+        self._idle_since = clock()
+
+    # --- life cycle -------------------------------------------------------------------
+    def serve(self) -> None:
+        """Listen and serve until stopped (SIGTERM/SIGINT, idle shutdown or `stop`)."""
+        listener = self._listen()
+        self._sel.register(listener, selectors.EVENT_READ, "listen")
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stop())
+        log.info("daemon %s/%s for node %s on %s: policy %s, devices %s",
+                 self.peers.rank, self.peers.size, self.node, self.path,
+                 self.sched.policy.name, [self._cpu_device(i)[0] for i in range(self.cpu_devices)])
+        try:
+            while not self._stop:
+                for key, _ in self._sel.select(self._timeout()):
+                    if key.data == "listen":
+                        self._accept(listener)
+                    elif key.data == "wake":
+                        self._drain_wakeups()
+                    else:
+                        self._read(key.data)
+                self._handle_peers()
+                self._expire()
+                self._check_idle()
+                self._finish_status_waits()
+        finally:
+            self._sel.close()
+            listener.close()
+            self.path.unlink(missing_ok=True)
+            self.peers.close()
+            log.info("daemon for node %s stopped", self.node)
+
+    def stop(self) -> None:
+        """Ask the serve loop to exit (safe from a signal handler or another thread)."""
+        self._stop = True
+        self._wakeup()
+
+    def _listen(self) -> socket.socket:
+        if self.path.exists():
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(str(self.path))
+            except OSError:
+                self.path.unlink()  # stale socket of a daemon that died
+            else:
+                raise RuntimeError(
+                    f"a crossover daemon already listens on {self.path}; reuse it, stop it, "
+                    f"or give this one another CROSSOVER_RUNTIME_DIR"
+                )
+            finally:
+                probe.close()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(str(self.path))
+        os.chmod(self.path, 0o600)
+        sock.listen(128)
+        sock.setblocking(False)
+        return sock
+
+    def _timeout(self) -> float:
+        t = 0.5
+        deadline = self.sched.next_deadline()
+        if deadline is not None:
+            t = min(t, max(0.0, deadline - self.clock()))
+        return t
+
+    def _wakeup(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass  # a wakeup is pending already
+
+    def _drain_wakeups(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    # --- connections ------------------------------------------------------------------
+    def _accept(self, listener: socket.socket) -> None:
+        try:
+            sock, _ = listener.accept()
+        except BlockingIOError:
+            return
+        # Blocking with a timeout: replies are tiny, and a client that stops reading
+        # for a second is dropped rather than allowed to stall every other job.
+        sock.settimeout(1.0)
+        self._sel.register(sock, selectors.EVENT_READ, _Conn(sock))
+
+    def _read(self, conn: _Conn) -> None:
+        try:
+            data = conn.sock.recv(65536)
+        except OSError:
+            data = b""
+        if not data:
+            self._close(conn, "connection closed")
+            return
+        try:
+            for msg in conn.frames.feed(data):
+                self._handle(conn, msg)
+        except P.ProtocolError as exc:
+            self._reply(conn, P.Error(str(exc)))
+            self._close(conn, f"protocol error: {exc}")
+        except SchedulerError as exc:
+            self._reply(conn, P.Error(str(exc)))
+
+    def _reply(self, conn: _Conn, msg: P.Message) -> None:
+        try:
+            send_msg(conn.sock, msg)
+        except OSError as exc:
+            self._close(conn, f"send failed: {exc}")
+
+    def _close(self, conn: _Conn, why: str) -> None:
+        try:
+            self._sel.unregister(conn.sock)
+        except (KeyError, ValueError):
+            return  # closed already
+        conn.sock.close()
+        key = conn.key
+        if key is None:
+            return
+        if conn in self._pending.get(key[0], []):
+            self._pending[key[0]].remove(conn)
+        if conn.registered and self._conns.get(key) is conn:
+            del self._conns[key]
+            log.info("job %s rank %d left node %s (%s)", key[0], key[1], self.node, why)
+            self._deliver(self.sched.unregister(*key))
+            if not any(j == key[0] for j, _ in self._conns):
+                self.peers.send(0, ("leave", key[0]))
+
+    # --- requests ---------------------------------------------------------------------
+    def _handle(self, conn: _Conn, msg: P.Message) -> None:
+        if isinstance(msg, P.Status):
+            self._start_status(conn)
+            return
+        if isinstance(msg, P.Hello):
+            self._hello(conn, msg)
+            return
+        if not conn.registered:
+            raise P.ProtocolError(f"{msg.kind} before a completed hello")
+        job, rank = conn.key
+        if isinstance(msg, P.Acquire):
+            conn.seq = msg.seq
+            grants = self.sched.release(job, rank, Phase.IDLE) if msg.release_first else []
+            self._deliver(grants + self.sched.request(job, rank))
+        elif isinstance(msg, P.Release):
+            try:
+                phase = Phase(msg.phase)
+            except ValueError:
+                raise P.ProtocolError(f"unknown phase {msg.phase!r}") from None
+            self._deliver(self.sched.release(job, rank, phase))
+        elif isinstance(msg, P.Renew):
+            self.sched.renew(job, rank)
+        else:
+            raise P.ProtocolError(f"unexpected {msg.kind} from a client")
+
+    def _hello(self, conn: _Conn, hello: P.Hello) -> None:
+        if conn.hello is not None:
+            raise P.ProtocolError("second hello on one connection")
+        problems = [
+            name for name, ok in [
+                ("job", bool(hello.job) and isinstance(hello.job, str)),
+                ("rank", isinstance(hello.rank, int) and 0 <= hello.rank < hello.size),
+                ("local_rank", isinstance(hello.local_rank, int) and hello.local_rank >= 0),
+                ("weight", isinstance(hello.weight, int | float) and hello.weight > 0),
+            ] if not ok
+        ]
+        if problems:
+            raise P.ProtocolError(f"hello with invalid {', '.join(problems)}: {hello}")
+        key = (hello.job, hello.rank)
+        if key in self._conns or any(c.key == key for c in self._pending.get(hello.job, [])):
+            self._reply(conn, P.Error(
+                f"job {hello.job!r} rank {hello.rank} is connected already: two jobs with "
+                f"one name? Give each job its own name (CROSSOVER_JOB or crossoverrun --name)"))
+            self._close(conn, "duplicate rank")
+            return
+        conn.hello = hello
+        if hello.job in self._orders:
+            self._admit(conn)
+        else:
+            first = hello.job not in self._pending
+            self._pending.setdefault(hello.job, []).append(conn)
+            if first:
+                self.peers.send(0, ("join", hello.job))
+
+    def _admit(self, conn: _Conn) -> None:
+        hello = conn.hello
+        if hello.gpu is not None:
+            device, cores = f"gpu{hello.gpu}", []
+        else:
+            device, cores = self._cpu_device(hello.local_rank % self.cpu_devices)
+        order = self._orders[hello.job]
+        self.sched.register(hello.job, hello.rank, device, order, hello.weight)
+        conn.registered = True
+        self._conns[conn.key] = conn
+        self._idle_since = None
+        log.info("job %s rank %d on node %s -> %s (order %d)",
+                 hello.job, hello.rank, self.node, device, order)
+        self._reply(conn, P.Welcome(device, cores, self.node, order,
+                                    self.sched.policy.name, self.sched.lease_s))
+
+    def _cpu_device(self, index: int) -> tuple[str, list[int]]:
+        # Device i is every cpu_devices-th core from core i: one core each by default.
+        return f"cpu{index}", self.cores[index :: self.cpu_devices]
+
+    def _deliver(self, grants: list[Grant]) -> None:
+        for g in grants:
+            conn = self._conns.get((g.job, g.rank))
+            if conn is not None:
+                self._reply(conn, P.Grant(conn.seq))
+
+    def _expire(self) -> None:
+        revoked, grants = self.sched.expire()
+        for job, rank, device in revoked:
+            log.warning("job %s rank %d held %s past its %.0f s lease: slot revoked",
+                        job, rank, device, self.sched.lease_s)
+        self._deliver(grants)
+
+    # --- the daemons' world: membership, order, status, shutdown ------------------------
+    def _handle_peers(self) -> None:
+        while not self.peers.inbox.empty():
+            source, msg = self.peers.inbox.get_nowait()
+            kind = msg[0]
+            if kind == "join":  # leader: a job's first rank arrived on `source`
+                job = msg[1]
+                if job not in self._members:
+                    self._members[job] = set()
+                    self._next_order += 1
+                    self.peers.broadcast(("order", job, self._next_order - 1))
+                else:
+                    self.peers.send(source, ("order", job, self._orders[job]))
+                self._members[job].add(source)
+            elif kind == "leave":  # leader
+                members = self._members.get(msg[1], set())
+                members.discard(source)
+                if not members:
+                    self._members.pop(msg[1], None)
+                    self.peers.broadcast(("forget", msg[1]))
+            elif kind == "order":
+                self._orders[msg[1]] = msg[2]
+                for conn in self._pending.pop(msg[1], []):
+                    self._admit(conn)
+            elif kind == "forget":
+                if not any(j == msg[1] for j, _ in self._conns) and msg[1] not in self._pending:
+                    self._orders.pop(msg[1], None)
+            elif kind == "status?":
+                snap = self.sched.snapshot()
+                snap["devices_cores"] = {self._cpu_device(i)[0]: self._cpu_device(i)[1]
+                                         for i in range(self.cpu_devices)}
+                self.peers.send(source, ("status!", msg[1], self.node, snap))
+            elif kind == "status!":
+                wait = self._status_waits.get(msg[1])
+                if wait is not None:
+                    wait[1][msg[2]] = msg[3]
+            elif kind == "shutdown":
+                self.stop()
+
+    def _start_status(self, conn: _Conn) -> None:
+        self._status_token += 1
+        self._status_waits[self._status_token] = (conn, {}, self.clock() + 2.0)
+        self.peers.broadcast(("status?", self._status_token))
+
+    def _finish_status_waits(self) -> None:
+        now = self.clock()
+        for token, (conn, nodes, deadline) in list(self._status_waits.items()):
+            if len(nodes) == self.peers.size or now >= deadline:
+                del self._status_waits[token]
+                self._reply(conn, P.StatusReport(nodes))
+
+    def _check_idle(self) -> None:
+        if self.idle_shutdown_s is None or self.peers.rank != 0:
+            return
+        busy = bool(self._members) or bool(self._pending) or bool(self._conns)
+        now = self.clock()
+        if busy:
+            self._idle_since = None
+        elif self._idle_since is None:
+            self._idle_since = now
+        elif now - self._idle_since >= self.idle_shutdown_s and not self._stop:
+            log.info("no job for %.0f s: shutting down", self.idle_shutdown_s)
+            self._idle_since = now  # once: the broadcast reaches this daemon too
+            self.peers.broadcast(("shutdown",))
+
+
+def connect_probe(path: Path, timeout: float = 1.0) -> bool:
+    """True when a daemon answers on `path`."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(str(path))
+        return True
+    except OSError as exc:
+        if exc.errno not in (errno.ENOENT, errno.ECONNREFUSED):
+            log.debug("probe of %s: %s", path, exc)
+        return False
+    finally:
+        sock.close()

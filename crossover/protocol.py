@@ -1,0 +1,135 @@
+"""Messages between a job's ranks and their node's daemon, versioned.
+
+Every message is one JSON object in a length-prefixed frame (see `transport`), with the
+protocol version and a `kind`. Requests from a rank and the daemon's replies mirror each
+other: Hello -> Welcome, Acquire -> Grant, Status -> StatusReport; Release and Renew are
+one-way. Any request may be answered with Error, which carries the daemon's message.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar
+
+#: Bumped on any incompatible change; a client and daemon that differ refuse each other.
+PROTOCOL_VERSION = 1
+
+
+class ProtocolError(RuntimeError):
+    """A malformed message, or one from an incompatible version."""
+
+
+@dataclass
+class Message:
+    kind: ClassVar[str] = ""
+
+
+@dataclass
+class Hello(Message):
+    """A rank introduces itself; first message on a connection."""
+
+    kind: ClassVar[str] = "hello"
+    job: str
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    pid: int
+    weight: float = 1.0
+    gpu: int | None = None  # the CUDA device index the rank computes on, if any
+
+
+@dataclass
+class Welcome(Message):
+    kind: ClassVar[str] = "welcome"
+    device: str
+    cores: list[int]  # CPU cores of the device: where the rank should pin itself
+    node: str
+    order: int
+    policy: str
+    lease_s: float
+
+
+@dataclass
+class Acquire(Message):
+    kind: ClassVar[str] = "acquire"
+    seq: int  # echoed in the Grant, so a late grant for an abandoned wait is recognised
+    release_first: bool = False  # release (idle) and queue again in one message: a yield
+
+
+@dataclass
+class Grant(Message):
+    kind: ClassVar[str] = "grant"
+    seq: int
+
+
+@dataclass
+class Release(Message):
+    kind: ClassVar[str] = "release"
+    phase: str
+
+
+@dataclass
+class Renew(Message):
+    kind: ClassVar[str] = "renew"
+
+
+@dataclass
+class Status(Message):
+    kind: ClassVar[str] = "status"
+
+
+@dataclass
+class StatusReport(Message):
+    kind: ClassVar[str] = "status_report"
+    nodes: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Error(Message):
+    kind: ClassVar[str] = "error"
+    message: str
+
+
+KINDS: dict[str, type[Message]] = {
+    cls.kind: cls
+    for cls in (Hello, Welcome, Acquire, Grant, Release, Renew, Status, StatusReport, Error)
+}
+
+
+def encode(msg: Message) -> bytes:
+    """The message as JSON bytes, with version and kind."""
+    return json.dumps({"v": PROTOCOL_VERSION, "kind": msg.kind, **asdict(msg)}).encode()
+
+
+def decode(data: bytes) -> Message:
+    """Parse bytes from `encode`.
+
+    Raises:
+        ProtocolError: not JSON, another protocol version, an unknown kind, or fields
+            that do not match the kind.
+    """
+    try:
+        obj = json.loads(data)
+        version, kind = obj.pop("v"), obj.pop("kind")
+    except (ValueError, KeyError, AttributeError, TypeError) as exc:
+        raise ProtocolError(f"malformed crossover message: {exc}") from None
+    if kind == "error" and isinstance(obj.get("message"), str):
+        return Error(obj["message"])  # readable across versions: it explains the refusal
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"crossover protocol version mismatch: got {version}, this side speaks "
+            f"{PROTOCOL_VERSION}; run the client and the daemon from the same crossover "
+            f"release (restart the daemon after upgrading)"
+        )
+    cls = KINDS.get(kind)
+    if cls is None:
+        raise ProtocolError(f"unknown crossover message kind {kind!r}")
+    names = {f.name for f in fields(cls)}
+    if set(obj) - names:
+        raise ProtocolError(f"{kind}: unexpected fields {sorted(set(obj) - names)}")
+    try:
+        return cls(**obj)
+    except TypeError as exc:
+        raise ProtocolError(f"{kind}: {exc}") from None

@@ -1,0 +1,113 @@
+"""The process's crossover session: one slot client per process, set up from the
+environment, plus the context managers for custom training loops.
+
+Environment (all optional; crossoverrun sets them):
+    CROSSOVER_ENABLE      "0" turns every hook into a no-op (the job trains plain).
+    CROSSOVER_JOB         the job's name; default "<script>-<pid of rank 0>", agreed
+                          over Horovod so all ranks use the same.
+    CROSSOVER_RUNTIME_DIR where the daemons' sockets are.
+    CROSSOVER_PRIORITY    weight for the priority policy (default 1).
+    CROSSOVER_TRACE       directory for this job's trace files (one per rank).
+    CROSSOVER_PIN_CPU     "0" leaves CPU affinity alone.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from crossover.client import RankInfo, SlotClient
+from crossover.scheduler import Phase
+from crossover.trace import TraceRecorder
+
+_client: SlotClient | None = None
+
+
+def enabled() -> bool:
+    """False when CROSSOVER_ENABLE=0: hooks then leave the job untouched."""
+    return os.environ.get("CROSSOVER_ENABLE", "1") != "0"
+
+
+def init(job: str | None = None, gpu: int | None = None) -> SlotClient:
+    """Connect this process to its node's daemon (once; later calls return the same).
+
+    Call after hvd.init(). The hooks call it for you.
+
+    Args:
+        job: the job's name (default: $CROSSOVER_JOB, else agreed among the ranks).
+        gpu: the CUDA device index of this rank, None on CPU.
+
+    Returns:
+        The process's slot client (uncoordinated, with a warning, if no daemon answers).
+    """
+    global _client
+    if _client is not None:
+        return _client
+    info = RankInfo.from_env()
+    name = job or os.environ.get("CROSSOVER_JOB") or _agreed_job_name(info)
+    trace_dir = os.environ.get("CROSSOVER_TRACE")
+    trace = TraceRecorder(name, info.rank, Path(trace_dir) / f"{name}.rank{info.rank}.json") \
+        if trace_dir else None
+    _client = SlotClient(
+        name, info,
+        weight=float(os.environ.get("CROSSOVER_PRIORITY", "1")),
+        gpu=gpu,
+        pin_cpu=os.environ.get("CROSSOVER_PIN_CPU", "1") != "0",
+        trace=trace,
+    )
+    atexit.register(shutdown)
+    return _client
+
+
+def shutdown() -> None:
+    """Leave the daemon and write the trace (runs at exit too)."""
+    global _client
+    if _client is not None:
+        _client.close()
+        _client = None
+
+
+@contextmanager
+def step() -> Iterator[SlotClient]:
+    """Hold the device slot for one training step of a custom loop.
+
+    A wrapped optimizer inside the block still gives the slot up while its gradients
+    are averaged; use `communicate()` for your own collectives.
+    """
+    client = init()
+    client.acquire()
+    try:
+        yield client
+    finally:
+        client.release(Phase.IDLE)
+
+
+@contextmanager
+def communicate() -> Iterator[None]:
+    """Give the slot up while the block waits on the network; take it back after."""
+    client = init()
+    was_holding = client.holding
+    client.release(Phase.COMMUNICATE)
+    try:
+        yield
+    finally:
+        if was_holding:
+            client.acquire()
+
+
+def _agreed_job_name(info: RankInfo) -> str:
+    local = f"{Path(sys.argv[0] or 'python').stem}-{os.getpid()}"
+    if info.size == 1:
+        return local
+    for mod in ("horovod.torch", "horovod.tensorflow"):
+        hvd = sys.modules.get(mod)
+        if hvd is not None and hvd.is_initialized():
+            return hvd.broadcast_object(local, root_rank=0, name="crossover.job_name")
+    raise RuntimeError(
+        "crossover cannot name this job: set CROSSOVER_JOB to a name shared by all its "
+        "ranks, or call hvd.init() before crossover.init()"
+    )

@@ -1,0 +1,148 @@
+"""Chrome-trace events of slot use: pid = job, tid = rank; merge; Gantt chart.
+
+Each rank writes its own file (no coordination needed at exit); `merge` joins the
+files of several jobs into one that chrome://tracing or Perfetto opens. Timestamps are
+wall-clock microseconds, so files from different processes line up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from collections import defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+
+
+def job_pid(job: str) -> int:
+    """A stable integer process id for a job name (Chrome traces want numbers)."""
+    return zlib.crc32(job.encode()) & 0x7FFFFFFF
+
+
+class TraceRecorder:
+    """Collects one rank's spans in memory and writes them as Chrome trace JSON.
+
+    Args:
+        job: the job's name (the trace's process).
+        rank: the rank (the trace's thread).
+        path: the file `flush` writes.
+    """
+
+    def __init__(self, job: str, rank: int, path: str | os.PathLike) -> None:
+        self.job, self.rank, self.path = job, rank, Path(path)
+        pid = job_pid(job)
+        self.events: list[dict] = [
+            {"ph": "M", "name": "process_name", "pid": pid, "tid": rank, "args": {"name": job}},
+            {"ph": "M", "name": "thread_name", "pid": pid, "tid": rank,
+             "args": {"name": f"rank {rank}"}},
+        ]
+
+    def span(self, name: str, start_s: float, end_s: float, **args) -> None:
+        """Record a complete event from `start_s` to `end_s` (seconds since the epoch)."""
+        self.events.append({
+            "ph": "X", "name": name, "pid": job_pid(self.job), "tid": self.rank,
+            "ts": start_s * 1e6, "dur": max(0.0, end_s - start_s) * 1e6, "args": args,
+        })
+
+    def flush(self) -> None:
+        """Write all events so far (the file is replaced, so flushing twice is fine)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"traceEvents": self.events}))
+        tmp.replace(self.path)
+
+
+def load(path: str | os.PathLike) -> list[dict]:
+    """The events of a Chrome trace file (either the object or the bare-list form).
+
+    Raises:
+        ValueError: the file is not a Chrome trace, naming the file.
+    """
+    text = Path(path).read_text().strip()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        # Horovod's timeline is a JSON list left open while the job runs.
+        try:
+            data = json.loads(text.rstrip(",\n ") + "]")
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not a Chrome trace ({exc})") from None
+    events = data.get("traceEvents") if isinstance(data, dict) else data
+    if not isinstance(events, list):
+        raise ValueError(f"{path}: not a Chrome trace (no traceEvents list)")
+    return events
+
+
+def merge(paths: Iterable[str | os.PathLike], out: str | os.PathLike) -> list[dict]:
+    """Merge trace files into `out`; returns the merged events."""
+    events: list[dict] = []
+    seen_meta = set()
+    for p in paths:
+        for ev in load(p):
+            if ev.get("ph") == "M":
+                key = (ev.get("name"), ev.get("pid"), ev.get("tid"))
+                if key in seen_meta:
+                    continue
+                seen_meta.add(key)
+            events.append(ev)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps({"traceEvents": events}))
+    return events
+
+
+def holds_by_device(events: Iterable[dict]) -> dict[str, list[tuple[float, float, str, int]]]:
+    """Slot holds grouped by device: {device: [(start_us, end_us, job, rank), ...]} sorted.
+
+    The job name comes from the process_name metadata.
+    """
+    names = {ev["pid"]: ev["args"]["name"] for ev in events
+             if ev.get("ph") == "M" and ev.get("name") == "process_name"}
+    out: dict[str, list] = defaultdict(list)
+    for ev in events:
+        if ev.get("ph") == "X" and ev.get("name") == "hold":
+            job = names.get(ev["pid"], str(ev["pid"]))
+            out[ev["args"].get("device", "?")].append(
+                (ev["ts"], ev["ts"] + ev["dur"], job, ev["tid"]))
+    return {dev: sorted(spans) for dev, spans in sorted(out.items())}
+
+
+def overlaps(events: Iterable[dict]) -> list[tuple[str, tuple, tuple]]:
+    """Pairs of holds by different jobs on one device that overlap in time."""
+    found = []
+    for dev, spans in holds_by_device(events).items():
+        latest = None  # the span reaching furthest right so far
+        for span in spans:
+            if latest is not None and span[0] < latest[1] and span[2] != latest[2]:
+                found.append((dev, latest, span))
+            if latest is None or span[1] > latest[1]:
+                latest = span
+    return found
+
+
+def plot_gantt(events: Iterable[dict], png: str | os.PathLike, title: str = "") -> None:
+    """Draw slot holds per device (one lane each), coloured by job, to a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_dev = holds_by_device(list(events))
+    if not by_dev:
+        raise ValueError("no 'hold' events to plot")
+    t0 = min(s[0] for spans in by_dev.values() for s in spans)
+    jobs = sorted({s[2] for spans in by_dev.values() for s in spans})
+    colors = {j: plt.cm.tab10(i % 10) for i, j in enumerate(jobs)}
+    fig, ax = plt.subplots(figsize=(12, 1.0 + 0.6 * len(by_dev)))
+    for lane, spans in enumerate(by_dev.values()):
+        for job in jobs:
+            bars = [((s[0] - t0) / 1e3, (s[1] - s[0]) / 1e3) for s in spans if s[2] == job]
+            ax.broken_barh(bars, (lane - 0.4, 0.8), color=colors[job])
+    ax.set_yticks(range(len(by_dev)), list(by_dev))
+    ax.set_xlabel("time (ms)")
+    ax.set_title(title or "device slot holds")
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=colors[j]) for j in jobs],
+              labels=jobs, loc="upper right", fontsize="small")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
