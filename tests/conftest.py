@@ -1,0 +1,142 @@
+"""Shared helpers: a real daemon and real Horovod jobs under mpirun on localhost.
+
+Every wait here has a timeout; processes are started in their own session so that a
+failing test can kill the whole tree.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+os.environ.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
+os.environ.setdefault("PYTHONWARNINGS", "ignore")
+
+
+def mpirun(np: int, *cmd: str) -> list[str]:
+    return ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(np), *cmd]
+
+
+class Proc:
+    """A started process tree with its output in a file."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], log: Path) -> None:
+        self.log = log
+        self.cmd = cmd
+        self._out = open(log, "w")  # noqa: SIM115 - closed in wait/kill
+        self.popen = subprocess.Popen(cmd, env=env, stdout=self._out, stderr=subprocess.STDOUT,
+                                      cwd=REPO, start_new_session=True)
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def wait(self, timeout: float) -> str:
+        """Wait for exit; fail the test (after killing the tree) on timeout or error."""
+        try:
+            rc = self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"{self.cmd} still running after {timeout} s:\n{self.output()[-3000:]}")
+        self._out.close()
+        assert rc == 0, f"{self.cmd} exited {rc}:\n{self.output()[-3000:]}"
+        return self.output()
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        try:
+            os.killpg(self.popen.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            self.popen.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        self._out.close()
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+class Cluster:
+    """A runtime directory with a daemon (optionally N fake nodes) and jobs in it."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.runtime = tmp / "run"
+        self.traces = tmp / "traces"
+        self.procs: list[Proc] = []
+        self.env = dict(os.environ, CROSSOVER_RUNTIME_DIR=str(self.runtime))
+
+    @contextmanager
+    def daemon(self, nodes: int = 1, policy: str = "crossover", lease: float = 30.0,
+               fake: bool = False) -> Iterator[Proc]:
+        args = ["-m", "crossover", "daemon", "--policy", policy, "--lease", str(lease)]
+        env = dict(self.env)
+        if nodes > 1 or fake:
+            env["CROSSOVER_FAKE_NODES"] = str(nodes)
+            self.env["CROSSOVER_FAKE_NODES"] = str(nodes)
+            cmd = mpirun(nodes, PY, *args)
+            names = [f"fake{i}" for i in range(nodes)]
+        else:
+            cmd = [PY, *args]
+            names = [os.uname().nodename]
+        proc = Proc(cmd, env, self.tmp / "daemon.log")
+        self.procs.append(proc)
+        wait_for(lambda: all((self.runtime / f"node-{n}.sock").exists() for n in names),
+                 60, f"daemon sockets {names}")
+        try:
+            yield proc
+        finally:
+            proc.kill(signal.SIGTERM)
+
+    def job(self, name: str, seed: int, steps: int, np: int = 2, crossover: bool = True,
+            extra: tuple[str, ...] = ()) -> Proc:
+        env = dict(self.env, CROSSOVER_JOB=name, CROSSOVER_TRACE=str(self.traces))
+        if not crossover:
+            env["CROSSOVER_ENABLE"] = "0"
+        out = self.tmp / f"{name}.pt"
+        cmd = mpirun(np, PY, str(REPO / "examples/torch_mlp.py"), "--seed", str(seed),
+                     "--steps", str(steps), "--out", str(out), *extra)
+        proc = Proc(cmd, env, self.tmp / f"{name}.log")
+        proc.weights = out
+        self.procs.append(proc)
+        return proc
+
+    def cleanup(self) -> None:
+        for p in self.procs:
+            if p.popen.poll() is None:
+                p.kill()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    c = Cluster(tmp_path)
+    try:
+        yield c
+    finally:
+        c.cleanup()
+
+
+def same_weights(a: Path, b: Path) -> bool:
+    """True when two saved state dicts are bit-identical."""
+    import torch
+
+    sa, sb = torch.load(a), torch.load(b)
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)

@@ -1,0 +1,222 @@
+"""The daemon and the client as real processes talking over the Unix socket."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import threading
+import time
+
+import pytest
+
+from crossover import protocol as P
+from crossover.client import CrossoverVersionError, RankInfo, SlotClient
+from crossover.scheduler import Phase
+from crossover.trace import TraceRecorder, load
+from crossover.transport import FrameBuffer, recv_msg
+from tests.conftest import PY, REPO, Cluster
+
+SOLO = RankInfo(rank=0, size=1, local_rank=0, local_size=1)
+
+
+def client(c: Cluster, job: str, **kw) -> SlotClient:
+    return SlotClient(job, SOLO, runtime_dir=c.runtime, pin_cpu=False, **kw)
+
+
+HOLDER = """
+import sys, time
+from crossover.client import RankInfo, SlotClient
+c = SlotClient("holder", RankInfo(0, 1, 0, 1), runtime_dir=sys.argv[1], pin_cpu=False)
+c.acquire()
+print("held", flush=True)
+time.sleep(600)  # hangs while holding
+"""
+
+
+def start_holder(c: Cluster) -> subprocess.Popen:
+    proc = subprocess.Popen([PY, "-c", HOLDER, str(c.runtime)], stdout=subprocess.PIPE,
+                            text=True, cwd=REPO, start_new_session=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_hung_holder_loses_its_slot_after_the_lease(cluster: Cluster):
+    with cluster.daemon(lease=2):
+        holder = start_holder(cluster)
+        try:
+            waiter = client(cluster, "waiter")
+            start = time.monotonic()
+            waiter.acquire()
+            waited = time.monotonic() - start
+            assert waiter.coordinated, "the grant must come from the daemon, not a timeout"
+            assert 1.0 < waited < 15, waited
+            waiter.close()
+        finally:
+            os.killpg(holder.pid, signal.SIGKILL)
+            holder.wait(10)
+        assert "job holder rank 0 held cpu0 past its 2 s lease: slot revoked" in \
+            cluster.procs[0].output()
+
+
+def test_killed_holder_frees_the_slot_at_once(cluster: Cluster):
+    with cluster.daemon(lease=60):
+        holder = start_holder(cluster)
+        waiter = client(cluster, "waiter")
+        os.killpg(holder.pid, signal.SIGKILL)
+        holder.wait(10)
+        start = time.monotonic()
+        waiter.acquire()
+        assert waiter.coordinated and time.monotonic() - start < 5
+        waiter.close()
+
+
+def test_crossover_handoff_and_trace(cluster: Cluster, tmp_path):
+    with cluster.daemon():
+        rec = TraceRecorder("a", 0, tmp_path / "a.json")
+        a, b = client(cluster, "a", trace=rec), client(cluster, "b")
+        a.acquire()
+        assert a.device == "cpu0" and a.policy == "crossover"
+        got = []
+
+        t = threading.Thread(target=lambda: (b.acquire(), got.append(time.monotonic())))
+        t.start()
+        time.sleep(0.3)
+        assert not got, "b must wait while a holds"
+        released = time.monotonic()
+        a.release(Phase.COMMUNICATE)
+        t.join(10)
+        assert got and got[0] >= released
+        a.close()
+        b.close()
+    names = [e["name"] for e in load(tmp_path / "a.json") if e["ph"] == "X"]
+    assert names == ["slot wait", "hold", "communicate"]
+
+
+def test_step_context_holds_inside_the_block(cluster: Cluster, monkeypatch):
+    import crossover
+
+    monkeypatch.setenv("CROSSOVER_RUNTIME_DIR", str(cluster.runtime))
+    monkeypatch.setenv("CROSSOVER_JOB", "ctx")
+    monkeypatch.setenv("CROSSOVER_PIN_CPU", "0")
+    with cluster.daemon():
+        other = client(cluster, "other")
+        try:
+            with crossover.step() as c:
+                assert c.holding
+                with crossover.communicate():
+                    assert not c.holding
+                    other.acquire()  # the device is free while ctx communicates
+                    other.release(Phase.IDLE)
+                assert c.holding
+            assert not c.holding
+        finally:
+            crossover.shutdown()
+            other.close()
+
+
+def test_unreachable_daemon_warns_once_and_never_blocks(tmp_path, capsys):
+    c = SlotClient("lonely", SOLO, runtime_dir=tmp_path / "nothing-here", pin_cpu=False)
+    for _ in range(3):
+        c.acquire()
+        c.release()
+    assert not c.coordinated
+    err = capsys.readouterr().err
+    assert err.count("cannot reach the crossover daemon") == 1
+    assert "trains on uncoordinated" in err
+
+
+def test_version_mismatch_is_refused_with_a_clear_message(cluster: Cluster, monkeypatch):
+    with cluster.daemon():
+        # a raw frame from a "newer" client
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(5)
+        sock.connect(str(next(cluster.runtime.glob("node-*.sock"))))
+        body = json.dumps({"v": 99, "kind": "hello", "job": "x"}).encode()
+        sock.sendall(struct.pack("!I", len(body)) + body)
+        reply = recv_msg(sock)
+        assert isinstance(reply, P.Error) and "version mismatch: got 99" in reply.message
+        sock.close()
+        # the client side raises instead of silently going uncoordinated
+        monkeypatch.setattr(P, "PROTOCOL_VERSION", 99)
+        with pytest.raises(CrossoverVersionError, match="version mismatch"):
+            client(cluster, "new")
+
+
+def test_duplicate_rank_is_refused(cluster: Cluster):
+    with cluster.daemon():
+        first = client(cluster, "dup")
+        with pytest.raises(RuntimeError, match="rank 0 is connected already.*CROSSOVER_JOB"):
+            client(cluster, "dup")
+        first.close()
+
+
+def test_status_reports_holders_and_queues(cluster: Cluster):
+    with cluster.daemon():
+        a, b = client(cluster, "a"), client(cluster, "b")
+        a.acquire()
+        b._send(P.Acquire(1))  # queue b without blocking this test
+        time.sleep(0.2)
+        out = subprocess.run([PY, "-m", "crossover", "status", "--json", "--runtime-dir",
+                              str(cluster.runtime)], capture_output=True, text=True,
+                             timeout=30, cwd=REPO, check=True).stdout
+        (node,) = json.loads(out).values()
+        assert node["devices"]["cpu0"]["holder"] == "a"
+        assert node["devices"]["cpu0"]["waiting"] == ["b:0"]
+        a.close()
+        b.close()
+
+
+def test_status_without_daemon_names_the_fix(tmp_path):
+    res = subprocess.run([PY, "-m", "crossover", "status", "--runtime-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=30, cwd=REPO)
+    assert res.returncode == 2 and "start one with `crossover daemon`" in res.stderr
+
+
+def test_second_daemon_on_one_socket_is_refused(cluster: Cluster):
+    with cluster.daemon():
+        res = subprocess.run([PY, "-m", "crossover", "daemon"], env=cluster.env,
+                             capture_output=True, text=True, timeout=30, cwd=REPO)
+        assert res.returncode != 0 and "already listens on" in res.stderr
+
+
+def test_idle_daemon_shuts_down(cluster: Cluster):
+    proc = subprocess.run([PY, "-m", "crossover", "daemon", "--idle-shutdown", "1"],
+                          env=cluster.env, capture_output=True, text=True, timeout=30, cwd=REPO)
+    assert proc.returncode == 0 and "no job for 1 s: shutting down" in proc.stderr
+    assert not list(cluster.runtime.glob("*.sock")), "socket must be removed"
+
+
+def test_frames_roundtrip_in_pieces():
+    msgs = [P.Hello("j", 0, 2, 0, 2, 123), P.Acquire(5, True), P.Release("communicate")]
+    data = b"".join(struct.pack("!I", len(P.encode(m))) + P.encode(m) for m in msgs)
+    buf, got = FrameBuffer(), []
+    for i in range(0, len(data), 7):  # arbitrary split points
+        got += buf.feed(data[i:i + 7])
+    assert got == msgs
+
+
+@pytest.mark.parametrize("raw,match", [
+    (b"not json", "malformed"),
+    (json.dumps({"v": 1, "kind": "nope"}).encode(), "unknown crossover message kind"),
+    (json.dumps({"v": 1, "kind": "acquire", "seq": 1, "bogus": 2}).encode(), "unexpected fields"),
+])
+def test_bad_messages_are_named(raw, match):
+    with pytest.raises(P.ProtocolError, match=match):
+        P.decode(raw)
+
+
+def test_policy_off_shows_overlaps(cluster: Cluster):
+    """The overlap check in the MPI tests can fail: without coordination it does."""
+    from crossover import trace
+
+    with cluster.daemon(policy="off"):
+        a = cluster.job("A", 1, 100)
+        b = cluster.job("B", 2, 100)
+        a.wait(180)
+        b.wait(180)
+    events = trace.merge(sorted(cluster.traces.glob("*.json")), cluster.tmp / "merged.json")
+    assert trace.overlaps(events)

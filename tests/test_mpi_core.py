@@ -1,0 +1,129 @@
+"""Two Horovod PyTorch jobs x 2 ranks and the daemon, all real processes under mpirun.
+
+Job A trains with seed 1 and job B with seed 2; each is compared with the same job
+trained alone with crossover off (`CROSSOVER_ENABLE=0`): weights must be bit-identical.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+
+import pytest
+
+from crossover import trace
+from tests.conftest import Cluster, same_weights, wait_for
+
+pytestmark = pytest.mark.mpi
+
+STEPS = 150
+SEEDS = {"A": 1, "B": 2}
+
+
+@pytest.fixture(scope="module")
+def solo(tmp_path_factory) -> dict:
+    """Each job's final weights trained alone, without crossover."""
+    c = Cluster(tmp_path_factory.mktemp("solo"))
+    out = {}
+    try:
+        for name, seed in SEEDS.items():
+            job = c.job(name, seed, STEPS, crossover=False)
+            job.wait(120)
+            out[name] = job.weights
+        acc = c.job("acc", 3, STEPS // 2, crossover=False, extra=("--accumulate", "2"))
+        acc.wait(120)
+        out["acc"] = acc.weights
+    finally:
+        c.cleanup()
+    return out
+
+
+def registered(c: Cluster, job: str, ranks: int = 2):
+    log = c.tmp / "daemon.log"
+    pattern = rf"job {job} rank \d+ on node"
+    return lambda: log.exists() and len(re.findall(pattern, log.read_text())) >= ranks
+
+
+def test_two_jobs_share_devices_without_overlap_and_keep_their_math(cluster: Cluster, solo):
+    with cluster.daemon():
+        a = cluster.job("A", 1, STEPS)
+        b = cluster.job("B", 2, STEPS)
+        a.wait(180)
+        b.wait(180)
+    events = trace.merge(sorted(cluster.traces.glob("*.json")), cluster.tmp / "merged.json")
+    holds = trace.holds_by_device(events)
+    assert len(holds) == 2, f"expected two CPU devices, got {list(holds)}"
+    for device, spans in holds.items():
+        for job in ("A", "B"):
+            # one hold for the first forward/backward, then per step one for the update
+            # (which carries into the next forward/backward) and one after the allreduce
+            assert sum(s[2] == job for s in spans) >= STEPS, (device, job)
+    assert trace.overlaps(events) == []
+    assert same_weights(a.weights, solo["A"])
+    assert same_weights(b.weights, solo["B"])
+
+
+def test_backward_passes_per_step_keeps_the_math(cluster: Cluster, solo):
+    with cluster.daemon():
+        acc = cluster.job("acc", 3, STEPS // 2, extra=("--accumulate", "2"))
+        other = cluster.job("B", 2, STEPS)
+        acc.wait(180)
+        other.wait(180)
+    assert same_weights(acc.weights, solo["acc"])
+    assert same_weights(other.weights, solo["B"])
+    assert trace.overlaps(trace.merge(sorted(cluster.traces.glob("*.json")),
+                                      cluster.tmp / "merged.json")) == []
+
+
+def test_killed_job_frees_its_slots_and_the_other_finishes(cluster: Cluster, solo):
+    with cluster.daemon():
+        doomed = cluster.job("A", 1, 100_000)
+        survivor = cluster.job("B", 2, STEPS)
+        wait_for(registered(cluster, "A"), 60, "job A to register")
+        wait_for(registered(cluster, "B"), 60, "job B to register")
+        time.sleep(0.5)
+        doomed.kill(signal.SIGKILL)
+        started = time.monotonic()
+        survivor.wait(120)
+        assert time.monotonic() - started < 60
+        log = (cluster.tmp / "daemon.log").read_text()
+    assert "job A rank 0 left node" in log
+    assert same_weights(survivor.weights, solo["B"])
+
+
+def test_daemon_death_falls_back_to_uncoordinated_training(cluster: Cluster, solo):
+    with cluster.daemon() as daemon:
+        a = cluster.job("A", 1, STEPS)
+        b = cluster.job("B", 2, STEPS)
+        wait_for(registered(cluster, "A"), 60, "job A to register")
+        wait_for(registered(cluster, "B"), 60, "job B to register")
+        daemon.kill(signal.SIGKILL)
+        out_a, out_b = a.wait(180), b.wait(180)
+    for out in (out_a, out_b):
+        assert "trains on uncoordinated" in out
+    assert same_weights(a.weights, solo["A"])
+    assert same_weights(b.weights, solo["B"])
+
+
+def test_daemons_on_two_nodes_agree_on_the_job_order(cluster: Cluster, solo):
+    """Two daemon processes (fake nodes, one MPI world); each job rank on its own node."""
+    with cluster.daemon(nodes=2):
+        a = cluster.job("A", 1, STEPS)
+        b = cluster.job("B", 2, STEPS)
+        a.wait(180)
+        b.wait(180)
+        log = (cluster.tmp / "daemon.log").read_text()
+    orders = re.findall(r"job (\w+) rank (\d) on node (fake\d) -> (\w+) \(order (\d+)\)", log)
+    by_job = {}
+    for job, rank, node, _device, order in orders:
+        assert node == f"fake{rank}", "local rank l must reach fake node l"
+        by_job.setdefault(job, set()).add(order)
+    assert set(by_job) == {"A", "B"}
+    assert all(len(o) == 1 for o in by_job.values()), f"nodes disagree on order: {by_job}"
+    assert by_job["A"] != by_job["B"]
+    events = trace.merge(sorted(cluster.traces.glob("*.json")), cluster.tmp / "merged.json")
+    assert set(trace.holds_by_device(events)) == {"fake0/cpu0", "fake1/cpu0"}
+    assert trace.overlaps(events) == []
+    assert same_weights(a.weights, solo["A"])
+    assert same_weights(b.weights, solo["B"])
