@@ -4,9 +4,11 @@
 # 1. system packages (Open MPI, cmake, g++), only those missing, via apt-get as root;
 # 2. a virtual environment in a cache directory outside the clone, named by a hash of
 #    everything it is built from, so a second run with nothing changed takes seconds;
-# 3. Horovod 0.28.1 from its PyPI sdist with third_party/horovod-0.28.1.patch
-#    (C++17 for PyTorch >= 2.1, TF 2.21 XLA headers, tf_keras backend);
-# 4. this project, editable; `.venv` in the repo root points at the environment.
+# 3. scripts/build-env.sh: torch, TensorFlow, mpi4py, and Horovod 0.28.1 from its PyPI
+#    sdist with third_party/horovod-0.28.1.patch (C++17 for PyTorch >= 2.1, TF 2.21 XLA
+#    headers, tf_keras backend);
+# 4. the light requirements (tests, plotting) on top, keyed apart: adding one is seconds;
+# 5. this project, editable; `.venv` in the repo root points at the environment.
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -35,38 +37,32 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 
 # --- 2. the environment, keyed by what it is built from ----------------------------
-key=$( { "$python" -c 'import sys; print(sys.version)'; cat "$repo/requirements.txt" \
-  "$repo/third_party/horovod-$horovod_version.patch" "$repo/scripts/bootstrap.sh"; } \
-  | sha256sum | cut -c1-16)
+req="$repo/requirements"
+# The heavy layer's key: Python, the heavy pins, the Horovod patch, this script.
+key=$( { "$python" -c 'import sys; print(sys.version)'; cat "$req/base.txt" \
+  "$req/constraints.txt" "$repo/third_party/horovod-$horovod_version.patch" \
+  "$repo/scripts/build-env.sh"; } | sha256sum | cut -c1-16)
 venv="$cache/env-$key"
 
+pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check -c "$req/constraints.txt")
 if [ ! -f "$venv/.complete" ]; then
   log "building environment $venv (first time: about 10 minutes)"
   rm -rf "$venv"
   mkdir -p "$cache"
   "$python" -m venv "$venv"
-  pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
-  pin() { grep -E "^$1==" "$repo/requirements.txt"; }
-  "${pip[@]}" --upgrade pip setuptools wheel
-  "${pip[@]}" "$(pin torch)"
-  "${pip[@]}" "$(pin tensorflow-cpu)" "$(pin numpy)"
-  "${pip[@]}" --no-deps "tf-keras==$(pin tensorflow-cpu | cut -d= -f3)"
-  "${pip[@]}" -r "$repo/requirements.txt"
-
-  log "building Horovod $horovod_version (2-4 minutes)"
-  src=$(mktemp -d)
-  trap 'rm -rf "$src"' EXIT
-  "$venv/bin/python" -m pip download -q --no-deps --no-binary :all: \
-    "horovod==$horovod_version" -d "$src"
-  tar xzf "$src/horovod-$horovod_version.tar.gz" -C "$src"
-  (cd "$src/horovod-$horovod_version" && patch -s -p1 < "$repo/third_party/horovod-$horovod_version.patch")
-  HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
-    HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS=-j"$(nproc)" \
-    "${pip[@]}" --no-build-isolation --no-cache-dir "$src/horovod-$horovod_version"
+  bash "$repo/scripts/build-env.sh" "$venv"
   touch "$venv/.complete"
 fi
 
-# --- 3. this project ---------------------------------------------------------------
+# --- 3. the light layer, reinstalled when requirements/dev.txt changes -------------
+dev_key=$(sha256sum "$req/dev.txt" | cut -c1-16)
+if [ "$(cat "$venv/.dev-key" 2>/dev/null)" != "$dev_key" ]; then
+  log "installing requirements/dev.txt"
+  "${pip[@]}" -r "$req/dev.txt"
+  echo "$dev_key" > "$venv/.dev-key"
+fi
+
+# --- 4. this project ---------------------------------------------------------------
 # Editable, so the cached environment follows whichever clone ran the bootstrap last.
 "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
   --no-build-isolation -e "$repo"
