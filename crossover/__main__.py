@@ -22,6 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--policy", choices=list(POLICIES), default="crossover")
     d.add_argument("--lease", type=float, default=30.0, metavar="S",
                    help="seconds a grant lasts without renewal (default 30)")
+    d.add_argument("--patience", type=float, default=1.0, metavar="S",
+                   help="seconds a free device waits for the job whose turn it is before "
+                        "passing it over (default 1)")
     d.add_argument("--idle-shutdown", type=float, default=None, metavar="S",
                    help="exit after S seconds with no job (default: never)")
     d.add_argument("--runtime-dir", default=None, help="socket directory (default "
@@ -65,7 +68,8 @@ def _daemon(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="crossover-daemon %(asctime)s %(message)s",
                         stream=sys.stderr)
-    Daemon(policy=args.policy, lease_s=args.lease, idle_shutdown_s=args.idle_shutdown,
+    Daemon(policy=args.policy, lease_s=args.lease, patience_s=args.patience,
+           idle_shutdown_s=args.idle_shutdown,
            runtime_dir=args.runtime_dir, cpu_devices=args.cpu_devices).serve()
     return 0
 

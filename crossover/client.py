@@ -95,6 +95,10 @@ class SlotClient:
         self._warned = False
         self._last_renew = 0.0
         self._lease_s = 30.0
+        # Uncoordinated (no daemon): give up and take the "slot" as crossover would,
+        # so traces of a fail-open run still show the phases.
+        self._release_on_communicate = True
+        self._yield_on_step = False
         self._wait_s = wait_s
         fake = int(os.environ.get(FAKE_NODES_ENV, "0") or 0)
         node_index, local_rank = (info.local_rank % fake, info.local_rank // fake) if fake \
@@ -136,6 +140,8 @@ class SlotClient:
         self.device, self.policy, self._lease_s = reply.device, reply.policy, reply.lease_s
         self.label = f"{reply.node}/{reply.device}"
         self._cores = reply.cores
+        self._release_on_communicate = reply.release_on_communicate
+        self._yield_on_step = reply.yield_on_step
         if self._wait_s is None:
             self._wait_s = 2 * reply.lease_s + 5.0
         self._sock = sock
@@ -149,16 +155,23 @@ class SlotClient:
     def yield_slot(self) -> None:
         """Step boundary: let a waiting job in, then hold the device again.
 
-        One round trip for a release and an acquire: the policy may hand the device
-        over here (a waiting job goes first) or let this rank keep it.
+        One round trip for a release and an acquire, sent only under policies that hand
+        devices over at step boundaries (round-robin, priority); under crossover the
+        rank just keeps the device.
         """
-        was_holding = self.holding
-        if was_holding:
-            self._enter(Phase.IDLE.value)
-        self._request(release_first=was_holding)
+        if not self.holding:
+            self._request(release_first=False)
+        elif self._yield_on_step:
+            self._request(release_first=True)
 
     def release(self, phase: Phase = Phase.COMMUNICATE) -> None:
-        """Give the device up: the rank now communicates (or idles)."""
+        """Give the device up: the rank now communicates (or idles).
+
+        Under a policy that keeps the device through communication (round-robin) a
+        COMMUNICATE release is a no-op: the rank goes on holding.
+        """
+        if phase == Phase.COMMUNICATE and not self._release_on_communicate:
+            return
         if self.holding:
             self._enter(phase.value)
             self._send(P.Release(phase.value))

@@ -84,6 +84,7 @@ class Daemon:
     Args:
         policy: scheduling policy name (see `crossover.scheduler.POLICIES`).
         lease_s: how long a grant lasts without renewal.
+        patience_s: how long a free device waits for the job whose turn it is.
         idle_shutdown_s: exit after no job has been connected anywhere for this long
             (None: never).
         runtime_dir: directory of the sockets (default: see `transport.runtime_dir`).
@@ -96,6 +97,7 @@ class Daemon:
         self,
         policy: str = "crossover",
         lease_s: float = 30.0,
+        patience_s: float = 1.0,
         idle_shutdown_s: float | None = None,
         runtime_dir: str | os.PathLike | None = None,
         comm: Any = None,
@@ -106,7 +108,7 @@ class Daemon:
         self.node, self.cores = node_identity(self.comm)
         self.cpu_devices = max(1, min(cpu_devices or len(self.cores), len(self.cores)))
         self.clock = clock
-        self.sched = SlotScheduler(make_policy(policy), clock, lease_s)
+        self.sched = SlotScheduler(make_policy(policy), clock, lease_s, patience_s)
         self.idle_shutdown_s = idle_shutdown_s
         self.path = socket_path(self.node, runtime_dir)
         self._sel = selectors.DefaultSelector()
@@ -266,7 +268,7 @@ class Daemon:
         job, rank = conn.key
         if isinstance(msg, P.Acquire):
             conn.seq = msg.seq
-            grants = self.sched.release(job, rank, Phase.IDLE) if msg.release_first else []
+            grants = self.sched.release(job, rank, Phase.COMPUTE) if msg.release_first else []
             self._deliver(grants + self.sched.request(job, rank))
         elif isinstance(msg, P.Release):
             try:
@@ -321,8 +323,10 @@ class Daemon:
         self._idle_since = None
         log.info("job %s rank %d on node %s -> %s (order %d)",
                  hello.job, hello.rank, self.node, device, order)
-        self._reply(conn, P.Welcome(device, cores, self.node, order,
-                                    self.sched.policy.name, self.sched.lease_s))
+        policy = self.sched.policy
+        self._reply(conn, P.Welcome(device, cores, self.node, order, policy.name,
+                                    self.sched.lease_s, policy.release_on_communicate,
+                                    policy.yield_on_step))
 
     def _cpu_device(self, index: int) -> tuple[str, list[int]]:
         # Device i is every cpu_devices-th core from core i: one core each by default.

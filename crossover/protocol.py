@@ -49,13 +49,15 @@ class Welcome(Message):
     order: int
     policy: str
     lease_s: float
+    release_on_communicate: bool  # the policy frees the device while the rank communicates
+    yield_on_step: bool  # the policy may hand the device over at a step boundary
 
 
 @dataclass
 class Acquire(Message):
     kind: ClassVar[str] = "acquire"
     seq: int  # echoed in the Grant, so a late grant for an abandoned wait is recognised
-    release_first: bool = False  # release (idle) and queue again in one message: a yield
+    release_first: bool = False  # offer the device at a step boundary, then queue: a yield
 
 
 @dataclass

@@ -3,10 +3,17 @@
 Pure: no I/O, no threads, and time comes from an injected clock. Every mutating call
 returns the grants it caused, so the daemon only has to deliver them.
 
+One sequence everywhere: a device grants requests in the policy's key order (turn,
+global job order). It waits for the rank whose key is lowest even if another rank asks
+first, as long as that rank is active (it has not gone idle); that keeps every device of
+a job group in the same sequence, so a job's ranks hold their devices at the same time.
+A rank that keeps a device waiting longer than `patience_s` without asking is passed over
+until it asks (so a slow or stuck job cannot stall the others).
+
 A grant is for a job on a device (a gang): the ranks of one job that share a device
 hold it together, or one rank would wait for the slot while its peer waits for it inside
-the allreduce. A rank that already held the device in the current holding may not join
-it again while another job waits; that bounds how long a job can keep a device.
+the allreduce. A rank that held the device in the current turn may not join it again
+while another job waits; that bounds how long a job keeps a device.
 """
 
 from __future__ import annotations
@@ -14,7 +21,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from crossover.scheduler.policies import Candidate, Phase, Policy
+from crossover.scheduler.policies import Phase, Policy
+
+# Rank states on its device.
+NEW, WAITING, HOLDING, BUSY, IDLE, SKIPPED = "new", "waiting", "holding", "busy", "idle", "skipped"
+# BUSY: released to communicate (or at a step boundary) and expected back soon.
+_ACTIVE = (NEW, WAITING, BUSY)
 
 
 @dataclass(frozen=True)
@@ -27,22 +39,26 @@ class Grant:
 
 
 @dataclass
-class _Job:
+class _Rank:
+    job: str
+    rank: int
     order: int
     weight: float
-    ranks: dict[int, str] = field(default_factory=dict)  # rank -> device
+    turn: int  # the key of this rank's next request
+    state: str = NEW
+    since: float = 0.0  # when the rank entered `state`
+    deadline: float | None = None  # lease end while holding
 
 
 @dataclass
 class _Device:
+    ranks: dict[tuple[str, int], _Rank] = field(default_factory=dict)
     holder: str | None = None  # the job holding the device (exclusive policies)
-    holding: set[tuple[str, int]] = field(default_factory=set)  # (job, rank) holding now
     served: set[int] = field(default_factory=set)  # ranks of `holder` that held this turn
-    waiting: dict[tuple[str, int], float] = field(default_factory=dict)  # -> request time
-    last_order: int | None = None
+    vtime: float = 0.0  # virtual time of the latest grant: where newcomers start
     hold_start: float = 0.0
     held_s: dict[str, float] = field(default_factory=dict)  # job -> accumulated hold time
-    deadlines: dict[tuple[str, int], float] = field(default_factory=dict)  # lease ends
+    blocked_since: float | None = None  # free, with waiters, waiting for an active rank
 
 
 class SchedulerError(ValueError):
@@ -53,19 +69,24 @@ class SlotScheduler:
     """Arbitrates exclusive use of devices among the ranks of several jobs.
 
     Args:
-        policy: who gets a device next (see `policies`).
+        policy: who goes next and when holders give up (see `policies`).
         clock: returns the current time in seconds (monotonic).
         lease_s: a holder loses its grant this long after it was granted or last
             renewed; covers ranks that hang while holding.
+        patience_s: how long a free device waits for the active rank whose turn it is
+            before passing it over.
     """
 
-    def __init__(self, policy: Policy, clock: Callable[[], float], lease_s: float = 60.0):
-        if lease_s <= 0:
-            raise ValueError(f"lease_s must be > 0, got {lease_s}")
+    def __init__(self, policy: Policy, clock: Callable[[], float], lease_s: float = 60.0,
+                 patience_s: float = 1.0):
+        if lease_s <= 0 or patience_s <= 0:
+            raise ValueError(f"lease_s and patience_s must be > 0, got {lease_s}, {patience_s}")
         self.policy = policy
         self.clock = clock
         self.lease_s = lease_s
-        self._jobs: dict[str, _Job] = {}
+        self.patience_s = patience_s
+        self._where: dict[tuple[str, int], str] = {}  # (job, rank) -> device
+        self._jobs: dict[str, tuple[int, float]] = {}  # job -> (order, weight)
         self._devices: dict[str, _Device] = {}
 
     # --- membership -------------------------------------------------------------------
@@ -80,30 +101,28 @@ class SlotScheduler:
             SchedulerError: the rank is registered already, or the order/weight differ
                 from the job's other ranks.
         """
-        if weight <= 0:
+        if not weight > 0:
             raise SchedulerError(f"job {job!r}: priority weight must be > 0, got {weight}")
-        entry = self._jobs.get(job)
-        if entry is None:
-            entry = self._jobs[job] = _Job(order=order, weight=weight)
-        elif entry.order != order:
-            raise SchedulerError(f"job {job!r}: order {order} differs from {entry.order}")
-        if rank in entry.ranks:
+        if self._jobs.setdefault(job, (order, weight)) != (order, weight):
+            raise SchedulerError(f"job {job!r}: order/weight {(order, weight)} differ from "
+                                 f"its other ranks' {self._jobs[job]}")
+        if (job, rank) in self._where:
             raise SchedulerError(f"job {job!r}: rank {rank} is registered already")
-        entry.ranks[rank] = device
-        self._devices.setdefault(device, _Device())
+        dev = self._devices.setdefault(device, _Device())
+        self._where[(job, rank)] = device
+        turn = self.policy.turn_at(dev.vtime, weight)
+        dev.ranks[(job, rank)] = _Rank(job, rank, order, weight, turn, NEW, self.clock())
 
     def unregister(self, job: str, rank: int) -> list[Grant]:
         """Remove a rank (it finished, crashed or lost its connection); frees its slot."""
-        entry = self._jobs.get(job)
-        if entry is None or rank not in entry.ranks:
+        device = self._where.pop((job, rank), None)
+        if device is None:
             return []
-        device = entry.ranks.pop(rank)
         dev = self._devices[device]
-        dev.waiting.pop((job, rank), None)
-        grants = self._drop_holding(device, job, rank)
-        if not entry.ranks:
+        self._drop_holding(device, dev.ranks.pop((job, rank)))
+        if not any(j == job for j, _ in self._where):
             del self._jobs[job]
-        return grants
+        return self._dispatch(device)
 
     # --- the hot path -----------------------------------------------------------------
     def request(self, job: str, rank: int) -> list[Grant]:
@@ -111,36 +130,38 @@ class SlotScheduler:
 
         A rank that holds already is granted again at once (idempotent).
         """
-        device = self._device_of(job, rank)
+        device, r = self._lookup(job, rank)
         dev = self._devices[device]
-        key = (job, rank)
-        if key in dev.holding:
-            dev.deadlines[key] = self.clock() + self.lease_s
+        if r.state == HOLDING:
+            r.deadline = self.clock() + self.lease_s
             return [Grant(job, rank, device)]
-        dev.waiting[key] = self.clock()
+        if r.state in (IDLE, SKIPPED):
+            # Back after a pause: start at the present, not with a backlog of turns.
+            r.turn = max(r.turn, self.policy.turn_at(dev.vtime, r.weight))
+        self._set(r, WAITING)
         return self._dispatch(device)
 
     def release(self, job: str, rank: int, phase: Phase) -> list[Grant]:
         """The rank enters `phase`; the policy decides whether it keeps the device.
 
-        A release from a rank that does not hold (say its lease expired) is ignored.
+        A release from a rank that does not hold (say its lease expired) only records
+        the phase.
         """
-        device = self._device_of(job, rank)
-        dev = self._devices[device]
-        dev.waiting.pop((job, rank), None)
-        if (job, rank) not in dev.holding or self.policy.keeps_device(phase):
+        device, r = self._lookup(job, rank)
+        if r.state == HOLDING and self.policy.keeps_device(phase):
             return []
-        return self._drop_holding(device, job, rank)
+        self._drop_holding(device, r)
+        self._set(r, IDLE if phase == Phase.IDLE else BUSY)
+        return self._dispatch(device)
 
     def renew(self, job: str, rank: int) -> None:
         """Extend the rank's lease on the device it holds (no-op if it holds none)."""
-        device = self._device_of(job, rank)
-        dev = self._devices[device]
-        if (job, rank) in dev.holding:
-            dev.deadlines[(job, rank)] = self.clock() + self.lease_s
+        _, r = self._lookup(job, rank)
+        if r.state == HOLDING:
+            r.deadline = self.clock() + self.lease_s
 
     def expire(self) -> tuple[list[tuple[str, int, str]], list[Grant]]:
-        """Revoke the grants whose lease has run out.
+        """Revoke grants whose lease ran out; pass over ranks that kept a device waiting.
 
         Returns:
             (revoked, grants): the (job, rank, device) that lost their slot and the
@@ -150,26 +171,36 @@ class SlotScheduler:
         revoked: list[tuple[str, int, str]] = []
         grants: list[Grant] = []
         for device, dev in self._devices.items():
-            for key, deadline in sorted(dev.deadlines.items()):
-                if deadline <= now and key in dev.holding:
-                    revoked.append((key[0], key[1], device))
-                    grants += self._drop_holding(device, *key)
+            for r in list(dev.ranks.values()):
+                if r.state == HOLDING and r.deadline is not None and r.deadline <= now:
+                    revoked.append((r.job, r.rank, device))
+                    self._drop_holding(device, r)
+                    self._set(r, SKIPPED)
+            if dev.blocked_since is not None and now - dev.blocked_since >= self.patience_s:
+                blocker = self._next_in_line(dev)
+                if blocker is not None and blocker.state != WAITING:
+                    self._set(blocker, SKIPPED)
+            grants += self._dispatch(device)
         return revoked, grants
 
     def next_deadline(self) -> float | None:
-        """The earliest lease end, so the caller knows when to call `expire` next."""
-        ends = [t for dev in self._devices.values() for t in dev.deadlines.values()]
+        """The earliest lease end or patience limit: when to call `expire` next."""
+        ends = [r.deadline for dev in self._devices.values() for r in dev.ranks.values()
+                if r.state == HOLDING and r.deadline is not None]
+        ends += [dev.blocked_since + self.patience_s for dev in self._devices.values()
+                 if dev.blocked_since is not None]
         return min(ends, default=None)
 
     # --- views ------------------------------------------------------------------------
     def holders(self, device: str) -> set[tuple[str, int]]:
         """The (job, rank) pairs holding `device` now."""
-        return set(self._devices[device].holding)
+        return {k for k, r in self._devices[device].ranks.items() if r.state == HOLDING}
 
     def waiting(self, device: str) -> list[tuple[str, int]]:
-        """The (job, rank) pairs waiting for `device`, oldest request first."""
+        """The (job, rank) pairs waiting for `device`, in the order they will be served."""
         dev = self._devices[device]
-        return sorted(dev.waiting, key=dev.waiting.__getitem__)
+        ranks = sorted((r for r in dev.ranks.values() if r.state == WAITING), key=self._key)
+        return [(r.job, r.rank) for r in ranks]
 
     def snapshot(self) -> dict:
         """A JSON-ready picture for status displays: devices, holders, queues, usage."""
@@ -181,69 +212,78 @@ class SlotScheduler:
                 held[dev.holder] = held.get(dev.holder, 0.0) + now - dev.hold_start
             devices[name] = {
                 "holder": dev.holder,
-                "holding": sorted(f"{j}:{r}" for j, r in dev.holding),
+                "holding": sorted(f"{j}:{r}" for j, r in self.holders(name)),
                 "waiting": [f"{j}:{r}" for j, r in self.waiting(name)],
                 "held_s": held,
+                "ranks": {f"{r.job}:{r.rank}": {"state": r.state, "turn": r.turn}
+                          for r in dev.ranks.values()},
             }
-        jobs = {
-            name: {"order": j.order, "weight": j.weight, "ranks": dict(sorted(j.ranks.items()))}
-            for name, j in sorted(self._jobs.items(), key=lambda kv: kv[1].order)
-        }
+        jobs = {name: {"order": o, "weight": w}
+                for name, (o, w) in sorted(self._jobs.items(), key=lambda kv: kv[1])}
         return {"policy": self.policy.name, "devices": devices, "jobs": jobs}
 
     # --- internals --------------------------------------------------------------------
-    def _device_of(self, job: str, rank: int) -> str:
-        try:
-            return self._jobs[job].ranks[rank]
-        except KeyError:
-            raise SchedulerError(f"job {job!r} rank {rank} is not registered") from None
+    def _lookup(self, job: str, rank: int) -> tuple[str, _Rank]:
+        device = self._where.get((job, rank))
+        if device is None:
+            raise SchedulerError(f"job {job!r} rank {rank} is not registered")
+        return device, self._devices[device].ranks[(job, rank)]
 
-    def _grant(self, device: str, job: str, rank: int) -> Grant:
+    def _key(self, r: _Rank) -> tuple:
+        return (*self.policy.key(r.turn, r.order, r.weight), r.rank)
+
+    def _set(self, r: _Rank, state: str) -> None:
+        r.state, r.since = state, self.clock()
+
+    def _next_in_line(self, dev: _Device) -> _Rank | None:
+        active = [r for r in dev.ranks.values() if r.state in _ACTIVE]
+        return min(active, key=self._key, default=None)
+
+    def _grant(self, device: str, r: _Rank) -> Grant:
         dev = self._devices[device]
         now = self.clock()
-        dev.waiting.pop((job, rank), None)
-        if dev.holder != job and self.policy.exclusive:
-            dev.holder = job
-            dev.hold_start = now
-            dev.served = set()
-        dev.holding.add((job, rank))
-        dev.served.add(rank)
-        dev.deadlines[(job, rank)] = now + self.lease_s
-        return Grant(job, rank, device)
+        if dev.holder != r.job and self.policy.exclusive:
+            dev.holder, dev.hold_start, dev.served = r.job, now, set()
+        dev.served.add(r.rank)
+        dev.vtime = max(dev.vtime, self.policy.virtual_time(r.turn, r.weight))
+        r.turn += 1
+        r.deadline = now + self.lease_s
+        self._set(r, HOLDING)
+        return Grant(r.job, r.rank, device)
 
-    def _drop_holding(self, device: str, job: str, rank: int) -> list[Grant]:
+    def _drop_holding(self, device: str, r: _Rank) -> None:
         dev = self._devices[device]
-        if (job, rank) not in dev.holding:
-            return []
-        dev.holding.discard((job, rank))
-        dev.deadlines.pop((job, rank), None)
-        if self.policy.exclusive and not dev.holding:
-            dev.held_s[job] = dev.held_s.get(job, 0.0) + self.clock() - dev.hold_start
-            if job in self._jobs:
-                dev.last_order = self._jobs[job].order
+        if r.state != HOLDING:
+            return
+        self._set(r, BUSY)
+        r.deadline = None
+        if self.policy.exclusive and not self.holders(device):
+            dev.held_s[r.job] = dev.held_s.get(r.job, 0.0) + self.clock() - dev.hold_start
             dev.holder = None
             dev.served = set()
-        return self._dispatch(device)
 
     def _dispatch(self, device: str) -> list[Grant]:
         dev = self._devices[device]
-        if not dev.waiting:
+        waiting = [r for r in dev.ranks.values() if r.state == WAITING]
+        if not waiting:
+            dev.blocked_since = None
             return []
         if not self.policy.exclusive:
-            return [self._grant(device, j, r) for j, r in self.waiting(device)]
+            return [self._grant(device, r) for r in waiting]
         if dev.holder is not None:
+            dev.blocked_since = None
             # Peers of the holding job join it, except ranks that held this turn
             # already while another job waits (bounds a job's turn).
-            others_wait = any(j != dev.holder for j, _ in dev.waiting)
-            joiners = [
-                (j, r) for j, r in self.waiting(device)
-                if j == dev.holder and not (others_wait and r in dev.served)
-            ]
-            return [self._grant(device, j, r) for j, r in joiners]
-        candidates = {}
-        for j, _ in dev.waiting:
-            entry = self._jobs[j]
-            candidates[j] = Candidate(j, entry.order, entry.weight, dev.held_s.get(j, 0.0))
-        chosen = self.policy.choose(list(candidates.values()), dev.last_order)
-        ranks = [(j, r) for j, r in self.waiting(device) if j == chosen]
-        return [self._grant(device, j, r) for j, r in ranks]
+            others_wait = any(r.job != dev.holder for r in waiting)
+            return [self._grant(device, r) for r in sorted(waiting, key=self._key)
+                    if r.job == dev.holder and not (others_wait and r.rank in dev.served)]
+        first = self._next_in_line(dev)
+        if first is None or first.state != WAITING:
+            # The device waits for the active rank whose turn it is (see module doc).
+            if dev.blocked_since is None:
+                dev.blocked_since = self.clock()
+            return []
+        dev.blocked_since = None
+        # The whole gang of the chosen job that is waiting now, in key order.
+        return [self._grant(device, r) for r in sorted(waiting, key=self._key)
+                if r.job == first.job]

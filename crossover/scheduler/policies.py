@@ -1,120 +1,96 @@
-"""Who gets a device next: the scheduling policies.
+"""Who gets a device next, and when a holder gives it up: the scheduling policies.
 
-A policy is consulted by the slot state machine (`core.SlotScheduler`) at two moments:
-when a holder signals a phase change (may it keep the device?) and when the device is
-free and jobs are waiting (which one is next?). Policies hold no state of their own; what
-they need (the global job order, weights, accumulated hold time) is passed in.
+Every request carries a turn (how many grants its rank had before). A policy turns
+(turn, the job's global order, its weight) into a sort key; every device grants in key
+order. Because a job's ranks all make the same sequence of requests, and the global
+order is the same on every node, all devices grant in the same sequence: job A's ranks
+compute together on all their devices while job B's ranks communicate, then the roles
+swap. That is the antiphase crossover needs, and it keeps collectives deadlock-free.
+
+A policy also says at which phase changes a holder gives the device up.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
 from enum import Enum
 
 
 class Phase(str, Enum):
-    """What a rank is doing; sent with every release."""
+    """What a rank does next when it releases (or offers) its device."""
 
-    COMPUTE = "compute"
-    COMMUNICATE = "communicate"
-    IDLE = "idle"
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """A job waiting for a device, as a policy sees it.
-
-    Args:
-        job: the job's name.
-        order: the job's place in the global order, the same on every node.
-        weight: the job's priority weight (> 0).
-        held_s: seconds this job has held this device so far.
-    """
-
-    job: str
-    order: int
-    weight: float
-    held_s: float
+    COMPUTE = "compute"  # a step boundary: the rank computes on at once
+    COMMUNICATE = "communicate"  # it waits on the network
+    IDLE = "idle"  # it does not need the device for a while
 
 
 class Policy:
-    """Base policy: exclusive devices, phase-aware release, global cyclic order."""
+    """Base policy: exclusive devices, one global sequence, release on communication."""
 
     name = "base"
     #: False lets every request through at once (no coordination, for comparison runs).
     exclusive = True
+    #: The holder gives the device up when it starts to communicate.
+    release_on_communicate = True
+    #: The holder offers the device to waiting jobs at each step boundary.
+    yield_on_step = False
 
     def keeps_device(self, phase: Phase) -> bool:
         """Whether a holder that enters `phase` keeps the device."""
+        if phase == Phase.COMMUNICATE:
+            return not self.release_on_communicate
+        if phase == Phase.COMPUTE:
+            return not self.yield_on_step
         return False
 
-    def choose(self, waiting: Sequence[Candidate], last_order: int | None) -> str:
-        """Pick the next holder among `waiting` (never empty).
+    def key(self, turn: int, order: int, weight: float) -> tuple[float, int]:
+        """Sort key of a request: lower goes first.
 
         Args:
-            waiting: the jobs waiting for the device.
-            last_order: the global order of the job that held the device last, if any.
-
-        Returns:
-            The name of the job to grant the device to.
+            turn: the rank's grants so far (its job's step count, in effect).
+            order: the job's place in the global order, the same on every node.
+            weight: the job's priority weight (> 0).
         """
-        return next_in_cycle(waiting, last_order).job
+        return (float(turn), order)
 
+    def virtual_time(self, turn: int, weight: float) -> float:
+        """The first key component of `turn` (used to bring a newcomer up to date)."""
+        return self.key(turn, 0, weight)[0]
 
-def next_in_cycle(waiting: Sequence[Candidate], last_order: int | None) -> Candidate:
-    """The first waiting job after `last_order` in the cyclic global order.
-
-    Using the one global order on every device is what keeps all ranks of a job in the
-    same phase on every device of its group: job k follows job k-1 everywhere.
-    """
-    ordered = sorted(waiting, key=lambda c: c.order)
-    if last_order is not None:
-        for cand in ordered:
-            if cand.order > last_order:
-                return cand
-    return ordered[0]
+    def turn_at(self, vtime: float, weight: float) -> int:
+        """The smallest turn whose virtual time is at least `vtime`."""
+        turn = int(vtime)
+        while self.virtual_time(turn, weight) < vtime:
+            turn += 1
+        return turn
 
 
 class CrossoverPolicy(Policy):
-    """Phase-aware: a job entering communication hands the device to the next job.
-
-    Work-conserving: when the next job in order is not waiting, the first waiting job
-    after it gets the device; when nobody waits, the device stays free and the first
-    request takes it.
-    """
+    """Phase-aware: a job entering communication hands the device to the next job in
+    the global sequence; at a step boundary it keeps computing."""
 
     name = "crossover"
 
 
 class RoundRobinPolicy(Policy):
-    """Whole-step time slicing: a job keeps the device through its communication.
-
-    The baseline that crossover improves on: jobs take turns by whole steps, in the
-    global cyclic order, and the device idles while its holder waits on the network.
-    """
+    """Whole-step time slicing: a job keeps the device through its communication and
+    hands it over at the step boundary. The baseline crossover improves on: the device
+    idles while its holder waits on the network."""
 
     name = "round-robin"
-
-    def keeps_device(self, phase: Phase) -> bool:
-        return phase == Phase.COMMUNICATE
+    release_on_communicate = False
+    yield_on_step = True
 
 
 class PriorityPolicy(Policy):
-    """Weighted fair share: the waiting job with the least hold time per weight is next.
-
-    A job of weight 2 gets about twice the device time of a job of weight 1 when both
-    are always ready. Ties go by the global cyclic order, so every device decides alike.
-    """
+    """Crossover with weighted fair queuing: a job of weight w advances its key by 1/w
+    per turn, so when all jobs are always ready a job of weight 2 gets two turns for
+    every one of a job of weight 1."""
 
     name = "priority"
+    yield_on_step = True  # step boundaries are where a heavier job can go first
 
-    def choose(self, waiting: Sequence[Candidate], last_order: int | None) -> str:
-        least = min(c.held_s / c.weight for c in waiting)
-        # Within 1 ms of the least share counts as a tie: keeps decisions stable
-        # against clock jitter between devices.
-        tied = [c for c in waiting if c.held_s / c.weight - least <= 1e-3]
-        return next_in_cycle(tied, last_order).job
+    def key(self, turn: int, order: int, weight: float) -> tuple[float, int]:
+        return (turn / weight, order)
 
 
 class OffPolicy(Policy):
