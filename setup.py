@@ -15,4 +15,6 @@ setup(
         "crossover.hooks",
     ],
     package_dir={"crossover": "crossover", "crossover.hooks": "hooks"},
+    # crossoverrun puts this directory on a job's PYTHONPATH (not a package).
+    package_data={"crossover.launch": ["inject/sitecustomize.py"]},
 )

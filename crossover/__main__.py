@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import socket
 import sys
+import time
 
-from crossover import protocol as P
 from crossover.scheduler import POLICIES
 
 
@@ -33,7 +32,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="split this node's cores into N devices (default: one per core)")
 
     s = sub.add_parser("status", help="devices, holders, queues")
-    s.add_argument("--json", action="store_true", help="print the raw report as JSON")
+    s.add_argument("--json", action="store_true", help="print the report once, as JSON")
+    s.add_argument("--once", action="store_true", help="print the table once")
+    s.add_argument("--interval", type=float, default=1.0, help="refresh period (s)")
     s.add_argument("--runtime-dir", default=None)
     s.add_argument("--node", default=None, help="the node whose daemon to ask "
                    "(default: this host; fake0 with CROSSOVER_FAKE_NODES)")
@@ -75,35 +76,43 @@ def _daemon(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    import os
+    from crossover.client import daemon_status
 
-    from crossover.daemon import FAKE_NODES_ENV
-    from crossover.transport import recv_msg, send_msg, socket_path
+    while True:
+        try:
+            nodes = daemon_status(args.runtime_dir, args.node)
+        except ConnectionError as exc:
+            print(f"crossover: {exc}", file=sys.stderr)
+            return 2
+        if args.json:
+            print(json.dumps(nodes, indent=2))
+            return 0
+        table = status_table(nodes)
+        if args.once:
+            print(table)
+            return 0
+        # Redraw in place: home the cursor, clear the screen.
+        print("\x1b[H\x1b[2J" + table + f"\n(every {args.interval:g} s; Ctrl-C to stop)",
+              flush=True)
+        try:
+            time.sleep(args.interval)
+        except KeyboardInterrupt:
+            return 0
 
-    node = args.node or ("fake0" if os.environ.get(FAKE_NODES_ENV) else socket.gethostname())
-    path = socket_path(node, args.runtime_dir)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(5.0)
-    try:
-        sock.connect(str(path))
-        send_msg(sock, P.Status())
-        report = recv_msg(sock)
-    except OSError as exc:
-        print(f"crossover: no daemon answers on {path} ({exc}); start one with "
-              f"`crossover daemon`", file=sys.stderr)
-        return 2
-    finally:
-        sock.close()
-    if args.json:
-        print(json.dumps(report.nodes, indent=2))
-        return 0
-    print(f"{'node':<12} {'device':<8} {'holder':<20} {'waiting':<30} held s by job")
-    for node_name, snap in sorted(report.nodes.items()):
+
+def status_table(nodes: dict) -> str:
+    """Devices, the job holding each, the queue, and per job the share of time spent
+    holding and waiting since it joined the device."""
+    rows = [f"{'node':<10} {'device':<7} {'holder':<16} {'queue':<24} job: hold% wait%"]
+    for node, snap in sorted(nodes.items()):
         for dev, st in snap["devices"].items():
-            held = ", ".join(f"{j}={t:.1f}" for j, t in st["held_s"].items())
-            print(f"{node_name:<12} {dev:<8} {st['holder'] or '-':<20} "
-                  f"{','.join(st['waiting']) or '-':<30} {held}")
-    return 0
+            usage = "  ".join(f"{job}: {u['hold_pct']:.0f}% {u['wait_pct']:.0f}%"
+                              for job, u in st["usage"].items())
+            rows.append(f"{node:<10} {dev:<7} {st['holder'] or '-':<16} "
+                        f"{','.join(st['waiting']) or '-':<24} {usage}")
+        if not snap["devices"]:
+            rows.append(f"{node:<10} (no jobs)")
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,35 @@ from crossover.trace import TraceRecorder
 from crossover.transport import recv_msg, send_msg, socket_path
 
 
+def node_name() -> str:
+    """This process's node as the daemons name it (fake0 under CROSSOVER_FAKE_NODES)."""
+    return "fake0" if os.environ.get(FAKE_NODES_ENV) else socket.gethostname()
+
+
+def daemon_status(runtime_dir: str | os.PathLike | None = None, node: str | None = None,
+                  timeout_s: float = 5.0) -> dict:
+    """Ask a node's daemon for the status of all nodes: {node: snapshot}.
+
+    Raises:
+        ConnectionError: no daemon answers there (the message says how to start one).
+    """
+    path = socket_path(node or node_name(), runtime_dir)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout_s)
+    try:
+        sock.connect(str(path))
+        send_msg(sock, P.Status())
+        report = recv_msg(sock)
+    except (OSError, P.ProtocolError) as exc:
+        raise ConnectionError(f"no crossover daemon answers on {path} ({exc}); start one "
+                              f"with `crossover daemon` or use --crossover-daemon auto") from None
+    finally:
+        sock.close()
+    if not isinstance(report, P.StatusReport):
+        raise ConnectionError(f"daemon on {path} answered {report.kind}, not a status report")
+    return report.nodes
+
+
 class CrossoverVersionError(RuntimeError):
     """The daemon speaks another protocol version: a set-up error, never silenced."""
 
@@ -109,7 +138,7 @@ class SlotClient:
             self._connect(P.Hello(job, info.rank, info.size, local_rank, info.local_size,
                                   os.getpid(), weight, gpu))
         except (OSError, P.ProtocolError) as exc:
-            self._fail_open(f"cannot reach the crossover daemon ({exc})")
+            self._fail_open(f"cannot reach the crossover daemon at {self.path} ({exc})")
             return
         if pin_cpu and self._cores:
             os.sched_setaffinity(0, self._cores)

@@ -13,6 +13,7 @@ a rank that holds past its lease loses it then. Clients treat a vanished daemon 
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 import selectors
@@ -110,7 +111,7 @@ class Daemon:
         self.clock = clock
         self.sched = SlotScheduler(make_policy(policy), clock, lease_s, patience_s)
         self.idle_shutdown_s = idle_shutdown_s
-        self.path = socket_path(self.node, runtime_dir)
+        self.path = socket_path(self.node, runtime_dir, create=True)
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -163,23 +164,25 @@ class Daemon:
         self._wakeup()
 
     def _listen(self) -> socket.socket:
-        if self.path.exists():
-            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                probe.connect(str(self.path))
-            except OSError:
-                self.path.unlink()  # stale socket of a daemon that died
-            else:
-                raise RuntimeError(
-                    f"a crossover daemon already listens on {self.path}; reuse it, stop it, "
-                    f"or give this one another CROSSOVER_RUNTIME_DIR"
-                )
-            finally:
-                probe.close()
+        # One daemon per node and directory: a lock held for the daemon's lifetime (the
+        # kernel drops it if the daemon dies, so a stale socket never blocks a restart).
+        self._lock = open(self.path.with_suffix(".lock"), "w")  # noqa: SIM115
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise RuntimeError(
+                f"a crossover daemon already listens on {self.path}; reuse it, stop it, "
+                f"or give this one another CROSSOVER_RUNTIME_DIR"
+            ) from None
+        self.path.unlink(missing_ok=True)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.bind(str(self.path))
-        os.chmod(self.path, 0o600)
+        tmp = self.path.with_suffix(".new")
+        tmp.unlink(missing_ok=True)
+        sock.bind(str(tmp))
+        os.chmod(tmp, 0o600)
         sock.listen(128)
+        tmp.rename(self.path)  # appears only once it accepts connections
         sock.setblocking(False)
         return sock
 

@@ -23,18 +23,22 @@ _HEADER = struct.Struct("!I")
 MAX_FRAME = 1 << 24  # a status report of a big cluster stays far below 16 MiB
 
 
-def runtime_dir(path: str | os.PathLike | None = None) -> Path:
+def runtime_dir(path: str | os.PathLike | None = None, create: bool = True) -> Path:
     """The private directory that holds the daemons' sockets; created 0700 if missing.
 
     Args:
         path: an explicit directory; default $CROSSOVER_RUNTIME_DIR, else
             /tmp/crossover-<uid>.
+        create: make it if missing (the daemon); clients only look.
 
     Raises:
         PermissionError: the directory belongs to another user or others can open it.
     """
     d = Path(path or os.environ.get("CROSSOVER_RUNTIME_DIR") or f"/tmp/crossover-{os.getuid()}")
-    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if create:
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    elif not d.exists():
+        return d
     st = d.stat()
     if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
         raise PermissionError(
@@ -44,9 +48,10 @@ def runtime_dir(path: str | os.PathLike | None = None) -> Path:
     return d
 
 
-def socket_path(node: str, directory: str | os.PathLike | None = None) -> Path:
-    """Where the daemon of `node` listens."""
-    return runtime_dir(directory) / f"node-{node}.sock"
+def socket_path(node: str, directory: str | os.PathLike | None = None,
+                create: bool = False) -> Path:
+    """Where the daemon of `node` listens (`create`: make the directory, for the daemon)."""
+    return runtime_dir(directory, create) / f"node-{node}.sock"
 
 
 def send_msg(sock: socket.socket, msg: Message) -> None:

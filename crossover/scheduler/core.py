@@ -48,6 +48,8 @@ class _Rank:
     state: str = NEW
     since: float = 0.0  # when the rank entered `state`
     deadline: float | None = None  # lease end while holding
+    joined: float = 0.0
+    waited_s: float = 0.0  # accumulated time in WAITING
 
 
 @dataclass
@@ -111,7 +113,8 @@ class SlotScheduler:
         dev = self._devices.setdefault(device, _Device())
         self._where[(job, rank)] = device
         turn = self.policy.turn_at(dev.vtime, weight)
-        dev.ranks[(job, rank)] = _Rank(job, rank, order, weight, turn, NEW, self.clock())
+        now = self.clock()
+        dev.ranks[(job, rank)] = _Rank(job, rank, order, weight, turn, NEW, now, joined=now)
 
     def unregister(self, job: str, rank: int) -> list[Grant]:
         """Remove a rank (it finished, crashed or lost its connection); frees its slot."""
@@ -210,11 +213,20 @@ class SlotScheduler:
             held = dict(dev.held_s)
             if dev.holder is not None:
                 held[dev.holder] = held.get(dev.holder, 0.0) + now - dev.hold_start
+            usage = {}
+            for job in sorted({r.job for r in dev.ranks.values()}):
+                ranks = [r for r in dev.ranks.values() if r.job == job]
+                span = max(now - min(r.joined for r in ranks), 1e-9)
+                waited = sum(r.waited_s + (now - r.since if r.state == WAITING else 0.0)
+                             for r in ranks) / len(ranks)
+                usage[job] = {"hold_pct": 100 * held.get(job, 0.0) / span,
+                              "wait_pct": 100 * waited / span}
             devices[name] = {
                 "holder": dev.holder,
                 "holding": sorted(f"{j}:{r}" for j, r in self.holders(name)),
                 "waiting": [f"{j}:{r}" for j, r in self.waiting(name)],
                 "held_s": held,
+                "usage": usage,
                 "ranks": {f"{r.job}:{r.rank}": {"state": r.state, "turn": r.turn}
                           for r in dev.ranks.values()},
             }
@@ -245,6 +257,7 @@ class SlotScheduler:
         if dev.holder != r.job and self.policy.exclusive:
             dev.holder, dev.hold_start, dev.served = r.job, now, set()
         dev.served.add(r.rank)
+        r.waited_s += now - r.since
         dev.vtime = max(dev.vtime, self.policy.virtual_time(r.turn, r.weight))
         r.turn += 1
         r.deadline = now + self.lease_s

@@ -1,0 +1,40 @@
+"""What every benchmark records beside its numbers: the machine and the command."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> dict:
+    """CPU model, core count, memory, OS, and the versions of the parts that matter."""
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text()
+                .splitlines() if ln.startswith("model name")), platform.processor())
+    mem_kb = int(next(ln.split()[1] for ln in Path("/proc/meminfo").read_text().splitlines()
+                      if ln.startswith("MemTotal")))
+    versions = {}
+    for mod in ("torch", "horovod", "mpi4py", "numpy"):
+        try:
+            versions[mod] = __import__(mod).__version__
+        except ImportError:
+            pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem_kb / 2**20, 1),
+            "os": platform.platform(), "python": platform.python_version(), **versions}
+
+
+def write_result(name: str, payload: dict) -> Path:
+    """Write bench/results/<name>.json with the machine, the command and a timestamp."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"{name}.json"
+    cmd = " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv])
+    doc = {"command": cmd, "machine": machine(),
+           "when": datetime.now(timezone.utc).isoformat(timespec="seconds"), **payload}
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    return out

@@ -1,0 +1,196 @@
+"""crossoverrun: the plugin flag on unmodified Horovod scripts, job specs, flag errors."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from crossover import trace
+from crossover.launch import jobspec
+from crossover.launch.cli import main
+from tests.conftest import PY, REPO
+
+SCRIPT = str(REPO / "examples/horovod_torch_synthetic.py")
+CROSSOVERRUN = [PY, "-m", "crossover.launch.cli"]
+
+
+@pytest.fixture
+def runtime(tmp_path, monkeypatch) -> Path:
+    """An isolated runtime directory; any daemon crossoverrun starts there is stopped."""
+    rdir = tmp_path / "run"
+    monkeypatch.setenv("CROSSOVER_RUNTIME_DIR", str(rdir))
+    yield rdir
+    pid_file = rdir / "daemon.pid"
+    if pid_file.exists():
+        try:
+            os.killpg(int(pid_file.read_text()), signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+
+def checksum(output: str) -> str:
+    found = re.findall(r"weights checksum (-?[0-9.]+(?:e[-+]?[0-9]+)?)", output)
+    assert len(found) == 1, output[-3000:]
+    return found[0]
+
+
+def run(args: list[str], timeout: float = 240, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(CROSSOVERRUN + args, capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO, **kw)
+
+
+@pytest.mark.mpi
+def test_two_unmodified_scripts_run_under_crossover(runtime, tmp_path):
+    solo = {seed: checksum(run(["-np", "2", "-H", "localhost:2", PY, SCRIPT, "--seed",
+                                str(seed)]).stdout) for seed in (1, 2)}
+    assert not (runtime / "daemon.pid").exists(), "without --crossover no daemon starts"
+    traces = tmp_path / "traces"
+    common = ["--crossover", "--crossover-trace", str(traces),
+              "--crossover-idle-shutdown", "180"]
+    # Start one job first so that the daemon it starts is reused by the second.
+    first = subprocess.Popen(CROSSOVERRUN + common + ["--crossover-job", "one", "-np", "2",
+                             "-H", "localhost:2", PY, SCRIPT, "--seed", "1"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    second = run(common + ["--crossover-job", "two", "-np", "2", "-H", "localhost:2", PY,
+                           SCRIPT, "--seed", "2"])
+    out1, err1 = first.communicate(timeout=240)
+    assert first.returncode == 0, f"first job:\n{out1[-2000:]}\n{err1[-3000:]}"
+    assert second.returncode == 0, f"second job:\n{second.stdout[-2000:]}\n{second.stderr[-3000:]}"
+    assert checksum(out1) == solo[1]
+    assert checksum(second.stdout) == solo[2]
+    assert (traces / "one.trace.json").exists() and (traces / "two.trace.json").exists()
+    events = trace.merge([traces / "one.trace.json", traces / "two.trace.json"],
+                         tmp_path / "merged.json")
+    holds = trace.holds_by_device(events)
+    assert {s[2] for spans in holds.values() for s in spans} == {"one", "two"}
+    assert trace.overlaps(events) == []
+    assert "built no Horovod DistributedOptimizer" not in err1
+
+
+@pytest.mark.mpi
+def test_jobs_file_runs_all_jobs_with_prefixed_output(runtime, tmp_path):
+    spec = tmp_path / "jobs.yaml"
+    spec.write_text(textwrap.dedent(f"""\
+        jobs:
+          - name: alpha
+            command: [{PY!r}, {SCRIPT!r}, --steps, "20"]
+            np: 2
+            hosts: localhost:2
+          - name: beta
+            command: {PY} {SCRIPT} --steps 20 --seed 7
+            np: 2
+            priority: 2
+            timeout: 200
+        """))
+    res = run(["--crossover", "--crossover-idle-shutdown", "180", "--jobs", str(spec)])
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert re.search(r"^\[alpha\] .*weights checksum", res.stdout, re.M)
+    assert re.search(r"^\[beta\] .*weights checksum", res.stdout, re.M)
+    assert "job alpha exited 0" in res.stderr and "job beta exited 0" in res.stderr
+    log = (runtime / "daemon.log").read_text()
+    assert "job alpha rank 1" in log and "job beta rank 1" in log
+
+
+def test_a_process_that_builds_no_optimizer_says_so(runtime):
+    env = dict(os.environ, CROSSOVER_INJECT="1",
+               PYTHONPATH=str(REPO / "crossover/launch/inject"))
+    res = subprocess.run([PY, "-c", "import horovod.torch as hvd; hvd.init()"], env=env,
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert res.returncode == 0
+    assert "imported horovod.torch but built no Horovod DistributedOptimizer" in res.stderr
+
+
+def test_injection_wraps_the_optimizer_factory(runtime):
+    env = dict(os.environ, CROSSOVER_INJECT="1", CROSSOVER_JOB="inj",
+               PYTHONPATH=str(REPO / "crossover/launch/inject"))
+    code = ("import horovod.torch as hvd, torch; hvd.init(); "
+            "m = torch.nn.Linear(2, 2); "
+            "o = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1)); "
+            "print('hooked', o._crossover_hooks is not None)")
+    res = subprocess.run([PY, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120, cwd=REPO)
+    assert "hooked True" in res.stdout, res.stderr[-2000:]
+    assert "cannot reach the crossover daemon" in res.stderr  # no daemon: fails open, loudly
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--crossover-policy", "off", "-np", "2", "x.py"],
+     "--crossover-policy has no effect without --crossover; add --crossover"),
+    (["--crossover", "--crossover-polcy", "off", "-np", "2", "x.py"],
+     "unknown plugin flag --crossover-polcy"),
+    (["--crossover", "--crossover-policy", "fifo", "-np", "2", "x.py"],
+     "invalid choice: 'fifo'"),
+    (["--crossover", "--crossover-priority", "0", "-np", "2", "x.py"],
+     "--crossover-priority must be > 0"),
+    (["--crossover", "--crossover-job", "a b", "-np", "2", "x.py"],
+     "--crossover-job: use letters, digits"),
+    (["--crossover", "--jobs", "j.yaml", "-np", "2", "x.py"],
+     "--jobs runs the jobs of its file; drop the other arguments"),
+    (["--crossover", "--crossover-daemon", "/nonexistent/crossover", "-np", "2", "x.py"],
+     "no crossover daemon answers on /nonexistent/crossover"),
+])
+def test_flag_errors_name_the_problem_and_the_fix(argv, message, runtime, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.count("\n") == 1, "one clear line"
+    assert not (runtime / "daemon.pid").exists(), "nothing may start"
+
+
+def test_a_scripts_own_flags_are_left_alone(runtime):
+    from crossover.launch.cli import split_argv
+
+    plugin, rest = split_argv(["--crossover", "-np", "2", "python", "t.py", "--jobs", "4",
+                               "--crossover-job", "x"])
+    assert plugin == ["--crossover"]
+    assert rest == ["-np", "2", "python", "t.py", "--jobs", "4", "--crossover-job", "x"]
+
+
+SPEC_ERRORS = [
+    ("jobs: []", "expected a mapping with one key, 'jobs'"),
+    ("jobs:\n  - np: 2", "job #1: field 'command': missing"),
+    ("jobs:\n  - {name: a, command: x, np: two}", "job 'a': field 'np': expected a positive "
+                                                   "integer, got 'two'"),
+    ("jobs:\n  - {name: a, command: x, np: 2, gpus: 1}", "job 'a': unknown field 'gpus'"),
+    ("jobs:\n  - {name: a, command: x, np: 4, hosts: 'h1:1,h2:2'}",
+     "job 'a': field 'np': 4 processes do not fit the 3 slots of hosts 'h1:1,h2:2'"),
+    ("jobs:\n  - {name: a, command: x, np: 1, hosts: 'h1:x'}",
+     "job 'a': field 'hosts': slots of 'h1' must be a positive integer"),
+    ("jobs:\n  - {name: a, command: x, np: 1, priority: -1}",
+     "job 'a': field 'priority': expected a number > 0"),
+    ("jobs:\n  - {name: a, command: x, np: 1, env: [A]}", "job 'a': field 'env': expected a "
+                                                          "mapping"),
+    ("jobs:\n  - {name: a, command: x, np: 1}\n  - {name: a, command: y, np: 1}",
+     "job 'a': field 'name': used by more than one job"),
+    ("jobs:\n  - {name: a, command: [], np: 1}", "field 'command': expected a non-empty"),
+    ("jobs: [", "cannot read the job spec"),
+]
+
+
+@pytest.mark.parametrize("text,message", SPEC_ERRORS)
+def test_job_spec_errors(text, message, tmp_path, runtime, capsys):
+    spec = tmp_path / "jobs.yaml"
+    spec.write_text(text)
+    with pytest.raises(jobspec.JobSpecError, match=re.escape(message)):
+        jobspec.load(spec)
+    assert main(["--crossover", "--jobs", str(spec)]) == 2
+    assert message in capsys.readouterr().err
+    assert not (runtime / "daemon.pid").exists(), "nothing may start"
+
+
+def test_job_spec_reports_every_problem_at_once(tmp_path):
+    spec = tmp_path / "jobs.yaml"
+    spec.write_text("jobs:\n  - {name: a, np: 0}\n  - {name: b, command: x, np: 1, bad: 1}\n")
+    with pytest.raises(jobspec.JobSpecError) as err:
+        jobspec.load(spec)
+    lines = str(err.value).splitlines()
+    assert len(lines) == 3
+    assert "job 'a': field 'command': missing" in lines[0]
+    assert "job 'a': field 'np'" in lines[1]
+    assert "job 'b': unknown field 'bad'" in lines[2]
