@@ -1,0 +1,202 @@
+"""Per-op costs: measured forward/backward time, activation and parameter bytes, and a
+transfer model. Everything the partitioners and the simulator price is here.
+
+Times are affine in the micro-batch size, `t(b) = fixed + per_sample * b`: the fixed part
+is what a framework pays per call (kernel launches, Python, MPI message set-up), which is
+why fewer, larger micro-batches run faster per sample and why pipeline depth costs.
+`profile` fits both terms from two measured batch sizes.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from crossover.pipeline.graph import Graph, tensor_bytes
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """One op's price. Times in seconds, sizes in bytes.
+
+    Args:
+        fwd: forward time independent of batch size.
+        fwd_per_sample: forward time per sample.
+        bwd: backward time independent of batch size.
+        bwd_per_sample: backward time per sample.
+        act_per_sample: bytes of output activation per sample (kept for backward, and
+            sent when a consumer is on another stage).
+        param_bytes: bytes of the parameters this op owns.
+    """
+
+    fwd: float = 0.0
+    fwd_per_sample: float = 0.0
+    bwd: float = 0.0
+    bwd_per_sample: float = 0.0
+    act_per_sample: float = 0.0
+    param_bytes: float = 0.0
+
+    def forward(self, b: float) -> float:
+        return self.fwd + self.fwd_per_sample * b
+
+    def backward(self, b: float) -> float:
+        return self.bwd + self.bwd_per_sample * b
+
+
+@dataclass(frozen=True)
+class Link:
+    """Point-to-point transfer cost: `latency + bytes / bandwidth` seconds.
+
+    Args:
+        bandwidth: bytes per second.
+        latency: seconds per message.
+    """
+
+    bandwidth: float = 10e9
+    latency: float = 20e-6
+
+    def transfer(self, nbytes: float) -> float:
+        return self.latency + nbytes / self.bandwidth
+
+    def allreduce(self, nbytes: float, replicas: int) -> float:
+        """Ring allreduce among `replicas` devices."""
+        if replicas <= 1:
+            return 0.0
+        steps = 2 * (replicas - 1)
+        return steps * self.latency + steps / replicas * nbytes / self.bandwidth
+
+
+@dataclass
+class Costs:
+    """Costs of every op of a graph plus the machine's limits.
+
+    Args:
+        ops: op name -> cost (ops missing here cost nothing).
+        link: transfer cost between devices.
+        memory: bytes a device may hold (parameters x `param_factor` + activations).
+        param_factor: copies of each parameter a device keeps (weights, gradients and
+            two optimizer moments: 4).
+    """
+
+    ops: dict[str, OpCost]
+    link: Link = field(default_factory=Link)
+    memory: float = float("inf")
+    param_factor: float = 4.0
+
+    def of(self, name: str) -> OpCost:
+        return self.ops.get(name, _ZERO)
+
+    def scaled(self, factor: float) -> Costs:
+        """The same costs with every time multiplied by `factor`."""
+        return replace(self, ops={n: replace(c, fwd=c.fwd * factor,
+                                             fwd_per_sample=c.fwd_per_sample * factor,
+                                             bwd=c.bwd * factor,
+                                             bwd_per_sample=c.bwd_per_sample * factor)
+                                  for n, c in self.ops.items()})
+
+
+_ZERO = OpCost()
+
+
+def profile(graph: Graph, make_batch: Callable[[int], Mapping[str, Any]],
+            sizes: tuple[int, int] = (2, 8), repeats: int = 5, link: Link | None = None,
+            memory: float = float("inf")) -> Costs:
+    """Measure every op's forward and backward time at two batch sizes and fit them.
+
+    Backward of an op is timed as autograd.grad of its output (with a ones gradient)
+    with respect to its tensor inputs and parameters, i.e. the op's own share.
+
+    Args:
+        graph: the model's graph.
+        make_batch: batch size -> {input name: tensor} for the model inputs.
+        sizes: two distinct batch sizes to fit `fixed + per_sample * b`.
+        repeats: timings per op and size; the median counts.
+        link: the transfer model to attach (default `Link()`).
+        memory: the device memory limit to attach, bytes.
+
+    Returns:
+        The fitted costs.
+
+    Raises:
+        ValueError: `sizes` are not two distinct positive sizes.
+    """
+    b0, b1 = sizes
+    if not 0 < b0 < b1:
+        raise ValueError(f"sizes must be two increasing positive batch sizes, got {sizes}")
+    meas = {b: _measure(graph, make_batch(b), repeats) for b in (b0, b1)}
+    ops: dict[str, OpCost] = {}
+    for name, op in graph.ops.items():
+        (f0, g0, _), (f1, g1, a1) = meas[b0][name], meas[b1][name]
+        fs, gs = max(f1 - f0, 0.0) / (b1 - b0), max(g1 - g0, 0.0) / (b1 - b0)
+        ops[name] = OpCost(fwd=max(f0 - fs * b0, 0.0), fwd_per_sample=fs,
+                           bwd=max(g0 - gs * b0, 0.0), bwd_per_sample=gs,
+                           act_per_sample=a1 / b1,
+                           param_bytes=float(sum(tensor_bytes(p) for p in op.params.values())))
+    return Costs(ops, link or Link(), memory)
+
+
+def _measure(graph: Graph, feeds: Mapping[str, Any], repeats: int
+             ) -> dict[str, tuple[float, float, float]]:
+    """op -> (median forward s, median backward s, output bytes)."""
+    with torch.no_grad():
+        env = graph.run(feeds)
+    out: dict[str, tuple[float, float, float]] = {}
+    for name, op in graph.ops.items():
+        if op.is_input:
+            out[name] = (0.0, 0.0, float(tensor_bytes(env[name])))
+            continue
+        fwd, bwd = [], []
+        for _ in range(repeats):
+            local = {s: _leaf(env[s]) for s in op.inputs}
+            t0 = time.perf_counter()
+            y = op.run(local)
+            t1 = time.perf_counter()
+            fwd.append(t1 - t0)
+            wrt = [v for v in local.values() if isinstance(v, torch.Tensor) and v.requires_grad]
+            wrt += [p for p in op.params.values() if p.requires_grad]
+            if isinstance(y, torch.Tensor) and y.requires_grad and wrt:
+                t2 = time.perf_counter()
+                torch.autograd.grad(y, wrt, torch.ones_like(y), allow_unused=True)
+                bwd.append(time.perf_counter() - t2)
+            else:
+                bwd.append(0.0)
+        out[name] = (statistics.median(fwd), statistics.median(bwd), float(tensor_bytes(env[name])))
+    return out
+
+
+def _leaf(v: Any) -> Any:
+    if isinstance(v, torch.Tensor) and v.is_floating_point():
+        return v.detach().requires_grad_()
+    return v
+
+
+def synthetic(graph: Graph, per_sample: Mapping[str, float], fixed: float = 0.0,
+              act_per_sample: float = 4096.0, param_bytes: Mapping[str, float] | None = None,
+              bwd_ratio: float = 2.0, link: Link | None = None,
+              memory: float = float("inf")) -> Costs:
+    """Costs from given numbers instead of measurements (tests, large synthetic graphs).
+
+    Args:
+        graph: the graph.
+        per_sample: op name -> forward seconds per sample (missing ops: 0).
+        fixed: forward seconds per call for every non-input op.
+        act_per_sample: bytes of each op's output per sample.
+        param_bytes: op name -> parameter bytes (default 0).
+        bwd_ratio: backward time as a multiple of forward time.
+        link: transfer model; memory: device memory limit in bytes.
+
+    Returns:
+        The costs.
+    """
+    pb = param_bytes or {}
+    ops = {}
+    for name, op in graph.ops.items():
+        f = 0.0 if op.is_input else fixed
+        s = per_sample.get(name, 0.0)
+        ops[name] = OpCost(f, s, f * bwd_ratio, s * bwd_ratio, act_per_sample, pb.get(name, 0.0))
+    return Costs(ops, link or Link(), memory)

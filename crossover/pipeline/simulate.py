@@ -1,0 +1,129 @@
+"""Run a lowered schedule against the cost model: iteration time, throughput, bubble
+fraction and peak memory per stage.
+
+Each stage has a clock. Compute actions take the op costs at the stage's share of the
+micro-batch; a send occupies its sender for `latency + bytes / bandwidth` and the data
+arrives when it ends; a receive waits for that arrival. A replicated stage ends its
+iteration with a ring allreduce of its parameters. Slot actions are free (one job).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from crossover.pipeline.graph import Graph
+from crossover.pipeline.partition import Plan, StagePricer
+from crossover.pipeline.profile import Costs
+from crossover.pipeline.schedule import (
+    ACQ,
+    RECV_B,
+    RECV_F,
+    REL,
+    SEND_B,
+    SEND_F,
+    B,
+    F,
+    Schedule,
+    ScheduleError,
+    lower,
+)
+
+
+@dataclass
+class SimResult:
+    """What a simulated iteration gives.
+
+    Args:
+        iteration_s: time from the first action to the last, seconds.
+        samples_per_s: samples per second (micro-batch x micro-batches / iteration).
+        bubble: fraction of device-time not spent computing.
+        peak_memory: per stage, parameter copies + activations held at the peak, bytes.
+        peak_in_flight: per stage, the most micro-batches held at once.
+        spans: (stage, action, start, end) of every compute and send action.
+    """
+
+    iteration_s: float
+    samples_per_s: float
+    bubble: float
+    peak_memory: list[float]
+    peak_in_flight: list[int]
+    spans: list[tuple[int, str, float, float]] = field(default_factory=list)
+
+
+def simulate(graph: Graph, costs: Costs, plan: Plan, schedule: Schedule) -> SimResult:
+    """Simulate one iteration of `plan` run by `schedule`.
+
+    Args:
+        graph: the graph; costs: its costs.
+        plan: the stages (their replica counts and what each edge carries).
+        schedule: lowered or not (it is lowered here if needed).
+
+    Returns:
+        The simulated iteration.
+
+    Raises:
+        ScheduleError: the schedule deadlocks (validate it for the grid).
+    """
+    if not schedule.lowered:
+        schedule = lower(schedule)
+    pricer = StagePricer(graph, costs)
+    b, link = plan.micro_batch, costs.link
+    n = len(plan.stages)
+    share = [b / st.replicas for st in plan.stages]
+    fwd = [sum(costs.of(o).forward(share[s]) for o in st.ops) for s, st in enumerate(plan.stages)]
+    bwd = [sum(costs.of(o).backward(share[s]) for o in st.ops)
+           for s, st in enumerate(plan.stages)]
+    edge_bytes = {e: sum(costs.of(t).act_per_sample for t in ts) for e, ts in plan.edges.items()}
+    act = [pricer.info(st.ops).act_per_sample * share[s] for s, st in enumerate(plan.stages)]
+    params = [pricer.info(st.ops).param_bytes for st in plan.stages]
+
+    clock = [0.0] * n
+    pc = [0] * n
+    arrivals: dict[tuple[str, int, int, int], float] = {}
+    busy = [0.0] * n
+    held = [0] * n
+    peak = [0] * n
+    spans: list[tuple[int, str, float, float]] = []
+    rows = schedule.actions
+    while True:
+        progressed = False
+        for s in range(n):
+            while pc[s] < len(rows[s]):
+                a = rows[s][pc[s]]
+                if a.kind in (RECV_F, RECV_B):
+                    key = (SEND_F if a.kind == RECV_F else SEND_B, a.peer, s, a.micro)
+                    if key not in arrivals:
+                        break
+                    clock[s] = max(clock[s], arrivals[key])
+                elif a.kind in (F, B):
+                    dt = fwd[s] if a.kind == F else bwd[s]
+                    spans.append((s, str(a), clock[s], clock[s] + dt))
+                    clock[s] += dt
+                    busy[s] += dt
+                    held[s] += 1 if a.kind == F else -1
+                    peak[s] = max(peak[s], held[s])
+                elif a.kind in (SEND_F, SEND_B):
+                    edge = (s, a.peer) if a.kind == SEND_F else (a.peer, s)
+                    dt = link.transfer(edge_bytes.get(edge, 0.0) * share[s])
+                    spans.append((s, str(a), clock[s], clock[s] + dt))
+                    clock[s] += dt
+                    arrivals[(a.kind, s, a.peer, a.micro)] = clock[s]
+                elif a.kind not in (ACQ, REL):
+                    raise ScheduleError(f"unknown action kind {a.kind!r} in stage {s}")
+                pc[s] += 1
+                progressed = True
+        if all(pc[s] == len(rows[s]) for s in range(n)):
+            break
+        if not progressed:
+            stuck = [str(rows[s][pc[s]]) for s in range(n) if pc[s] < len(rows[s])]
+            raise ScheduleError(f"the schedule deadlocks at {stuck}: run "
+                                f"schedule.validate() for the grid")
+    for s, st in enumerate(plan.stages):
+        clock[s] += link.allreduce(params[s], st.replicas)
+    makespan = max(clock)
+    devices = plan.devices
+    compute = sum(busy[s] * st.replicas for s, st in enumerate(plan.stages))
+    mem = [params[s] * costs.param_factor + peak[s] * act[s] for s in range(n)]
+    return SimResult(makespan, b * schedule.num_micro / makespan if makespan > 0 else 0.0,
+                     1.0 - compute / (devices * makespan) if makespan > 0 else 0.0,
+                     mem, peak, spans)
