@@ -13,12 +13,15 @@ import json
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result  # noqa: E402
 
+from crossover.client import RankInfo, SlotClient  # noqa: E402
 from crossover.launch.local import DaemonProcess, Job, mpirun, run_together  # noqa: E402
+from crossover.scheduler import Phase  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,6 +32,22 @@ def samples_per_s(job: Job) -> float:
         raise RuntimeError(f"{job.name} failed:\n{res.output}")
     line = next(ln for ln in res.output.splitlines() if ln.startswith('{"samples_per_s"'))
     return json.loads(line)["samples_per_s"]
+
+
+def slot_cycle_us(runtime_dir: Path, cycles: int = 2000, batches: int = 5) -> list[float]:
+    """Microseconds per step's slot traffic (one acquire round trip + one release), alone
+    on the daemon: what the hooks add to every training step."""
+    client = SlotClient("cycle", RankInfo(0, 1, 0, 1), runtime_dir=runtime_dir, pin_cpu=False)
+    assert client.coordinated, "no daemon"
+    out = []
+    for _ in range(batches):
+        start = time.perf_counter()
+        for _ in range(cycles):
+            client.acquire()
+            client.release(Phase.COMMUNICATE)
+        out.append((time.perf_counter() - start) / cycles * 1e6)
+    client.close()
+    return out
 
 
 def main() -> None:
@@ -42,21 +61,31 @@ def main() -> None:
                  str(args.steps), "--hidden", str(args.hidden), "--layers", str(args.layers))
     plain, under = [], []
     with tempfile.TemporaryDirectory() as tmp, DaemonProcess(Path(tmp) / "run"):
-        env = {"CROSSOVER_RUNTIME_DIR": str(Path(tmp) / "run"), "CROSSOVER_JOB": "solo"}
+        env = {"CROSSOVER_RUNTIME_DIR": str(Path(tmp) / "run"), "CROSSOVER_JOB": "solo",
+               "OMPI_MCA_mpi_yield_when_idle": "1", "HOROVOD_CYCLE_TIME": "5"}
         for rep in range(args.reps):
             plain.append(samples_per_s(Job("plain", cmd, {**env, "CROSSOVER_ENABLE": "0"})))
             under.append(samples_per_s(Job("crossover", cmd, env)))
             print(f"rep {rep}: plain {plain[-1]:.0f}, crossover {under[-1]:.0f} samples/s",
                   flush=True)
+        cycle = slot_cycle_us(Path(tmp) / "run")
     p, c = statistics.median(plain), statistics.median(under)
+    step_us = 32 * 2 / p * 1e6  # one step of the plain job: 2 ranks x 32 samples
+    cycle_med = statistics.median(cycle)
     out = write_result("overhead", {
         "workload": f"MLP 64-{args.hidden}x{args.layers}-10, batch 32/rank, 2 ranks, "
                     f"{args.steps} steps",
         "plain_samples_per_s": plain, "crossover_samples_per_s": under,
         "median_plain": p, "median_crossover": c,
         "single_job_overhead": 1 - c / p,
+        "slot_cycle_us": cycle, "median_slot_cycle_us": cycle_med,
+        "median_step_us": step_us,
+        "slot_cycle_share_of_step": cycle_med / step_us,
     })
-    print(f"single-job overhead: {100 * (1 - c / p):.1f}% (median of {args.reps}) -> {out}")
+    print(f"single-job overhead, end to end: {100 * (1 - c / p):.1f}% (median of "
+          f"{args.reps}; noisy on a shared machine)")
+    print(f"slot traffic per step: {cycle_med:.0f} us = {100 * cycle_med / step_us:.2f}% of a "
+          f"{step_us / 1000:.1f} ms step -> {out}")
 
 
 if __name__ == "__main__":
