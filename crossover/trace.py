@@ -71,6 +71,15 @@ def load(path: str | os.PathLike) -> list[dict]:
     events = data.get("traceEvents") if isinstance(data, dict) else data
     if not isinstance(events, list):
         raise ValueError(f"{path}: not a Chrome trace (no traceEvents list)")
+    # Horovod's timeline counts from its start, given once in a metadata event; ours
+    # count from the epoch. Shift so merged files share one clock.
+    start = next((ev["args"]["start_time_since_epoch_in_micros"] for ev in events
+                  if ev.get("ph") == "M" and isinstance(ev.get("args"), dict)
+                  and "start_time_since_epoch_in_micros" in ev["args"]), 0)
+    if start:
+        for ev in events:
+            if "ts" in ev:
+                ev["ts"] += start
     return events
 
 
@@ -97,10 +106,11 @@ def holds_by_device(events: Iterable[dict]) -> dict[str, list[tuple[float, float
     The job name comes from the process_name metadata.
     """
     names = {ev["pid"]: ev["args"]["name"] for ev in events
-             if ev.get("ph") == "M" and ev.get("name") == "process_name"}
+             if ev.get("ph") == "M" and ev.get("name") == "process_name"
+             and "name" in ev.get("args", {})}
     out: dict[str, list] = defaultdict(list)
     for ev in events:
-        if ev.get("ph") == "X" and ev.get("name") == "hold":
+        if ev.get("ph") == "X" and ev.get("name") == "hold" and "device" in ev.get("args", {}):
             job = names.get(ev["pid"], str(ev["pid"]))
             out[ev["args"].get("device", "?")].append(
                 (ev["ts"], ev["ts"] + ev["dur"], job, ev["tid"]))

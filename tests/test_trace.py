@@ -1,0 +1,70 @@
+"""Chrome traces: overlap detection, merging with a real Horovod timeline, the Gantt plot."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+
+import pytest
+
+from crossover import trace
+from crossover.trace import TraceRecorder
+from tests.conftest import PY, REPO, mpirun
+
+
+def spans(tmp_path, job: str, holds: list[tuple[float, float]], device="n/cpu0"):
+    rec = TraceRecorder(job, 0, tmp_path / f"{job}.json")
+    for start, end in holds:
+        rec.span("hold", start, end, device=device)
+    rec.flush()
+    return tmp_path / f"{job}.json"
+
+
+def test_overlaps_finds_only_holds_of_different_jobs_on_one_device(tmp_path):
+    a = spans(tmp_path, "a", [(0.0, 1.0), (2.0, 3.0)])
+    b = spans(tmp_path, "b", [(1.0, 2.0), (2.5, 2.6)])  # the second one overlaps a
+    c = spans(tmp_path, "c", [(0.5, 0.7)], device="n/cpu1")  # other device: fine
+    events = trace.merge([a, b, c], tmp_path / "m.json")
+    found = trace.overlaps(events)
+    assert len(found) == 1
+    dev, first, second = found[0]
+    assert dev == "n/cpu0" and {first[2], second[2]} == {"a", "b"}
+
+
+def test_a_long_hold_is_compared_with_every_later_one(tmp_path):
+    a = spans(tmp_path, "a", [(0.0, 10.0)])
+    b = spans(tmp_path, "b", [(1.0, 2.0), (5.0, 6.0)])
+    assert len(trace.overlaps(trace.merge([a, b], tmp_path / "m.json"))) == 2
+
+
+def test_not_a_trace_is_named(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{nope")
+    with pytest.raises(ValueError, match="bad.json: not a Chrome trace"):
+        trace.load(bad)
+
+
+@pytest.mark.mpi
+def test_merge_with_a_real_horovod_timeline_and_plot(tmp_path):
+    timeline = tmp_path / "timeline.json"
+    env = dict(os.environ, HOROVOD_TIMELINE=str(timeline), CROSSOVER_ENABLE="0")
+    subprocess.run(mpirun(2, PY, str(REPO / "examples/torch_mlp.py"), "--steps", "5"),
+                   env=env, check=True, timeout=180, capture_output=True, cwd=REPO)
+    now = time.time()
+    ours = spans(tmp_path, "job", [(now - 1.0, now)])
+    out = tmp_path / "merged.json"
+    subprocess.run([PY, "-m", "crossover", "trace", "merge", str(ours), str(timeline),
+                    "-o", str(out)], check=True, timeout=60, cwd=REPO)
+    events = json.loads(out.read_text())["traceEvents"]
+    names = {e.get("name") for e in events}
+    assert "hold" in names
+    assert any("ALLREDUCE" in str(n) for n in names), "Horovod's allreduce events are kept"
+    # On one clock: Horovod's events fall within minutes of ours, not at 1970.
+    hvd_ts = [e["ts"] for e in events if "ALLREDUCE" in str(e.get("name")) and "ts" in e]
+    assert abs(min(hvd_ts) / 1e6 - now) < 600
+    png = tmp_path / "gantt.png"
+    subprocess.run([PY, "-m", "crossover", "trace", "plot", str(out), "-o", str(png)],
+                   check=True, timeout=120, cwd=REPO)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
