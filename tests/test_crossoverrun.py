@@ -73,6 +73,43 @@ def test_two_unmodified_scripts_run_under_crossover(runtime, tmp_path):
     assert "built no Horovod DistributedOptimizer" not in err1
 
 
+KERAS_SCRIPT = str(REPO / "examples/horovod_keras_synthetic.py")
+# Deterministic TF on CPU (one thread each, deterministic ops) so solo and shared runs
+# can be compared bit for bit; the script itself is left as Horovod's examples are.
+TF_ENV = {"TF_USE_LEGACY_KERAS": "1", "TF_DETERMINISTIC_OPS": "1", "TF_NUM_INTRAOP_THREADS": "1",
+          "TF_NUM_INTEROP_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+
+
+@pytest.mark.mpi
+def test_unmodified_keras_and_torch_scripts_together(runtime, tmp_path):
+    env = {**os.environ, **TF_ENV}
+    keras_cmd = ["-np", "2", "-H", "localhost:2", PY, KERAS_SCRIPT]
+    solo = checksum(run(keras_cmd, env=env).stdout)
+    traces = tmp_path / "traces"
+    common = ["--crossover", "--crossover-trace", str(traces),
+              "--crossover-idle-shutdown", "180"]
+    torch_job = subprocess.Popen(CROSSOVERRUN + common + ["--crossover-job", "torch", "-np",
+                                 "2", "-H", "localhost:2", PY, SCRIPT, "--steps", "40"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 cwd=REPO)
+    shared = run(common + ["--crossover-job", "keras", *keras_cmd], env=env)
+    out, err = torch_job.communicate(timeout=240)
+    assert torch_job.returncode == 0, err[-3000:]
+    assert shared.returncode == 0, shared.stderr[-3000:]
+    assert checksum(shared.stdout) == solo
+    events = trace.merge([traces / "torch.trace.json", traces / "keras.trace.json"],
+                         tmp_path / "merged.json")
+    assert trace.overlaps(events) == []
+    names = {e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert names == {"torch", "keras"}
+    # The injected Keras hook gives the slot up inside the compiled step: its ranks
+    # spend time in "communicate" spans, which only the in-graph release starts.
+    keras_pid = trace.job_pid("keras")
+    communicate = [e for e in events if e.get("pid") == keras_pid
+                   and e.get("name") == "communicate"]
+    assert len(communicate) >= 2 * 20, len(communicate)
+
+
 @pytest.mark.mpi
 def test_jobs_file_runs_all_jobs_with_prefixed_output(runtime, tmp_path):
     spec = tmp_path / "jobs.yaml"
