@@ -14,14 +14,17 @@ import time
 from dataclasses import dataclass
 
 from crossover import protocol as P
-from crossover.daemon import FAKE_NODES_ENV
+from crossover.daemon import FAKE_NODES_ENV, NODE_ENV
 from crossover.scheduler import Phase
 from crossover.trace import TraceRecorder
 from crossover.transport import recv_msg, send_msg, socket_path
 
 
 def node_name() -> str:
-    """This process's node as the daemons name it (fake0 under CROSSOVER_FAKE_NODES)."""
+    """This process's node as the daemons name it ($CROSSOVER_NODE if set, else fake0
+    under CROSSOVER_FAKE_NODES, else the hostname)."""
+    if os.environ.get(NODE_ENV):
+        return os.environ[NODE_ENV]
     return "fake0" if os.environ.get(FAKE_NODES_ENV) else socket.gethostname()
 
 
@@ -133,6 +136,8 @@ class SlotClient:
         node_index, local_rank = (info.local_rank % fake, info.local_rank // fake) if fake \
             else (None, info.local_rank)
         node = f"fake{node_index}" if fake else socket.gethostname()
+        if os.environ.get(NODE_ENV):  # an emulated host: one name for all its ranks
+            node, local_rank = os.environ[NODE_ENV], info.local_rank
         try:
             self.path = socket_path(node, runtime_dir)
             self._connect(P.Hello(job, info.rank, info.size, local_rank, info.local_size,

@@ -12,7 +12,6 @@ a rank that holds past its lease loses it then. Clients treat a vanished daemon 
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import logging
 import os
@@ -22,7 +21,6 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from crossover import protocol as P
@@ -34,6 +32,11 @@ log = logging.getLogger("crossover.daemon")
 #: Environment variable: fake this many nodes on one machine (daemon rank r is node r;
 #: a rank of local rank l talks to node l % N). For tests and benchmarks.
 FAKE_NODES_ENV = "CROSSOVER_FAKE_NODES"
+
+#: Environment variable: this process's node name, overriding the hostname and fake
+#: nodes, for daemons and job ranks alike. Emulated hosts (network namespaces) share one
+#: hostname; the launcher sets it per host.
+NODE_ENV = "CROSSOVER_NODE"
 
 
 class _SoloComm:
@@ -59,6 +62,8 @@ def default_comm() -> Any:
 def node_identity(comm: Any) -> tuple[str, list[int]]:
     """This daemon's node name and the CPU cores its devices are made of."""
     cores = sorted(os.sched_getaffinity(0))
+    if os.environ.get(NODE_ENV):
+        return os.environ[NODE_ENV], cores
     fake = int(os.environ.get(FAKE_NODES_ENV, "0") or 0)
     if fake:
         r = comm.Get_rank()
@@ -125,6 +130,7 @@ class Daemon:
         # leader only
         self._next_order = 0
         self._members: dict[str, set[int]] = {}  # job -> daemon ranks with its ranks
+        self._decided: dict[str, int] = {}  # job -> the order the leader gave it
         self._idle_since = clock()
 
     # --- life cycle -------------------------------------------------------------------
@@ -357,16 +363,20 @@ class Daemon:
                 job = msg[1]
                 if job not in self._members:
                     self._members[job] = set()
+                    self._decided[job] = self._next_order
                     self._next_order += 1
-                    self.peers.broadcast(("order", job, self._next_order - 1))
+                    self.peers.broadcast(("order", job, self._decided[job]))
                 else:
-                    self.peers.send(source, ("order", job, self._orders[job]))
+                    # Not self._orders: the leader's own "order" message may still be
+                    # queued behind this second join (two nodes joined at once).
+                    self.peers.send(source, ("order", job, self._decided[job]))
                 self._members[job].add(source)
             elif kind == "leave":  # leader
                 members = self._members.get(msg[1], set())
                 members.discard(source)
                 if not members:
                     self._members.pop(msg[1], None)
+                    self._decided.pop(msg[1], None)
                     self.peers.broadcast(("forget", msg[1]))
             elif kind == "order":
                 self._orders[msg[1]] = msg[2]
@@ -413,17 +423,3 @@ class Daemon:
             self._idle_since = now  # once: the broadcast reaches this daemon too
             self.peers.broadcast(("shutdown",))
 
-
-def connect_probe(path: Path, timeout: float = 1.0) -> bool:
-    """True when a daemon answers on `path`."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(timeout)
-    try:
-        sock.connect(str(path))
-        return True
-    except OSError as exc:
-        if exc.errno not in (errno.ENOENT, errno.ECONNREFUSED):
-            log.debug("probe of %s: %s", path, exc)
-        return False
-    finally:
-        sock.close()

@@ -8,6 +8,10 @@ The slot's life in one step:
     step(): synchronize (wait allreduces)      not held
     step(): optimizer update                   held (acquired after synchronize)
 
+Waiting for the allreduces polls with short sleeps instead of Horovod's own wait, which
+spins a core: with jobs sharing a device, that spin would steal the computing job's CPU
+(and on a CPU device, its compute).
+
 The optimizer instance is patched, not subclassed: Horovod's class calls
 `super(self.__class__, self)`, which recurses forever under a subclass or class swap.
 """
@@ -15,6 +19,7 @@ The optimizer instance is patched, not subclassed: Horovod's class calls
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any
 
 import torch
@@ -22,6 +27,9 @@ import torch
 from crossover import session
 from crossover.client import SlotClient
 from crossover.scheduler import Phase
+
+#: Longest polite (sleeping) wait for one step's allreduces before Horovod's own wait.
+QUIET_WAIT_S = 60.0
 
 
 def wrap(optimizer: Any, model: torch.nn.Module | None = None,
@@ -69,6 +77,7 @@ class _SlotHooks:
             model.register_forward_pre_hook(lambda *_: self.client.acquire())
         self._patch("zero_grad", self._zero_grad)
         self._patch("step", self._step)
+        self._patch("synchronize", self._synchronize)
 
     def _patch(self, name: str, replacement) -> None:
         original = getattr(self.opt, name)  # the bound method of Horovod's class
@@ -104,6 +113,27 @@ class _SlotHooks:
             result = original(closure)
         self.client.yield_slot()
         return result
+
+    def _synchronize(self, original):
+        self._wait_quietly()
+        return original()
+
+    def _wait_quietly(self) -> None:
+        """Sleep until the in-flight allreduces are done (polling every 0.05 ms to 0.5 ms).
+
+        Horovod's wait spins; this one costs a few syscalls per millisecond. After
+        QUIET_WAIT_S the rest of the wait is Horovod's own, so a hung peer behaves as
+        under plain Horovod.
+        """
+        from horovod.torch.mpi_ops import poll
+
+        handles = [h for h, _ in self.opt._handles.values() if h is not None]
+        deadline = time.monotonic() + QUIET_WAIT_S
+        delay = 5e-5
+        for handle in handles:
+            while not poll(handle) and time.monotonic() < deadline:
+                time.sleep(delay)
+                delay = min(2 * delay, 5e-4)
 
     def _allreduces_in_flight(self) -> bool:
         return any(handle is not None for handle, _ in self.opt._handles.values())

@@ -26,6 +26,18 @@ os.environ.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
 os.environ.setdefault("PYTHONWARNINGS", "ignore")
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Refuse to test another clone's code: the cached environment is shared by clones,
+    and its editable install points at whichever ran `make env` last."""
+    where = subprocess.run([PY, "-c", "import crossover; print(crossover.__file__)"],
+                           capture_output=True, text=True, timeout=60, cwd="/")
+    installed = Path(where.stdout.strip()).resolve().parents[1] if where.returncode == 0 \
+        else "not importable"
+    if installed != REPO:
+        pytest.exit(f"the environment's crossover is {installed}, not this clone ({REPO}): "
+                    "run `make env` (or `make test`) here first", returncode=4)
+
+
 def mpirun(np: int, *cmd: str) -> list[str]:
     return ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(np), *cmd]
 

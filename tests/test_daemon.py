@@ -170,6 +170,23 @@ def test_status_reports_holders_and_queues(cluster: Cluster):
         b.close()
 
 
+def test_status_table_shows_holder_queue_and_shares(cluster: Cluster):
+    with cluster.daemon():
+        a, b = client(cluster, "a"), client(cluster, "b")
+        a.acquire()
+        b._send(P.Acquire(1))
+        time.sleep(0.3)
+        out = subprocess.run([PY, "-m", "crossover", "status", "--once", "--runtime-dir",
+                              str(cluster.runtime)], capture_output=True, text=True,
+                             timeout=30, cwd=REPO, check=True).stdout
+        row = next(line for line in out.splitlines() if " cpu0 " in line)
+        assert " a " in row and "b:0" in row
+        hold_a = float(row.split("a: ")[1].split("%")[0])
+        assert hold_a > 50, row  # a has held cpu0 since it joined
+        a.close()
+        b.close()
+
+
 def test_status_without_daemon_names_the_fix(tmp_path):
     res = subprocess.run([PY, "-m", "crossover", "status", "--runtime-dir", str(tmp_path)],
                          capture_output=True, text=True, timeout=30, cwd=REPO)
@@ -214,9 +231,59 @@ def test_policy_off_shows_overlaps(cluster: Cluster):
     from crossover import trace
 
     with cluster.daemon(policy="off"):
-        a = cluster.job("A", 1, 100)
-        b = cluster.job("B", 2, 100)
+        a = cluster.job("A", 1, 400)
+        b = cluster.job("B", 2, 400)
         a.wait(180)
         b.wait(180)
     events = trace.merge(sorted(cluster.traces.glob("*.json")), cluster.tmp / "merged.json")
+    spans = [s for dev in trace.holds_by_device(events).values() for s in dev]
+    windows = {job: (min(s[0] for s in spans if s[2] == job), max(s[1] for s in spans
+                                                                  if s[2] == job))
+               for job in {s[2] for s in spans}}
+    (a0, a1), (b0, b1) = windows.values()
+    assert a0 < b1 and b0 < a1, f"the jobs did not run at the same time: {windows}"
     assert trace.overlaps(events)
+
+
+def test_crossover_node_names_the_daemon_and_its_clients(tmp_path, monkeypatch):
+    """CROSSOVER_NODE overrides hostname and fake nodes on both sides (emulated hosts)."""
+    from crossover.client import node_name
+    from crossover.daemon import node_identity
+
+    monkeypatch.setenv("CROSSOVER_NODE", "hostB")
+    monkeypatch.setenv("CROSSOVER_FAKE_NODES", "2")
+    name, cores = node_identity(None)
+    assert name == "hostB" and cores == sorted(os.sched_getaffinity(0))
+    assert node_name() == "hostB"
+    run = tmp_path / "run"
+    daemon = subprocess.Popen([PY, "-m", "crossover", "daemon", "--runtime-dir", str(run)],
+                              cwd=REPO, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (run / "node-hostB.sock").exists():
+            assert daemon.poll() is None, "daemon exited"
+            assert time.monotonic() < deadline, "daemon socket did not appear"
+            time.sleep(0.05)
+        c = SlotClient("j", RankInfo(rank=1, size=2, local_rank=0, local_size=1),
+                       runtime_dir=run, pin_cpu=False)
+        assert c.coordinated and c.label is not None and c.label.startswith("hostB/")
+        c.close()
+    finally:
+        os.killpg(daemon.pid, signal.SIGTERM)
+        daemon.wait(timeout=10)
+
+
+def test_leader_answers_a_second_join_before_its_own_order_arrives(tmp_path):
+    """Two nodes' first ranks of one job join at once: the leader's own "order" message
+    is still queued behind the second join, which must be answered all the same."""
+    from crossover.daemon import Daemon
+
+    daemon = Daemon(runtime_dir=tmp_path / "run")
+    sent = []
+    daemon.peers.send = lambda dest, obj: sent.append((dest, obj))
+    daemon.peers.broadcast = lambda obj: sent.extend((d, obj) for d in (0, 1))
+    daemon.peers.inbox.put((0, ("join", "J")))
+    daemon.peers.inbox.put((1, ("join", "J")))
+    daemon._handle_peers()  # raised KeyError before the fix
+    assert (1, ("order", "J", 0)) in sent and (0, ("order", "J", 0)) in sent
+    assert [o for d, o in sent if d == 1].count(("order", "J", 0)) == 2  # broadcast + answer

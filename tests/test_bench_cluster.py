@@ -1,0 +1,108 @@
+"""Smoke test of the emulated cluster (bench/cluster.py): build, talk across, tear down.
+
+Needs root and network namespaces; skipped elsewhere. No timing is asserted.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from cluster import HOSTS_FILE, MARKER, EmulatedCluster  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
+    reason="the emulated cluster needs root, ip and tc")
+
+ECHO = """
+import socket, sys
+s = socket.create_server((sys.argv[1], int(sys.argv[2])))
+s.settimeout(30)
+print("ready", flush=True)
+c, _ = s.accept()
+c.settimeout(30)
+c.sendall(c.recv(64).upper())
+"""
+
+ASK = """
+import socket, sys
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30)
+s.sendall(b"across the link")
+print(s.recv(64).decode())
+"""
+
+
+def test_two_hosts_talk_over_the_shaped_link_and_leave_nothing():
+    with EmulatedCluster(mbit=100) as c:
+        # each host sees only its own end of the link
+        for i, addr in enumerate(c.addrs):
+            out = subprocess.run(c.exec_in(i, ["ip", "-4", "-o", "addr"]), capture_output=True,
+                                 text=True, timeout=30, check=True).stdout
+            assert addr in out and c.addrs[1 - i] not in out
+        qdisc = subprocess.run(["ip", "netns", "exec", c.hosts[1], "tc", "qdisc", "show"],
+                               capture_output=True, text=True, timeout=30).stdout
+        assert "tbf" in qdisc and "100Mbit" in qdisc
+        server = subprocess.Popen(c.exec_in(1, [sys.executable, "-c", ECHO, c.addrs[1], "29517"]),
+                                  stdout=subprocess.PIPE, text=True)
+        try:
+            assert server.stdout.readline().strip() == "ready"
+            reply = subprocess.run(c.exec_in(0, [sys.executable, "-c", ASK, c.addrs[1], "29517"]),
+                                   capture_output=True, text=True, timeout=60)
+            assert reply.stdout.strip() == "ACROSS THE LINK", reply.stderr
+        finally:
+            server.kill()
+            server.wait(timeout=10)
+        assert c.measure_mbit(nbytes=256 * 1024) > 0
+        # the hosts resolve by name, and their processes carry their own node name
+        out = subprocess.run(c.exec_in(1, ["sh", "-c", "echo $CROSSOVER_NODE $(hostname)"]),
+                             capture_output=True, text=True, timeout=30).stdout.split()
+        assert out == [c.hosts[1], c.hosts[1]]
+        assert all(h in HOSTS_FILE.read_text() for h in c.hosts)
+    assert c.leftovers() == []
+    assert MARKER not in HOSTS_FILE.read_text()
+
+
+def test_an_exception_inside_tears_everything_down():
+    with pytest.raises(RuntimeError, match="boom"), EmulatedCluster(mbit=50) as c:
+        assert c.leftovers() != []
+        raise RuntimeError("boom")
+    assert c.leftovers() == []
+    assert MARKER not in HOSTS_FILE.read_text()
+
+
+HOLD = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from cluster import EmulatedCluster
+with EmulatedCluster(mbit=50) as c:
+    print(" ".join(c.hosts), flush=True)
+    time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_or_sigterm_tears_everything_down(sig):
+    import signal
+
+    bench = str(Path(__file__).resolve().parents[1] / "bench")
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, bench], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    try:
+        hosts = proc.stdout.readline().split()
+        assert len(hosts) == 2
+        proc.send_signal(getattr(signal, sig))
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
+                           timeout=30).stdout
+    assert not any(h in names for h in hosts)
+    assert not any(h in HOSTS_FILE.read_text() for h in hosts)
