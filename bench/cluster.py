@@ -56,18 +56,34 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 def cleanup_stale(hosts_file: Path = HOSTS_FILE) -> list[str]:
     """Remove namespaces and hosts lines left by earlier runs that were SIGKILLed.
 
-    Only names carrying this module's marker in `hosts_file` are touched.
+    Only names carrying this module's marker in `hosts_file` are touched, and only those
+    whose owner process (the pid on the line) is gone: a cluster in use is left alone.
 
     Returns:
         The namespace names removed.
     """
     lines = hosts_file.read_text().splitlines(keepends=True)
-    stale = [ln.split()[1] for ln in lines if MARKER in ln and len(ln.split()) > 1]
-    for name in stale:
-        _ip("netns", "del", name, check=False)
-    if stale:
-        hosts_file.write_text("".join(ln for ln in lines if MARKER not in ln))
-    return stale
+    dead = [ln for ln in lines if MARKER in ln and len(ln.split()) > 1
+            and not _owner_alive(ln)]
+    for ln in dead:
+        _ip("netns", "del", ln.split()[1], check=False)
+    if dead:
+        hosts_file.write_text("".join(ln for ln in lines if ln not in dead))
+    return [ln.split()[1] for ln in dead]
+
+
+def _owner_alive(hosts_line: str) -> bool:
+    """Whether the process that wrote this hosts line (`... pid=N`) still runs."""
+    pid = re.search(r"pid=(\d+)", hosts_line)
+    if pid is None:  # a line from before owners were recorded
+        return False
+    try:
+        os.kill(int(pid.group(1)), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class EmulatedCluster:
@@ -123,7 +139,7 @@ class EmulatedCluster:
         self._tmp = Path(tempfile.mkdtemp(prefix="crossover-cluster-"))
         with HOSTS_FILE.open("a") as f:
             for host, addr in zip(self.hosts, self.addrs, strict=True):
-                f.write(f"{addr} {host} {MARKER}\n")
+                f.write(f"{addr} {host} {MARKER} pid={os.getpid()}\n")
         for host in self.hosts:
             _ip("netns", "add", host)
         _ip("link", "add", self.ifaces[0], "type", "veth", "peer", "name", self.ifaces[1])

@@ -1,15 +1,18 @@
 """Crossover on an emulated two-host cluster with a shaped network (as root).
 
     .venv/bin/python bench/crossover_bench.py [--quick] [--reps 3] [--mbit 2000,1000,500]
+        [--jobs 2]
 
 Two emulated hosts (network namespaces, one CPU core each, a veth link shaped with tc);
-each job has one rank per host and averages its gradients over the link (Open MPI TCP);
-one crossover daemon per host. For each workload and link rate, side by side, repeated:
+each job has one rank per host and averages its gradients over the link (Horovod's Gloo
+over TCP); one crossover daemon per host. For each workload and link rate, side by side,
+repeated:
 
-    solo        each job alone, plain Horovod; sequential = their sum
-    overhead    job A alone under the daemon, against the plain solo
-    together    both jobs at once, uncoordinated (plain Horovod)
-    crossover   both jobs at once under the crossover daemon
+    solo            each job alone, plain Horovod; sequential = their sum
+    overhead        job A alone under the daemon, against the plain solo
+    uncoordinated   the jobs at once, hooks on, daemon policy off
+    plain together  the jobs at once, plain Horovod
+    crossover       the jobs at once under the crossover daemon
 
 and the bound max(sum of compute, sum of communication) from the solo runs' own split.
 Medians over the repetitions; writes bench/results/crossover.json, crossover_speedup.png
@@ -128,8 +131,8 @@ def makespan(results: list[dict]) -> float:
 
 def measure(cluster: EmulatedCluster, daemons: Daemons, off: Daemons, wl: str, mbit: float,
             measured_mbit: float, reps: int, steps: int, tmp: Path,
-            trace_dir: Path | None) -> dict:
-    """One workload at one link rate: all arms, `reps` times, interleaved.
+            trace_dir: Path | None, n_jobs: int = 2) -> dict:
+    """One workload at one link rate: all arms, `reps` times, interleaved, for `n_jobs`.
 
     Args:
         daemons: crossover-policy daemons; off: policy-off daemons (the hooks run, the
@@ -138,56 +141,54 @@ def measure(cluster: EmulatedCluster, daemons: Daemons, off: Daemons, wl: str, m
     args = WORKLOADS[wl]
     plain = {"CROSSOVER_ENABLE": "0"}
     under = {"CROSSOVER_RUNTIME_DIR": str(daemons.runtime)}
-    arms: dict[str, list] = {k: [] for k in ("solo_a", "solo_b", "solo_daemon", "together",
+    letters = "ABCDEFGH"[:n_jobs]
+    solo_arms = [f"solo_{x.lower()}" for x in letters]
+    arms: dict[str, list] = {k: [] for k in (*solo_arms, "solo_daemon", "together",
                                              "plain_together", "crossover")}
     logs = tmp / "logs"
     logs.mkdir(exist_ok=True)
     for rep in range(reps):
-        tag = f"{wl}{int(mbit)}r{rep}"
-        arms["solo_a"] += run_jobs(cluster, [f"{tag}A"], args, steps, plain, logs)
-        arms["solo_b"] += run_jobs(cluster, [f"{tag}B"], args, steps, plain, logs)
+        tag = f"{wl}{int(mbit)}r{rep}{n_jobs}"
+        for x, arm in zip(letters, solo_arms, strict=True):
+            arms[arm] += run_jobs(cluster, [f"{tag}{x}"], args, steps, plain, logs)
         arms["solo_daemon"] += run_jobs(cluster, [f"{tag}D"], args, steps, under, logs)
-        arms["together"].append(run_jobs(cluster, [f"{tag}TA", f"{tag}TB"], args, steps,
+        arms["together"].append(run_jobs(cluster, [f"{tag}T{x}" for x in letters], args, steps,
                                          {"CROSSOVER_RUNTIME_DIR": str(off.runtime)}, logs))
-        arms["plain_together"].append(run_jobs(cluster, [f"{tag}PA", f"{tag}PB"], args, steps,
-                                               plain, logs))
+        arms["plain_together"].append(run_jobs(cluster, [f"{tag}P{x}" for x in letters], args,
+                                               steps, plain, logs))
         cx_env = dict(under)
         if trace_dir is not None and rep == reps - 1:
             cx_env["CROSSOVER_TRACE"] = str(trace_dir)
-        arms["crossover"].append(run_jobs(cluster, [f"{tag}XA", f"{tag}XB"], args, steps,
+        arms["crossover"].append(run_jobs(cluster, [f"{tag}X{x}" for x in letters], args, steps,
                                           cx_env, logs))
-        print(f"  {wl} {mbit:g} Mbit/s rep {rep}: solo {arms['solo_a'][-1]['seconds']:.2f}+"
-              f"{arms['solo_b'][-1]['seconds']:.2f} s, together "
+        solo_s = "+".join(f"{arms[a][-1]['seconds']:.2f}" for a in solo_arms)
+        print(f"  {wl} {mbit:g} Mbit/s rep {rep}: solo {solo_s} s, together "
               f"{makespan(arms['together'][-1]):.2f} s (plain "
               f"{makespan(arms['plain_together'][-1]):.2f} s), crossover "
               f"{makespan(arms['crossover'][-1]):.2f} s", flush=True)
     med = statistics.median
-    solo_a, solo_b = med(r["seconds"] for r in arms["solo_a"]), \
-        med(r["seconds"] for r in arms["solo_b"])
-    sequential = med(a["seconds"] + b["seconds"]
-                     for a, b in zip(arms["solo_a"], arms["solo_b"], strict=True))
+    per_rep = list(zip(*(arms[a] for a in solo_arms), strict=True))  # the solos of a rep
+    solos = [med(r["seconds"] for r in arms[a]) for a in solo_arms]
+    sequential = med(sum(r["seconds"] for r in rep) for rep in per_rep)
     together = med(makespan(r) for r in arms["together"])
     plain_together = med(makespan(r) for r in arms["plain_together"])
     cx = med(makespan(r) for r in arms["crossover"])
-    compute = med(a["compute_s"] + b["compute_s"]
-                  for a, b in zip(arms["solo_a"], arms["solo_b"], strict=True))
-    comm = med(a["comm_s"] + b["comm_s"]
-               for a, b in zip(arms["solo_a"], arms["solo_b"], strict=True))
+    compute = med(sum(r["compute_s"] for r in rep) for rep in per_rep)
+    comm = med(sum(r["comm_s"] for r in rep) for rep in per_rep)
     bound = max(compute, comm)
     # What the link alone needs: a 2-rank ring allreduce sends each rank's whole gradient
     # (4 bytes a parameter) each way per step; the solo split hides part of this under
     # backward, so the link can bind before the split's communication sum does.
     params = arms["solo_a"][0]["params"]
-    link = 2 * steps * params * 4 * 8 / (measured_mbit * 1e6)
+    link = n_jobs * steps * params * 4 * 8 / (measured_mbit * 1e6)
     samples = sum(r["samples_per_s"] * r["seconds"] for r in arms["crossover"][0])
-    solos = (solo_a, solo_b)
-    slow = {arm: med(statistics.fmean(r[i]["seconds"] / solos[i] for i in range(2))
+    slow = {arm: med(statistics.fmean(r[i]["seconds"] / solos[i] for i in range(n_jobs))
                      for r in arms[arm]) for arm in ("together", "crossover")}
     overhead = 1 - med(r["samples_per_s"] for r in arms["solo_daemon"]) / \
         med(r["samples_per_s"] for r in arms["solo_a"])
     return {
-        "workload": wl, "mbit": mbit, "params": arms["solo_a"][0]["params"],
-        "solo_s": [solo_a, solo_b], "sequential_s": sequential, "uncoordinated_s": together,
+        "workload": wl, "mbit": mbit, "jobs": n_jobs, "params": params,
+        "solo_s": solos, "sequential_s": sequential, "uncoordinated_s": together,
         "plain_uncoordinated_s": plain_together, "crossover_s": cx, "bound_s": bound,
         "compute_s": compute, "comm_s": comm, "comm_share": comm / (compute + comm),
         "link_bound_s": link, "bound_with_link_s": max(bound, link),
@@ -209,7 +210,7 @@ def measure(cluster: EmulatedCluster, daemons: Daemons, off: Daemons, wl: str, m
     }
 
 
-def plot_speedup(rows: list[dict], png: Path) -> None:
+def plot_speedup(rows: list[dict], png: Path, n_jobs: int = 2) -> None:
     """Speedup over sequential against link rate, one line per workload and arm."""
     import matplotlib
 
@@ -229,8 +230,8 @@ def plot_speedup(rows: list[dict], png: Path) -> None:
     ax.axhline(1.3, color="grey", lw=0.8, ls="--")
     ax.set_xscale("log")
     ax.set_xlabel("link rate (Mbit/s, each direction)")
-    ax.set_ylabel("speedup over sequential (2 jobs)")
-    ax.set_title("Two jobs on two emulated hosts (1 core each)")
+    ax.set_ylabel(f"speedup over sequential ({n_jobs} jobs)")
+    ax.set_title(f"{n_jobs} jobs on two emulated hosts (1 core each)")
     ax.legend(fontsize=7, ncol=3)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
@@ -249,12 +250,15 @@ def main() -> None:
     parser.add_argument("--delay-ms", type=float, default=0.0,
                         help="one-way link delay (needs tc netem in the kernel)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
-    parser.add_argument("--name", default=None, help="result name (default crossover, or "
-                        "crossover_quick with --quick)")
+    parser.add_argument("--jobs", type=int, choices=range(2, 9), default=2,
+                        help="jobs sharing the two hosts (each has one rank per host)")
+    parser.add_argument("--name", default=None, help="result name (default crossover, "
+                        "crossover_<N>jobs for N != 2, with _quick under --quick)")
     args = parser.parse_args()
     if args.quick:
         args.reps, args.steps, args.workloads = 1, 10, "mlp"
-    name = args.name or ("crossover_quick" if args.quick else "crossover")
+    name = args.name or ("crossover" + (f"_{args.jobs}jobs" if args.jobs != 2 else "")
+                         + ("_quick" if args.quick else ""))
     rates = [float(x) for x in args.mbit.split(",")]
     rows: list[dict] = []
     started = time.monotonic()
@@ -273,7 +277,7 @@ def main() -> None:
                     tdir = gantt_dir / f"{wl}-{mbit:g}"
                     tdir.mkdir(parents=True)
                     row = measure(cluster, daemons, off, wl, mbit, measured, args.reps,
-                                  args.steps, tmp, tdir)
+                                  args.steps, tmp, tdir, args.jobs)
                     row["measured_mbit"] = measured
                     rows.append(row)
                     print(f"{wl} {mbit:g}: crossover {row['crossover_vs_sequential']:.2f}x seq,"
@@ -290,18 +294,18 @@ def main() -> None:
         tdir = gantt_dir / f"{first}-{pick['mbit']:g}"
         events = trace.merge(sorted(tdir.glob("*.json")), tdir / "merged.json")
         gantt = RESULTS / f"{name}_gantt.png"
-        trace.plot_gantt(events, gantt, title=f"{first}, {pick['mbit']:g} Mbit/s: two jobs "
-                         "under crossover (one rank per host)")
+        trace.plot_gantt(events, gantt, title=f"{first}, {pick['mbit']:g} Mbit/s: "
+                         f"{args.jobs} jobs under crossover (one rank per host)")
         gaps = idle_gaps(events)
     speedup_png = RESULTS / f"{name}_speedup.png"
-    plot_speedup(rows, speedup_png)
+    plot_speedup(rows, speedup_png, args.jobs)
     summary = headline(rows)
     out = write_result(name, {
         **summary,
-        "setup": {"hosts": 2, "cores_per_host": 1, "ranks_per_job": 2, "jobs": 2,
+        "setup": {"hosts": 2, "cores_per_host": 1, "ranks_per_job": 2, "jobs": args.jobs,
                   "reps": args.reps, "steps": args.steps, "delay_ms": args.delay_ms,
-                  "transport": "Open MPI TCP (btl tcp) over a tc tbf-shaped veth pair",
-                  "job_env": JOB_ENV, "mpi": "--mca mpi_yield_when_idle 1",
+                  "link": "a tc tbf-shaped veth pair between two network namespaces",
+                  "job_env": JOB_ENV,
                   "uncoordinated": "both jobs at once under the daemon with --policy off "
                                    "(hooks on, every request granted at once)",
                   "plain_uncoordinated": "both jobs at once, plain Horovod "

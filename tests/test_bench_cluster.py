@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from cluster import HOSTS_FILE, MARKER, EmulatedCluster  # noqa: E402
+from cluster import HOSTS_FILE, MARKER, EmulatedCluster, cleanup_stale  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
@@ -65,7 +65,24 @@ def test_two_hosts_talk_over_the_shaped_link_and_leave_nothing():
         assert out == [c.hosts[1], c.hosts[1]]
         assert all(h in HOSTS_FILE.read_text() for h in c.hosts)
     assert c.leftovers() == []
-    assert MARKER not in HOSTS_FILE.read_text()
+    assert not any(h in HOSTS_FILE.read_text() for h in c.hosts)
+
+
+def test_stale_cleanup_spares_a_live_cluster_and_removes_a_dead_ones():
+    """Only clusters whose owner died are stale: a second run must not break a first."""
+    with EmulatedCluster(mbit=50) as live:
+        gone = subprocess.Popen(["true"])
+        gone.wait(timeout=30)
+        subprocess.run(["ip", "netns", "add", "xobdeadh0"], check=True, timeout=30)
+        with HOSTS_FILE.open("a") as f:
+            f.write(f"10.231.250.1 xobdeadh0 {MARKER} pid={gone.pid}\n")
+        removed = cleanup_stale()
+        assert "xobdeadh0" in removed
+        assert live.leftovers() != [] and not any(h in removed for h in live.hosts)
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
+                               timeout=30).stdout
+        assert "xobdeadh0" not in names and "xobdeadh0" not in HOSTS_FILE.read_text()
+    assert live.leftovers() == []
 
 
 def test_an_exception_inside_tears_everything_down():
@@ -73,7 +90,6 @@ def test_an_exception_inside_tears_everything_down():
         assert c.leftovers() != []
         raise RuntimeError("boom")
     assert c.leftovers() == []
-    assert MARKER not in HOSTS_FILE.read_text()
 
 
 HOLD = """
