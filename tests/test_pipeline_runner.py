@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import pickle
 import subprocess
 
@@ -83,3 +85,143 @@ def test_a_missing_peer_times_out_with_a_message():
     out = subprocess.run([PY, "-c", code], cwd=REPO, capture_output=True, text=True,
                          timeout=60)
     assert "TIMEOUT stage 1 waited for x: is that rank alive" in out.stdout, out.stderr
+
+
+# --- replicated (data-parallel) stages ------------------------------------------------------
+CHAIN_REPLICATED = ("chain", 3, ("--replicas", "2,1"))
+
+
+@pytest.fixture(scope="module")
+def replicated_chain(tmp_path_factory):
+    """One run of a 2-stage chain with stage 0 on 2 replicas (ranks 0, 1), stage 1 on rank 2."""
+    tmp = tmp_path_factory.mktemp("replicated_chain")
+    env = dict(os.environ, CROSSOVER_ENABLE="0", CROSSOVER_RUNTIME_DIR=str(tmp / "run"))
+    name, np_, extra = CHAIN_REPLICATED
+    return run_pipeline(tmp, env, name, np_, *extra, timeout=240)
+
+
+def test_a_replicated_chain_stage_gives_single_process_gradients(replicated_chain):
+    got = replicated_chain
+    assert got["replicas"] == [2, 1] and got["devices"] == [[0, 1], [2]]
+    assert_same_grads(got, "chain")
+
+
+def shard_own_grads(name: str, batch: int, micro: int, replicas: int, replica: int,
+                    params: list[str]) -> dict[str, np.ndarray]:
+    """What one replica holds before the process-set allreduce: the gradient of its rows
+    of every micro-batch, weighted by their share of the batch (mean losses)."""
+    spec = build(name, torch.float64, small=True)
+    feeds, target = spec.make_batch(batch, 1)
+    b, share = batch // micro, batch // micro // replicas
+    idx = torch.tensor([m * b + replica * share + i for m in range(micro) for i in range(share)])
+    out = spec.module(**{k: v[idx] for k, v in feeds.items()})
+    (spec.loss(out, target[idx]) * (len(idx) / batch)).backward()
+    named = dict(spec.module.named_parameters())
+    return {k: named[k].grad.numpy() for k in params}
+
+
+def test_replicas_sum_their_gradients_over_a_horovod_process_set(replicated_chain):
+    ranks = replicated_chain["rank_grads"]
+    stage0 = sorted(ranks[0])
+    assert stage0 and sorted(ranks[1]) == stage0 and not set(ranks[2]) & set(stage0)
+    ref, _ = reference("chain", 8)
+    own = [shard_own_grads("chain", 8, 4, 2, r, stage0) for r in (0, 1)]
+    for k in stage0:
+        scale = np.abs(ref[k]).max()
+        # the shards' own gradients are parts of the whole (this checks the test's maths)
+        assert np.abs(own[0][k] + own[1][k] - ref[k]).max() < 1e-9 * scale
+        # both replicas end with the same gradient: the whole batch's, not their own
+        assert np.array_equal(ranks[0][k], ranks[1][k]), k
+        assert np.abs(ranks[0][k] - ref[k]).max() < 1e-6 * scale, k
+        for r in (0, 1):
+            assert np.abs(ranks[r][k] - own[r][k]).max() > 1e-3 * scale, (k, r)
+
+
+@pytest.mark.parametrize("name, np_, plan, replicas, extra, batch", [
+    # a replicated branch (int token inputs split too) gathered by a plain join stage
+    ("two_tower", 4, [["tokens", "embed", "text_0", "mean"],
+                      ["patches", "patch", "image_0", "mean_1"],
+                      ["cat", "head_0", "head_1", "head_2"]], "2,1,1", (), 8),
+    # three towers scatter into the replicated stage that holds the loss
+    ("uno", 5, [["cell", "towers_0_0", "towers_0_1", "towers_0_2", "towers_0_3"],
+                ["drug1", "towers_1_0", "towers_1_1", "towers_1_2", "towers_1_3"],
+                ["drug2", "towers_2_0", "towers_2_1", "towers_2_2", "towers_2_3"],
+                ["cat", "top_0", "top_1", "top_2", "top_3", "top_4"]], "1,1,1,2", (), 16),
+    # replicated into replicated (two process sets), GPipe schedule
+    ("chain", 4, None, "2,2", ("--schedule", "gpipe"), 16),
+])
+def test_replicated_stages_in_multi_branch_plans_give_single_process_gradients(
+        tmp_path, name, np_, plan, replicas, extra, batch):
+    env = dict(os.environ, CROSSOVER_ENABLE="0", CROSSOVER_RUNTIME_DIR=str(tmp_path / "run"))
+    args = ["--replicas", replicas, *extra] + (["--plan", json.dumps(plan)] if plan else [])
+    got = run_pipeline(tmp_path, env, name, np_, *args, batch=batch, timeout=240)
+    reps = [int(r) for r in replicas.split(",")]
+    assert sum(got["replicas"]) == np_ and sorted(got["replicas"]) == sorted(reps)
+    if plan is not None:
+        assert sorted(p[0] for p in got["plan"]) == sorted(p[0] for p in plan)
+    assert_same_grads(got, name, batch)
+    ranks = got["rank_grads"]
+    for devs in got["devices"]:  # every replica of a stage holds the same gradient
+        for r in devs[1:]:
+            assert sorted(ranks[r]) == sorted(ranks[devs[0]])
+            for k in ranks[r]:
+                assert np.array_equal(ranks[r][k], ranks[devs[0]][k]), (devs, k)
+
+
+def test_a_plan_launched_on_the_wrong_number_of_ranks_fails_fast(tmp_path):
+    env = dict(os.environ, CROSSOVER_ENABLE="0", CROSSOVER_RUNTIME_DIR=str(tmp_path / "run"))
+    cmd = mpirun(2, PY, "-m", "crossover.pipeline.runner", "--model", "chain", "--small",
+                 "--replicas", "2,1", "--out", str(tmp_path / "x.pkl"), "--timeout", "200")
+    proc = Proc(cmd, env, tmp_path / "wrong.log")
+    try:
+        rc = proc.popen.wait(timeout=120)  # far below the runner's 200 s receive deadline
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"a wrong rank count hung:\n{proc.output()[-3000:]}")
+    proc._out.close()
+    assert rc != 0
+    assert "the plan needs 3 ranks" in proc.output() and "has 2" in proc.output(), \
+        proc.output()[-3000:]
+    assert not (tmp_path / "x.pkl").exists()
+
+
+class _FakeComm:
+    def __init__(self, size: int, rank: int = 0) -> None:
+        self.size, self.rank = size, rank
+
+    def Get_size(self) -> int:  # noqa: N802 - mpi4py's spelling
+        return self.size
+
+    def Get_rank(self) -> int:  # noqa: N802
+        return self.rank
+
+
+def test_the_runner_refuses_a_communicator_of_the_wrong_size():
+    from crossover.pipeline import Graph, plan_for, schedule_for
+    from crossover.pipeline.runner import StageRunner, with_replicas
+
+    spec = build("chain", torch.float64, small=True)
+    g = Graph.from_fx(spec.module)
+    plan = with_replicas(plan_for(g, 2, 8, 4), [2, 1])
+    for size in (2, 4):
+        with pytest.raises(ValueError, match=f"needs 3 ranks .* has {size}: launch mpirun -np 3"):
+            StageRunner(g, plan, schedule_for(plan), 0, _FakeComm(size), {})
+
+
+def test_replica_links_exchange_the_overlapping_rows():
+    from crossover.pipeline import Plan, Stage
+    from crossover.pipeline.runner import links, shard_rows, stage_of_rank
+
+    plan = Plan([Stage(("a",), 2), Stage(("b",), 3), Stage(("c",))],
+                {(0, 1): ("a",), (1, 2): ("b",)}, micro_batch=6, num_micro=1)
+    assert [stage_of_rank(plan, r) for r in range(6)] == \
+        [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2), (2, 0)]
+    assert shard_rows(6, 3, 1) == (2, 4)
+    # replica 0 of stage 0 holds rows 0..2: rows 0-1 go to rank 2, row 2 to rank 3
+    assert links(plan, 0, 0, 1) == [(2, 0, slice(0, 2)), (3, 1, slice(2, 3))]
+    # replica 1 of stage 1 holds rows 2..3: row 2 from rank 0, row 3 from rank 1
+    assert links(plan, 1, 1, 0) == [(0, 0, slice(0, 1)), (1, 1, slice(1, 2))]
+    # the plain last stage gathers all three shards into its whole micro-batch
+    assert links(plan, 2, 0, 1) == [(2, 0, slice(0, 2)), (3, 1, slice(2, 4)),
+                                    (4, 2, slice(4, 6))]
+    assert links(plan, 1, 2, 2) == [(5, 0, slice(0, 2))]
