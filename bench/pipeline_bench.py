@@ -1,11 +1,19 @@
-"""Graph vs sequential pipeline: simulated (2, 4, 8 devices) and real (2, 4 ranks).
+"""Graph vs sequential pipeline: simulated (2, 4, 8 devices) and real (2, 4 ranks), and
+torch.distributed.pipelining as a peer on the chain.
 
-For each example model: profile the ops on this machine (one thread), plan with the graph
-partitioner and the sequential baseline under the same costs and memory limit, simulate
-both (`gpp_vs_spp` = graph throughput / sequential throughput), time both searches
-(`search_speedup` = sequential time / graph time), then run one-device-per-stage plans
-for real under mpirun and compare with the simulator's prediction. Finally, the graph
-partitioner's search time on a synthetic 1000-op multi-branch graph.
+For each example model: profile the ops on this machine (one thread; the element-wise
+median of several independent profiles, so one preempted timing on a shared machine does
+not decide the plans), plan with the graph partitioner and the sequential baseline under
+the same costs and memory limit, simulate both (`gpp_vs_spp` = graph throughput /
+sequential throughput; the ratio under each single profile is kept too, as the noise
+band), time both searches (`search_speedup` = sequential time / graph time), then run
+one-device-per-stage plans for real under mpirun and compare with the simulator's
+prediction. On the chain, 2 ranks, the same run also times our runner (GPipe and 1F1B)
+against torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B on the same stages
+(bench/torch_pipelining_peer.py, which checks its gradients first). The multi-branch models
+are simulated again with every width multiplied (`--sim-scale`), to see whether the
+ratio is an artefact of small models. Finally, the graph partitioner's search time on a
+synthetic 1000-op multi-branch graph.
 
     .venv/bin/python bench/pipeline_bench.py            # writes bench/results/pipeline.json
     .venv/bin/python bench/pipeline_bench.py --quick    # fewer repeats, no real runs
@@ -23,14 +31,21 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+import torch_pipelining_peer as peer  # noqa: E402
 
 from crossover.pipeline import (  # noqa: E402
+    Costs,
     Graph,
     graph_partition,
     plan_for,
@@ -40,28 +55,59 @@ from crossover.pipeline import (  # noqa: E402
     simulate,
     synthetic,
 )
-from crossover.pipeline.models import MODELS, build  # noqa: E402
+from crossover.pipeline.models import (  # noqa: E402
+    DLRM,
+    MODELS,
+    CandleUno,
+    TwoTowerTransformer,
+    build,
+)
 from crossover.pipeline.profile import Link  # noqa: E402
 
 LINK = Link(bandwidth=2e9, latency=30e-6)
 BATCH = 256
+# Fit `fixed + per_sample * b` at the two ends of the candidate micro-batch range (4..128):
+# the plans mostly pick 64-128, and a slope measured at 8 and 32 extrapolated to 128
+# swung gpp_vs_spp by +-0.2 between runs.
+PROFILE_SIZES = (8, 128)
 REAL_BATCH, REAL_MICRO = 64, 8
+PEER_WARMUP, PEER_ITERS = 2, 20
+TIMED = ("fwd", "fwd_per_sample", "bwd", "bwd_per_sample")
 
 
-def model_costs(name: str, repeats: int):
-    spec = build(name)
-    g = Graph.from_fx(spec.module)
-    costs = profile(g, lambda b: spec.make_batch(b, 0)[0], sizes=(8, 32), repeats=repeats,
-                    link=LINK)
+def median_costs(runs: list[Costs]) -> Costs:
+    """Element-wise median of independent profiles' times (sizes are deterministic)."""
+    first = runs[0]
+    ops = {n: replace(c, **{f: statistics.median(getattr(r.ops[n], f) for r in runs)
+                            for f in TIMED}) for n, c in first.ops.items()}
+    return replace(first, ops=ops)
+
+
+def with_memory(costs: Costs) -> float:
+    """Set the device memory limit; returns the model's parameter state in bytes."""
     state = sum(c.param_bytes for c in costs.ops.values()) * costs.param_factor
-    # A device holds 60% of the model's parameter state: pure data parallelism does not
-    # fit, so both partitioners must pipeline (the regime both papers address).
+    # A device holds 60% of the model's parameter state (+4 MiB for activations): neither
+    # one device nor (for Uno) pure data parallelism fits, so both partitioners pipeline.
     costs.memory = 0.6 * state + 4 * 1024 * 1024
-    return g, costs, state
+    return state
 
 
-def simulated(g, costs, devices: int) -> dict:
-    row = {}
+def model_costs(module: torch.nn.Module, make_inputs: Callable[[int], dict], repeats: int,
+                profiles: int) -> tuple[Graph, Costs, list[Costs], float]:
+    """Graph, median costs, the single profiles (each with the memory limit), state bytes."""
+    g = Graph.from_fx(module)
+    runs = [profile(g, make_inputs, sizes=PROFILE_SIZES, repeats=repeats, link=LINK)
+            for _ in range(profiles)]
+    for c in runs:
+        with_memory(c)
+    costs = median_costs(runs)
+    return g, costs, runs, with_memory(costs)
+
+
+def simulated(g: Graph, costs: Costs, devices: int, runs: list[Costs] | None = None) -> dict:
+    """Both partitioners on the identical graph and costs; `runs`: also the ratio under
+    each single profile (how much the answer moves with measurement noise)."""
+    row: dict[str, Any] = {}
     for kind, fn in (("graph", graph_partition), ("sequential", sequential_partition)):
         plan = fn(g, costs, devices, BATCH)
         sim = simulate(g, costs, plan, schedule_for(plan))
@@ -72,28 +118,49 @@ def simulated(g, costs, devices: int) -> dict:
                      "notes": plan.notes}
     row["gpp_vs_spp"] = row["graph"]["samples_per_s"] / row["sequential"]["samples_per_s"]
     row["search_speedup"] = row["sequential"]["search_s"] / row["graph"]["search_s"]
+    if runs:
+        row["gpp_vs_spp_per_profile"] = [simulated(g, c, devices)["gpp_vs_spp"] for c in runs]
     return row
 
 
-def real(name: str, g, costs, ranks: int, iters: int) -> dict:
-    row = {}
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               PYTHONWARNINGS="ignore")
+def mpi_env() -> dict[str, str]:
+    return dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                PYTHONWARNINGS="ignore")
+
+
+def run_ours(name: str, stages: list[list[str]], kind: str, schedule: str, iters: int,
+             warmup: int = 1, timeout: float = 300.0) -> list[float]:
+    """Our runner under mpirun (one rank per stage): the timed iterations' seconds.
+
+    Raises:
+        RuntimeError: non-zero exit or timeout, with the output's tail.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "t.json"
+        cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(len(stages)),
+               sys.executable, "-m", "crossover.pipeline.runner", "--model", name,
+               "--dtype", "float32", "--batch", str(REAL_BATCH), "--micro", str(REAL_MICRO),
+               "--partitioner", kind, "--schedule", schedule, "--iters", str(warmup + iters),
+               "--plan", json.dumps(stages), "--out", str(out)]
+        try:
+            proc = subprocess.run(cmd, cwd=REPO, env=mpi_env(), timeout=timeout,
+                                  capture_output=True, text=True)
+        except subprocess.TimeoutExpired as exc:
+            raise RuntimeError(f"{name} {kind} {schedule}: runner timed out after "
+                               f"{timeout} s") from exc
+        if proc.returncode != 0 or not out.exists():
+            raise RuntimeError(f"{name} {kind} {schedule}: runner exited {proc.returncode}:\n"
+                               f"{(proc.stdout + proc.stderr)[-3000:]}")
+        return json.loads(out.read_text())["times"][warmup:]  # the first ones warm up
+
+
+def real(name: str, g: Graph, costs: Costs, ranks: int, iters: int) -> dict:
+    row: dict[str, Any] = {}
     for kind in ("graph", "sequential"):
         plan = plan_for(g, ranks, REAL_BATCH, REAL_MICRO, kind, costs)
         pred = simulate(g, costs, plan, schedule_for(plan))
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "t.json"
-            cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(ranks),
-                   sys.executable, "-m", "crossover.pipeline.runner", "--model", name,
-                   "--dtype", "float32", "--batch", str(REAL_BATCH), "--micro",
-                   str(REAL_MICRO), "--partitioner", kind, "--iters", str(iters + 1),
-                   "--plan", json.dumps([list(s.ops) for s in plan.stages]),
-                   "--out", str(out)]
-            subprocess.run(cmd, cwd=REPO, env=env, check=True, timeout=300,
-                           capture_output=True)
-            res = json.loads(out.read_text())
-        measured = statistics.median(res["times"][1:])  # the first iteration warms up
+        measured = statistics.median(run_ours(name, [list(s.ops) for s in plan.stages], kind,
+                                              "1f1b", iters))
         row[kind] = {"plan": plan.describe(), "measured_s": measured,
                      "predicted_s": pred.iteration_s,
                      "prediction_error": abs(pred.iteration_s - measured) / measured}
@@ -101,6 +168,89 @@ def real(name: str, g, costs, ranks: int, iters: int) -> dict:
     row["gpp_vs_spp_predicted"] = (row["sequential"]["predicted_s"]
                                    / row["graph"]["predicted_s"])
     return row
+
+
+def peer_comparison(g: Graph, costs: Costs, reps: int) -> dict:
+    """Our runner vs torch.distributed.pipelining on the chain, 2 ranks, same stages.
+
+    Both get the graph partitioner's 2-stage plan (op lists), batch, micro-batches, dtype,
+    data, one thread per rank and the same warm-up/timed iteration counts; each
+    repetition runs the four configurations back to back, in a rotated order so that load
+    drifting on this shared machine does not always hit the same one. samples/s per
+    repetition = batch / median timed iteration; reported: the median over repetitions.
+    """
+    plan = plan_for(g, 2, REAL_BATCH, REAL_MICRO, "graph", costs)
+    stages = [list(s.ops) for s in plan.stages]
+    per: dict[str, list[float]] = {"ours_gpipe": [], "ours_1f1b": [], "gpipe": [], "1f1b": []}
+    checks = []
+
+    def ours(schedule: str) -> None:
+        times = run_ours("chain", stages, "graph", schedule, PEER_ITERS, PEER_WARMUP)
+        per[f"ours_{schedule}"].append(REAL_BATCH / statistics.median(times))
+
+    def torch_peer() -> None:
+        res = peer.launch(stages, "--model", "chain", "--dtype", "float32", "--batch",
+                          str(REAL_BATCH), "--micro", str(REAL_MICRO), "--warmup",
+                          str(PEER_WARMUP), "--iters", str(PEER_ITERS), timeout=300)
+        checks.append(res["check"])
+        for kind in peer.SCHEDULES:
+            per[kind].append(res[kind]["samples_per_s"])
+
+    runs = [lambda: ours("gpipe"), lambda: ours("1f1b"), torch_peer]
+    for rep in range(reps):
+        for fn in runs[rep % 3:] + runs[:rep % 3]:
+            fn()
+    out: dict[str, Any] = {k: statistics.median(v) for k, v in per.items()}
+    out["per_repetition"] = per
+    # Other work on this machine swings a run's speed several-fold; the best repetition
+    # (least disturbed) and the ratio within each repetition (back-to-back runs share the
+    # load) are steadier than the ratio of medians, so all three are kept.
+    out["best"] = {k: max(v) for k, v in per.items()}
+    out["ours_vs_peer"] = {s: out[f"ours_{s}"] / out[s] for s in peer.SCHEDULES}
+    out["ours_vs_peer_paired_median"] = {
+        s: statistics.median(a / b for a, b in zip(per[f"ours_{s}"], per[s], strict=True))
+        for s in peer.SCHEDULES}
+    out["peer_check"] = checks[0]
+    out["peer_checks_passed"] = all(c[k]["passed"] for c in checks for k in peer.SCHEDULES)
+    out["settings"] = {
+        "model": "chain", "ranks": 2, "stages": stages, "plan": plan.describe(),
+        "batch": REAL_BATCH, "micro_batches": REAL_MICRO, "dtype": "float32",
+        "warmup": PEER_WARMUP, "iters": PEER_ITERS, "repetitions": reps, "threads": 1,
+        "ours": "crossover.pipeline.runner (mpi4py Isend/Irecv)",
+        "peer": "torch.distributed.pipelining PipelineStage (manual split at the same "
+                "op boundary) + ScheduleGPipe/Schedule1F1B, gloo backend, "
+                f"torch {torch.__version__}",
+        "stat": "samples/s = batch / median timed iteration; median (and best) over "
+                "repetitions"}
+    return out
+
+
+def scaled_model(name: str, scale: int) -> tuple[torch.nn.Module, Callable[[int], dict]]:
+    """A multi-branch example model with every width (and DLRM's vocabulary) x `scale`;
+    the same structure as `models.build(name)`, which is scale 1."""
+    torch.manual_seed(0)
+    if name == "two_tower":
+        m = TwoTowerTransformer(d=64 * scale, ff=128 * scale)
+    elif name == "dlrm":
+        m = DLRM(vocab=1000 * scale, d=32 * scale, bottom=256 * scale, top=256 * scale)
+    elif name == "uno":
+        m = CandleUno(tuple(d * scale for d in (128, 256, 256)), 256 * scale, 3, 256 * scale, 2)
+    else:
+        raise KeyError(f"no scaled variant of {name!r}")
+
+    def make_inputs(b: int) -> dict:
+        gen = torch.Generator().manual_seed(0)
+        if name == "two_tower":
+            return {"tokens": torch.randint(0, m.embed.num_embeddings, (b, 16), generator=gen),
+                    "patches": torch.randn(b, 16, m.patch.in_features, generator=gen)}
+        if name == "dlrm":
+            return {"dense": torch.randn(b, m.bottom[0].in_features, generator=gen),
+                    "sparse": torch.randint(0, m.embs[0][0].num_embeddings, (b, m.tables),
+                                            generator=gen)}
+        return {k: torch.randn(b, t[0].in_features, generator=gen)
+                for k, t in zip(("cell", "drug1", "drug2"), m.towers, strict=True)}
+
+    return m, make_inputs
 
 
 def big_graph(ops: int = 1000, seed: int = 0):
@@ -127,30 +277,70 @@ def big_graph(ops: int = 1000, seed: int = 0):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sim-scale", default="4",
+                    help="comma-separated width multipliers for the extra simulated "
+                         "comparison of the multi-branch models ('' to skip)")
+    ap.add_argument("--peer-reps", type=int, default=5,
+                    help="repetitions of the torch.distributed.pipelining comparison")
     ap.add_argument("--out", default=str(REPO / "bench/results/pipeline.json"))
     args = ap.parse_args()
     torch.set_num_threads(1)
-    repeats, iters = (3, 3) if args.quick else (7, 5)
-    result = {
-        "command": "bench/pipeline_bench.py" + (" --quick" if args.quick else ""),
+    repeats, iters, profiles = (3, 3, 1) if args.quick else (7, 5, 3)
+    scales = [int(s) for s in args.sim_scale.split(",") if s]
+    result: dict[str, Any] = {
+        "command": " ".join(["bench/pipeline_bench.py", *sys.argv[1:]]),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                    "python": platform.python_version(), "torch": torch.__version__},
+                    "python": platform.python_version(), "torch": torch.__version__,
+                    "load_average_at_start": os.getloadavg()},
         "settings": {"batch": BATCH, "link": {"bandwidth": LINK.bandwidth,
                                               "latency": LINK.latency},
                      "memory": "0.6 x model parameter state (x4 copies) + 4 MiB",
+                     "profile": {"sizes": PROFILE_SIZES, "repeats": repeats,
+                                 "profiles": profiles,
+                                 "costs": "element-wise median of the profiles"},
                      "real": {"batch": REAL_BATCH, "micro_batches": REAL_MICRO,
                               "iterations": iters, "stat": "median"}},
         "models": {},
     }
+    failures = []
     for name in MODELS:
-        g, costs, state = model_costs(name, repeats)
-        entry = {"ops": len(g), "param_state_bytes": state, "memory_limit": costs.memory,
-                 "simulated": {str(d): simulated(g, costs, d) for d in (2, 4, 8)}}
+        spec = build(name)
+        g, costs, runs, state = model_costs(spec.module, lambda b, s=spec: s.make_batch(b, 0)[0],
+                                            repeats, profiles)
+        entry: dict[str, Any] = {
+            "ops": len(g), "param_state_bytes": state, "memory_limit": costs.memory,
+            "simulated": {str(d): simulated(g, costs, d, runs if profiles > 1 else None)
+                          for d in (2, 4, 8)}}
         if not args.quick:
             entry["real"] = {str(r): real(name, g, costs, r, iters) for r in (2, 4)}
+            if name == "chain":
+                try:
+                    result["torch_pipelining_peer"] = peer_comparison(g, costs, args.peer_reps)
+                except (peer.PeerError, RuntimeError) as exc:
+                    # recorded and reported; the rest of the benchmark still runs
+                    result["torch_pipelining_peer"] = {"error": str(exc)[-3000:]}
+                    failures.append(f"torch pipelining peer: {exc}")
+                    print(f"PEER FAILED: {exc}", file=sys.stderr, flush=True)
         result["models"][name] = entry
         print(name, {d: round(v["gpp_vs_spp"], 3) for d, v in entry["simulated"].items()},
               flush=True)
+    if scales:
+        result["simulated_scaled"] = {}
+    for scale in scales:
+        for name in ("two_tower", "dlrm", "uno"):
+            module, make_inputs = scaled_model(name, scale)
+            g, costs, runs, state = model_costs(module, make_inputs, repeats, profiles)
+            sims = {}
+            for d in (2, 4, 8):
+                try:
+                    sims[str(d)] = simulated(g, costs, d, runs if profiles > 1 else None)
+                except ValueError as exc:  # PartitionError: nothing fits on so few devices
+                    sims[str(d)] = {"error": str(exc)}
+            result["simulated_scaled"][f"{name}_x{scale}"] = {
+                "scale": scale, "ops": len(g), "param_state_bytes": state,
+                "memory_limit": costs.memory, "simulated": sims}
+            print(f"{name} x{scale}", {d: round(v["gpp_vs_spp"], 3) for d, v in sims.items()
+                                       if "gpp_vs_spp" in v}, flush=True)
     g, costs = big_graph()
     times = []
     for _ in range(3 if args.quick else 5):
@@ -164,9 +354,17 @@ def main() -> None:
                                  statistics.median(times), "graph_s_all": times,
                                  "sequential_s": seq_s, "notes": plan.notes[:3],
                                  "search_speedup": seq_s / statistics.median(times)}
+    result["machine"]["load_average_at_end"] = os.getloadavg()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps(result["search_1000_ops"], indent=1))
+    if "torch_pipelining_peer" in result and "error" not in result["torch_pipelining_peer"]:
+        print("torch_pipelining_peer", json.dumps(
+            {k: v for k, v in result["torch_pipelining_peer"].items()
+             if k in ("gpipe", "1f1b", "ours_gpipe", "ours_1f1b", "best", "ours_vs_peer",
+                      "ours_vs_peer_paired_median")}))
+    if failures:
+        sys.exit("FAILED: " + "; ".join(f[:300] for f in failures))
 
 
 if __name__ == "__main__":
