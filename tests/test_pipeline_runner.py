@@ -225,3 +225,12 @@ def test_replica_links_exchange_the_overlapping_rows():
     assert links(plan, 2, 0, 1) == [(2, 0, slice(0, 2)), (3, 1, slice(2, 4)),
                                     (4, 2, slice(4, 6))]
     assert links(plan, 1, 2, 2) == [(5, 0, slice(0, 2))]
+
+
+def test_the_partitioner_may_replicate_stages_when_asked(tmp_path):
+    """--replicate: the plan for 2 ranks may replicate (with parameter costs and no
+    memory limit, the chain runs as one stage on 2 data-parallel replicas)."""
+    env = dict(os.environ, CROSSOVER_ENABLE="0", CROSSOVER_RUNTIME_DIR=str(tmp_path / "run"))
+    got = run_pipeline(tmp_path, env, "chain", 2, "--replicate", timeout=240)
+    assert got["replicas"] == [2] and got["devices"] == [[0, 1]]
+    assert_same_grads(got, "chain")

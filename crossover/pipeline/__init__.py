@@ -86,15 +86,18 @@ def parameter_costs(graph: Graph) -> Costs:
 
 
 def plan_for(graph: Graph, devices: int, batch: int, num_micro: int,
-             partitioner: str = "graph", costs: Costs | None = None) -> Plan:
-    """A runnable plan: exactly `devices` stages, one device each, `num_micro` micro-batches.
+             partitioner: str = "graph", costs: Costs | None = None,
+             replicate: bool = False) -> Plan:
+    """A runnable plan on exactly `devices` ranks with `num_micro` micro-batches.
 
     Args:
         graph: the graph.
-        devices: stages (= ranks).
+        devices: ranks; without `replicate`, also the number of stages.
         batch: samples per iteration; num_micro: micro-batches (must divide `batch`).
         partitioner: "graph" or "sequential".
         costs: op costs (default `parameter_costs(graph)`).
+        replicate: let the partitioner run a stage on several data-parallel replicas
+            (their counts divide the micro-batch; the runner needs them at launch).
 
     Returns:
         The plan.
@@ -110,4 +113,4 @@ def plan_for(graph: Graph, devices: int, batch: int, num_micro: int,
     if fn is None:
         raise ValueError(f"partitioner must be 'graph' or 'sequential', not {partitioner!r}")
     return fn(graph, costs, devices, batch, micro_batches=[batch // num_micro],
-              replicate=False, use_all=True)
+              replicate=replicate, use_all=True)

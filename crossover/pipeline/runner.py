@@ -131,10 +131,14 @@ def replica_process_sets(plan: Plan, comm: Any) -> dict[int, Any]:
         return {}
     import horovod.torch as hvd
 
-    sets = {s: hvd.ProcessSet(ranks) for s, ranks in wanted.items()}
+    # A stage on every rank (pure data parallelism) uses Horovod's global set: Horovod
+    # refuses a second set with the same ranks.
+    everyone = list(range(comm.Get_size()))
+    sets = {s: hvd.ProcessSet(ranks) for s, ranks in wanted.items() if ranks != everyone}
+    whole = {s: None for s, ranks in wanted.items() if ranks == everyone}
     if not hvd.is_initialized():
         hvd.init(comm=comm, process_sets=list(sets.values()))
-        return sets
+        return {**sets, **{s: hvd.global_process_set for s in whole}}
     if hvd.size() != comm.Get_size() or hvd.rank() != comm.Get_rank():
         raise ValueError(f"Horovod already runs as rank {hvd.rank()} of {hvd.size()} but "
                          f"this is rank {comm.Get_rank()} of {comm.Get_size()} in the "
@@ -143,7 +147,8 @@ def replica_process_sets(plan: Plan, comm: Any) -> dict[int, Any]:
         raise ValueError("Horovod is already initialised without the replicated stages' "
                          "process sets: set HOROVOD_DYNAMIC_PROCESS_SETS=1 (or let the "
                          "runner initialise Horovod)")
-    return {s: hvd.add_process_set(ps) for s, ps in sets.items()}
+    return {**{s: hvd.add_process_set(ps) for s, ps in sets.items()},
+            **{s: hvd.global_process_set for s in whole}}
 
 
 class StageRunner:
@@ -485,6 +490,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replicas", help="data-parallel replicas per stage, e.g. 2,1 (stage "
                     "order of --plan, else of the planned stages; default 1 each): the "
                     "launch needs their sum of ranks")
+    ap.add_argument("--replicate", action="store_true", help="let the partitioner choose "
+                    "data-parallel replicas of stages over the -np ranks (without --plan)")
     ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
     ap.add_argument("--iters", type=int, default=1)
     ap.add_argument("--slots", action="store_true", help="take the crossover device slot")
@@ -505,7 +512,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         reps = parse_replicas(args.replicas)
         stages_n = len(reps) if reps else size
-        plan = comm.bcast(plan_for(graph, stages_n, args.batch, args.micro, args.partitioner)
+        plan = comm.bcast(plan_for(graph, stages_n, args.batch, args.micro, args.partitioner,
+                                   replicate=args.replicate and not reps)
                           if rank == 0 else None, root=0)
         if reps:
             plan = with_replicas(plan, reps)
