@@ -8,6 +8,7 @@ math, so a job loses nothing but the sharing.
 from __future__ import annotations
 
 import os
+import select
 import socket
 import sys
 import time
@@ -131,6 +132,7 @@ class SlotClient:
         # so traces of a fail-open run still show the phases.
         self._release_on_communicate = True
         self._yield_on_step = False
+        self._alone = False  # no other job on the device (the daemon says so): keep it
         self._wait_s = wait_s
         fake = int(os.environ.get(FAKE_NODES_ENV, "0") or 0)
         node_index, local_rank = (info.local_rank % fake, info.local_rank // fake) if fake \
@@ -195,7 +197,7 @@ class SlotClient:
         """
         if not self.holding:
             self._request(release_first=False)
-        elif self._yield_on_step:
+        elif self._yield_on_step and not self._keep_alone():
             self._request(release_first=True)
 
     def release(self, phase: Phase = Phase.COMMUNICATE) -> None:
@@ -206,7 +208,7 @@ class SlotClient:
         """
         if phase == Phase.COMMUNICATE and not self._release_on_communicate:
             return
-        if self.holding:
+        if self.holding and not (phase != Phase.IDLE and self._keep_alone()):
             self._enter(phase.value)
             self._send(P.Release(phase.value))
 
@@ -227,6 +229,30 @@ class SlotClient:
             self.trace.flush()
 
     # --- internals ---------------------------------------------------------------------
+    def _keep_alone(self) -> bool:
+        """Whether to keep the device instead of releasing it: no other job shares it.
+
+        Reads the daemon's pending notices first, so a job that arrived since the last
+        step is seen at this release point: a newcomer waits at most one hold of ours.
+        """
+        while self._sock is not None:
+            try:
+                readable, _, _ = select.select([self._sock], [], [], 0)
+                if not readable:
+                    break
+                self._sock.settimeout(5.0)  # a notice is one small frame, sent whole
+                self._on_notice(recv_msg(self._sock))
+            except (OSError, P.ProtocolError) as exc:
+                self._fail_open(f"lost the crossover daemon ({exc})")
+        return self._alone and self._sock is not None
+
+    def _on_notice(self, msg: P.Message) -> None:
+        """A message the daemon sent unasked (or a grant for an abandoned wait)."""
+        if isinstance(msg, P.Company):
+            self._alone = msg.others == 0
+        elif isinstance(msg, P.Error):
+            self._fail_open(f"crossover daemon error: {msg.message}")
+
     @property
     def holding(self) -> bool:
         return self._phase == "hold"
@@ -268,7 +294,7 @@ class SlotClient:
             if isinstance(reply, P.Error):
                 self._fail_open(f"crossover daemon error: {reply.message}")
                 return
-            # a grant for an earlier, abandoned wait: superseded by the current one
+            self._on_notice(reply)  # a Company notice, or a grant for an abandoned wait
 
     def _send(self, msg: P.Message) -> None:
         if self._sock is None:

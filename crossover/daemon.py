@@ -78,6 +78,7 @@ class _Conn:
     hello: P.Hello | None = None
     registered: bool = False
     seq: int = 0  # the rank's outstanding Acquire
+    others: int | None = None  # other jobs on its device, as last told (Company)
 
     @property
     def key(self) -> tuple[str, int] | None:
@@ -260,7 +261,10 @@ class Daemon:
         if conn.registered and self._conns.get(key) is conn:
             del self._conns[key]
             log.info("job %s rank %d left node %s (%s)", key[0], key[1], self.node, why)
+            device = self.sched.device_of(*key)
             self._deliver(self.sched.unregister(*key))
+            if device is not None:
+                self._tell_company(device)
             if not any(j == key[0] for j, _ in self._conns):
                 self.peers.send(0, ("leave", key[0]))
 
@@ -336,6 +340,18 @@ class Daemon:
         self._reply(conn, P.Welcome(device, cores, self.node, order, policy.name,
                                     self.sched.lease_s, policy.release_on_communicate,
                                     policy.yield_on_step))
+        self._tell_company(device)
+
+    def _tell_company(self, device: str) -> None:
+        """Tell each rank on `device` how many other jobs share it, when that changed."""
+        jobs = self.sched.jobs_on(device)
+        for key, conn in list(self._conns.items()):
+            if self.sched.device_of(*key) != device:
+                continue
+            others = len(jobs - {key[0]})
+            if conn.others != others:
+                conn.others = others
+                self._reply(conn, P.Company(others))
 
     def _cpu_device(self, index: int) -> tuple[str, list[int]]:
         # Device i is every cpu_devices-th core from core i: one core each by default.

@@ -67,6 +67,17 @@ class Grant(Message):
 
 
 @dataclass
+class Company(Message):
+    """Daemon -> rank, unasked, when its device's jobs change: how many other jobs share it.
+
+    A rank alone on its device keeps it through communication and step boundaries (no
+    messages, no waits); told of company, it goes back to releasing."""
+
+    kind: ClassVar[str] = "company"
+    others: int
+
+
+@dataclass
 class Release(Message):
     kind: ClassVar[str] = "release"
     phase: str
@@ -96,7 +107,8 @@ class Error(Message):
 
 KINDS: dict[str, type[Message]] = {
     cls.kind: cls
-    for cls in (Hello, Welcome, Acquire, Grant, Release, Renew, Status, StatusReport, Error)
+    for cls in (Hello, Welcome, Acquire, Grant, Company, Release, Renew, Status, StatusReport,
+                Error)
 }
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import horovod.torch as hvd
@@ -29,6 +30,8 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=1,
                         help="backward passes per optimizer step")
     parser.add_argument("--out", default=None, help="rank 0 saves the final weights here")
+    parser.add_argument("--start-file", default=None, help="wait (up to 120 s) for this "
+                        "file before training, so several jobs can start at once")
     args = parser.parse_args()
 
     hvd.init()
@@ -48,6 +51,11 @@ def main() -> None:
     # Each rank sees its own shard of a fixed synthetic data set.
     gen = torch.Generator().manual_seed(args.seed * 1000 + hvd.rank())
     loss_fn = torch.nn.CrossEntropyLoss()
+    deadline = time.monotonic() + 120
+    while args.start_file and not os.path.exists(args.start_file):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{args.start_file} did not appear within 120 s")
+        time.sleep(0.01)
     start = time.perf_counter()
     for _ in range(args.steps):
         optimizer.zero_grad()

@@ -7,6 +7,7 @@ failing test can kill the whole tree.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -130,6 +131,20 @@ class Cluster:
         proc.weights = out
         self.procs.append(proc)
         return proc
+
+    def jobs_together(self, *specs: tuple) -> list[Proc]:
+        """Start jobs (name, seed, steps, *extra args) that begin training at the same
+        moment: each waits for a start file, made once every job's ranks have joined the
+        daemon (a lone job keeps its device, so a late starter would find it finished)."""
+        gate = self.tmp / "start"
+        procs = [self.job(name, seed, steps, extra=(*extra, "--start-file", str(gate)))
+                 for name, seed, steps, *extra in specs]
+        log = self.tmp / "daemon.log"
+        for name, *_ in specs:
+            wait_for(lambda n=name: log.exists() and len(re.findall(
+                rf"job {n} rank \d+ on node", log.read_text())) >= 2, 120, f"{name} to join")
+        gate.touch()
+        return procs
 
     def cleanup(self) -> None:
         for p in self.procs:

@@ -18,7 +18,7 @@ from crossover.client import CrossoverVersionError, RankInfo, SlotClient
 from crossover.scheduler import Phase
 from crossover.trace import TraceRecorder, load
 from crossover.transport import FrameBuffer, recv_msg
-from tests.conftest import PY, REPO, Cluster
+from tests.conftest import PY, REPO, Cluster, wait_for
 
 SOLO = RankInfo(rank=0, size=1, local_rank=0, local_size=1)
 
@@ -231,8 +231,7 @@ def test_policy_off_shows_overlaps(cluster: Cluster):
     from crossover import trace
 
     with cluster.daemon(policy="off"):
-        a = cluster.job("A", 1, 400)
-        b = cluster.job("B", 2, 400)
+        a, b = cluster.jobs_together(("A", 1, 400), ("B", 2, 400))
         a.wait(180)
         b.wait(180)
     events = trace.merge(sorted(cluster.traces.glob("*.json")), cluster.tmp / "merged.json")
@@ -287,3 +286,29 @@ def test_leader_answers_a_second_join_before_its_own_order_arrives(tmp_path):
     daemon._handle_peers()  # raised KeyError before the fix
     assert (1, ("order", "J", 0)) in sent and (0, ("order", "J", 0)) in sent
     assert [o for d, o in sent if d == 1].count(("order", "J", 0)) == 2  # broadcast + answer
+
+
+def test_a_job_alone_keeps_its_device_until_another_arrives(cluster: Cluster):
+    """A rank with no other job on its device skips releases (no round trips); a newcomer
+    is announced and served at the holder's next release point."""
+    with cluster.daemon():
+        a = client(cluster, "a")
+        a.acquire()  # reads the daemon's notice: alone on cpu0
+        a.release(Phase.COMMUNICATE)
+        assert a.holding, "alone: the device is kept through communication"
+        b = client(cluster, "b")
+        b._seq = 1
+        b._send(P.Acquire(1))
+        time.sleep(0.3)
+        a.release(Phase.COMMUNICATE)  # sees the company now: really releases
+        assert not a.holding
+        b._await_grant()
+        assert b.coordinated and not b._warned
+        b.release(Phase.COMMUNICATE)  # b shares cpu0 with a: releases too
+        assert not b.holding
+        b.close()  # a is alone again, once the daemon has seen b leave
+        wait_for(a._keep_alone, 30, "the daemon to tell a it is alone again")
+        a.acquire()
+        a.release(Phase.COMMUNICATE)
+        assert a.holding
+        a.close()

@@ -195,6 +195,15 @@ class SlotScheduler:
         return min(ends, default=None)
 
     # --- views ------------------------------------------------------------------------
+    def device_of(self, job: str, rank: int) -> str | None:
+        """The device the rank is registered on, None if it is not."""
+        return self._where.get((job, rank))
+
+    def jobs_on(self, device: str) -> set[str]:
+        """The jobs with a rank registered on `device`."""
+        dev = self._devices.get(device)
+        return {r.job for r in dev.ranks.values()} if dev else set()
+
     def holders(self, device: str) -> set[tuple[str, int]]:
         """The (job, rank) pairs holding `device` now."""
         return {k for k, r in self._devices[device].ranks.items() if r.state == HOLDING}
