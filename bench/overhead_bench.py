@@ -34,9 +34,18 @@ def samples_per_s(job: Job) -> float:
     return json.loads(line)["samples_per_s"]
 
 
-def slot_cycle_us(runtime_dir: Path, cycles: int = 2000, batches: int = 5) -> list[float]:
-    """Microseconds per step's slot traffic (one acquire round trip + one release), alone
-    on the daemon: what the hooks add to every training step."""
+def slot_cycle_us(runtime_dir: Path, company: bool, cycles: int = 2000,
+                  batches: int = 5) -> list[float]:
+    """Microseconds per step's slot calls (acquire + release for communication): what
+    the hooks add to every training step. Alone on the device the rank keeps it (no
+    messages); with `company` (another job registered, idle) each cycle is a real
+    release and acquire round trip."""
+    other = None
+    if company:
+        other = SlotClient("idle-neighbour", RankInfo(0, 1, 0, 1), runtime_dir=runtime_dir,
+                           pin_cpu=False)
+        other.acquire()
+        other.release(Phase.IDLE)  # registered, not in the way
     client = SlotClient("cycle", RankInfo(0, 1, 0, 1), runtime_dir=runtime_dir, pin_cpu=False)
     assert client.coordinated, "no daemon"
     out = []
@@ -47,6 +56,8 @@ def slot_cycle_us(runtime_dir: Path, cycles: int = 2000, batches: int = 5) -> li
             client.release(Phase.COMMUNICATE)
         out.append((time.perf_counter() - start) / cycles * 1e6)
     client.close()
+    if other is not None:
+        other.close()
     return out
 
 
@@ -68,7 +79,8 @@ def main() -> None:
             under.append(samples_per_s(Job("crossover", cmd, env)))
             print(f"rep {rep}: plain {plain[-1]:.0f}, crossover {under[-1]:.0f} samples/s",
                   flush=True)
-        cycle = slot_cycle_us(Path(tmp) / "run")
+        alone = slot_cycle_us(Path(tmp) / "run", company=False)
+        cycle = slot_cycle_us(Path(tmp) / "run", company=True)
     p, c = statistics.median(plain), statistics.median(under)
     step_us = 32 * 2 / p * 1e6  # one step of the plain job: 2 ranks x 32 samples
     cycle_med = statistics.median(cycle)
@@ -78,13 +90,15 @@ def main() -> None:
         "plain_samples_per_s": plain, "crossover_samples_per_s": under,
         "median_plain": p, "median_crossover": c,
         "single_job_overhead": 1 - c / p,
+        "slot_cycle_alone_us": alone, "median_slot_cycle_alone_us": statistics.median(alone),
         "slot_cycle_us": cycle, "median_slot_cycle_us": cycle_med,
         "median_step_us": step_us,
         "slot_cycle_share_of_step": cycle_med / step_us,
     })
     print(f"single-job overhead, end to end: {100 * (1 - c / p):.1f}% (median of "
           f"{args.reps}; noisy on a shared machine)")
-    print(f"slot traffic per step: {cycle_med:.0f} us = {100 * cycle_med / step_us:.2f}% of a "
+    print(f"slot calls per step, alone: {statistics.median(alone):.1f} us; with another job "
+          f"on the device: {cycle_med:.0f} us = {100 * cycle_med / step_us:.2f}% of a "
           f"{step_us / 1000:.1f} ms step -> {out}")
 
 

@@ -228,6 +228,10 @@ class SlotClient:
         if self.trace is not None:
             self.trace.flush()
 
+    def alone(self) -> bool:
+        """True while the daemon says no other job shares this rank's device."""
+        return self._keep_alone()
+
     # --- internals ---------------------------------------------------------------------
     def _keep_alone(self) -> bool:
         """Whether to keep the device instead of releasing it: no other job shares it.

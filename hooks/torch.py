@@ -8,9 +8,10 @@ The slot's life in one step:
     step(): synchronize (wait allreduces)      not held
     step(): optimizer update                   held (acquired after synchronize)
 
-Waiting for the allreduces polls with short sleeps instead of Horovod's own wait, which
-spins a core: with jobs sharing a device, that spin would steal the computing job's CPU
-(and on a CPU device, its compute).
+With other jobs on the device, waiting for the allreduces polls with short sleeps
+instead of Horovod's own wait, which spins a core: that spin would steal the computing
+job's CPU (and on a CPU device, its compute). A job alone keeps Horovod's wait, which
+wakes soonest.
 
 The optimizer instance is patched, not subclassed: Horovod's class calls
 `super(self.__class__, self)`, which recurses forever under a subclass or class swap.
@@ -115,7 +116,8 @@ class _SlotHooks:
         return result
 
     def _synchronize(self, original):
-        self._wait_quietly()
+        if not self.client.alone():  # leave the CPU to the job that computes
+            self._wait_quietly()
         return original()
 
     def _wait_quietly(self) -> None:

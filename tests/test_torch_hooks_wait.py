@@ -28,7 +28,15 @@ def test_synchronize_polls_with_sleeps_then_calls_horovods(monkeypatch):
                                           "p3": ("h2", None)})
     hooks = object.__new__(hooks_torch._SlotHooks)
     hooks.opt = opt
+    hooks.client = types.SimpleNamespace(alone=lambda: False)  # another job shares the device
     assert hooks._synchronize(lambda: calls.append("horovod") or "done") == "done"
     assert calls == ["horovod"]  # Horovod's synchronize still finishes the step
     assert polls == {"h1": 0, "h2": 0}
     assert len(slept) == 2 and all(0 < s <= 5e-4 for s in slept)
+
+    # alone on the device: nobody needs the CPU, so Horovod's own (fastest) wait
+    polls.update(h1=3, h2=1)
+    slept.clear()
+    hooks.client = types.SimpleNamespace(alone=lambda: True)
+    assert hooks._synchronize(lambda: "done") == "done"
+    assert polls == {"h1": 3, "h2": 1} and slept == []
