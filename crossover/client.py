@@ -133,6 +133,8 @@ class SlotClient:
         self._release_on_communicate = True
         self._yield_on_step = False
         self._alone = False  # no other job on the device (the daemon says so): keep it
+        # CROSSOVER_KEEP_WHEN_ALONE=0: release at every phase even alone (to trace them)
+        self._keep_when_alone = os.environ.get("CROSSOVER_KEEP_WHEN_ALONE", "1") != "0"
         self._wait_s = wait_s
         fake = int(os.environ.get(FAKE_NODES_ENV, "0") or 0)
         node_index, local_rank = (info.local_rank % fake, info.local_rank // fake) if fake \
@@ -248,7 +250,7 @@ class SlotClient:
                 self._on_notice(recv_msg(self._sock))
             except (OSError, P.ProtocolError) as exc:
                 self._fail_open(f"lost the crossover daemon ({exc})")
-        return self._alone and self._sock is not None
+        return self._alone and self._keep_when_alone and self._sock is not None
 
     def _on_notice(self, msg: P.Message) -> None:
         """A message the daemon sent unasked (or a grant for an abandoned wait)."""

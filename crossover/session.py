@@ -9,6 +9,8 @@ Environment (all optional; crossoverrun sets them):
     CROSSOVER_PRIORITY    weight for the priority policy (default 1).
     CROSSOVER_TRACE       directory for this job's trace files (one per rank).
     CROSSOVER_PIN_CPU     "0" leaves CPU affinity alone.
+    CROSSOVER_KEEP_WHEN_ALONE  "0": a rank alone on its device still releases it at
+                          every phase (costs round trips; shows every phase in traces).
 """
 
 from __future__ import annotations

@@ -20,7 +20,9 @@ SEEDS = {"C": 1, "L": 2}
 
 
 def job(c: Cluster, name: str, crossover: bool = True) -> Proc:
-    env = dict(c.env, CROSSOVER_JOB=name, CROSSOVER_TRACE=str(c.traces))
+    # every release point shows in the trace even while the job is alone on a device
+    env = dict(c.env, CROSSOVER_JOB=name, CROSSOVER_TRACE=str(c.traces),
+               CROSSOVER_KEEP_WHEN_ALONE="0")
     if not crossover:
         env["CROSSOVER_ENABLE"] = "0"
     out = c.tmp / f"{name}.pt"
