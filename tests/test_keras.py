@@ -27,7 +27,9 @@ KERAS = str(REPO / "examples/keras_mlp.py")
 
 def keras_job(c: Cluster, name: str, seed: int, crossover: bool = True,
               extra: tuple[str, ...] = ()) -> Proc:
+    # KEEP_WHEN_ALONE=0: the in-step releases show in the trace even while a job is alone
     env = dict(c.env, CROSSOVER_JOB=name, CROSSOVER_TRACE=str(c.traces),
+               CROSSOVER_KEEP_WHEN_ALONE="0",
                TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="2")
     if not crossover:
         env["CROSSOVER_ENABLE"] = "0"
