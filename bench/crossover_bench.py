@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -37,7 +36,7 @@ from cluster import EmulatedCluster  # noqa: E402
 from common import RESULTS, write_result  # noqa: E402
 
 from crossover import trace  # noqa: E402
-from crossover.launch.local import Job, run_together  # noqa: E402
+from crossover.launch.local import Job, run_together, terminate_group  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "bench" / "crossover_job.py"
@@ -89,13 +88,7 @@ class Daemons:
 
     def stop(self) -> None:
         """SIGTERM the daemons' process group, SIGKILL after 10 s."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
+        terminate_group(self.proc)
         self._log.close()
 
 

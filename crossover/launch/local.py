@@ -49,6 +49,18 @@ def mpirun(np: int, *cmd: str, hosts: str | None = None) -> list[str]:
     return ["mpirun", "--bind-to", "none", *where, "-np", str(np), *cmd]
 
 
+def terminate_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM the process group `proc` leads (started with start_new_session), then
+    SIGKILL it if it is still running after `grace_s`."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=grace_s)
+
+
 class DaemonProcess:
     """A daemon started in the background for this host.
 
@@ -80,13 +92,7 @@ class DaemonProcess:
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after 10 s."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
+        terminate_group(self.proc)
         self._log.close()
 
     def __enter__(self) -> DaemonProcess:
