@@ -273,27 +273,55 @@ class EmulatedCluster:
             server.wait(timeout=10)
 
 
-def _gloo_run(spec: dict, argv: list[str]) -> int:
-    """Serve Horovod's Gloo rendezvous and run one rank per host; the first failure or
-    the timeout kills every rank. Returns the first non-zero exit status, else 0."""
+def local_gloo_run(np: int, argv: list[str], timeout_s: float = 600.0) -> list[str]:
+    """A command line running `argv` as an `np`-rank Horovod Gloo job on this host.
+
+    The same launcher as `EmulatedCluster.gloo_run`, without namespaces: for machines
+    where the job's ranks share one host (a single-GPU machine), and where Horovod's own
+    `horovodrun` is not at hand.
+    """
+    spec = json.dumps({"local": np, "timeout_s": timeout_s})
+    return [sys.executable, str(Path(__file__).resolve()), "gloo-run", spec, *argv]
+
+
+def _rank_launches(spec: dict, argv: list[str]) -> tuple[str, list]:
+    """The rendezvous address and, per rank, (slot, environment, command line)."""
     from horovod.runner.common.util.hosts import SlotInfo
+
+    if "local" in spec:  # every rank on this host, over loopback
+        n = spec["local"]
+        return "127.0.0.1", [
+            (SlotInfo(hostname="localhost", rank=i, local_rank=i, cross_rank=0, size=n,
+                      local_size=n, cross_size=1), {"HOROVOD_GLOO_IFACE": "lo"}, argv)
+            for i in range(n)]
+    hosts, n = spec["hosts"], len(spec["hosts"])
+    return spec["addrs"][0], [
+        (SlotInfo(hostname=h, rank=i, local_rank=0, cross_rank=i, size=n, local_size=1,
+                  cross_size=n), {"HOROVOD_GLOO_IFACE": LINK, "CROSSOVER_NODE": h},
+         _in_host(h, spec["cores"][i], argv))
+        for i, h in enumerate(hosts)]
+
+
+def _gloo_run(spec: dict, argv: list[str]) -> int:
+    """Serve Horovod's Gloo rendezvous and run the job's ranks (one per emulated host, or
+    all on this host); the first failure or the timeout kills every rank. Returns the
+    first non-zero exit status, else 0."""
     from horovod.runner.http.http_server import RendezvousServer
 
-    hosts, n = spec["hosts"], len(spec["hosts"])
+    addr, launches = _rank_launches(spec, argv)
     server = RendezvousServer()
     port = server.start()
-    server.init([SlotInfo(hostname=h, rank=i, local_rank=0, cross_rank=i, size=n,
-                          local_size=1, cross_size=n) for i, h in enumerate(hosts)])
+    server.init([slot for slot, _, _ in launches])
     procs = []
-    for i, host in enumerate(hosts):
-        env = {"HOROVOD_GLOO_RENDEZVOUS_ADDR": spec["addrs"][0],
+    for slot, extra, cmd in launches:
+        env = {"HOROVOD_GLOO_RENDEZVOUS_ADDR": addr,
                "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port), "HOROVOD_CONTROLLER": "gloo",
-               "HOROVOD_CPU_OPERATIONS": "gloo", "HOROVOD_GLOO_IFACE": LINK,
-               "HOROVOD_HOSTNAME": host, "HOROVOD_RANK": str(i), "HOROVOD_SIZE": str(n),
-               "HOROVOD_LOCAL_RANK": "0", "HOROVOD_LOCAL_SIZE": "1",
-               "HOROVOD_CROSS_RANK": str(i), "HOROVOD_CROSS_SIZE": str(n),
-               "CROSSOVER_NODE": host}
-        cmd = _in_host(host, spec["cores"][i], argv)
+               "HOROVOD_CPU_OPERATIONS": "gloo", "HOROVOD_HOSTNAME": slot.hostname,
+               "HOROVOD_RANK": str(slot.rank), "HOROVOD_SIZE": str(slot.size),
+               "HOROVOD_LOCAL_RANK": str(slot.local_rank),
+               "HOROVOD_LOCAL_SIZE": str(slot.local_size),
+               "HOROVOD_CROSS_RANK": str(slot.cross_rank),
+               "HOROVOD_CROSS_SIZE": str(slot.cross_size), **extra}
         procs.append(subprocess.Popen(cmd, env={**os.environ, **env}, start_new_session=True))
     deadline = time.monotonic() + spec["timeout_s"]
     rc = 0
@@ -349,7 +377,7 @@ s.shutdown(socket.SHUT_WR); s.recv(1)
 print(8 * n / (time.perf_counter() - t) / 1e6)
 """
 
-__all__ = ["LINK", "EmulatedCluster", "cleanup_stale"]
+__all__ = ["LINK", "EmulatedCluster", "cleanup_stale", "local_gloo_run"]
 
 if __name__ == "__main__":
     if len(sys.argv) < 4 or sys.argv[1] != "gloo-run":

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -92,19 +93,29 @@ class Daemons:
         self._log.close()
 
 
-def run_jobs(cluster: EmulatedCluster, names: list[str], workload: list[str], steps: int,
-             env: dict[str, str], log_dir: Path, timeout_s: float = 300.0) -> list[dict]:
-    """Run the named jobs at once (one rank per host each) and return their JSON lines.
+def run_jobs(launch: EmulatedCluster | Callable[[list[str]], list[str]], names: list[str],
+             workload: list[str], steps: int, env: dict[str, str], log_dir: Path,
+             timeout_s: float = 300.0, job_env: dict[str, str] | None = None,
+             first_seed: int = 1) -> list[dict]:
+    """Run the named jobs at once and return their JSON lines (job i gets seed
+    `first_seed + i`).
+
+    Args:
+        launch: the emulated cluster (one rank per host each), or a function that turns a
+            job's command into its launch line (e.g. `cluster.local_gloo_run`).
+        job_env: the jobs' base environment (default: JOB_ENV, for one core a host).
 
     Raises:
         RuntimeError: a job failed (its output is in the message).
     """
+    if isinstance(launch, EmulatedCluster):
+        launch = launch.gloo_run if TRANSPORT == "gloo" else launch.mpirun
     jobs = []
     for i, name in enumerate(names):
-        launch = cluster.gloo_run if TRANSPORT == "gloo" else cluster.mpirun
         cmd = launch([sys.executable, str(JOB), *workload, "--steps", str(steps),
-                      "--seed", str(i + 1)])
-        jobs.append(Job(name, cmd, {**JOB_ENV, **env, "CROSSOVER_JOB": name}))
+                      "--seed", str(first_seed + i)])
+        jobs.append(Job(name, cmd, {**(JOB_ENV if job_env is None else job_env), **env,
+                                    "CROSSOVER_JOB": name}))
     out = []
     for res in run_together(jobs, timeout_s=timeout_s, log_dir=log_dir):
         line = next((ln for ln in res.output.splitlines() if ln.startswith('{"model"')), None)

@@ -1,19 +1,23 @@
 """The benchmark's training job: an MLP, a small CNN or a transformer block, synthetic data.
 
-    mpirun -np 2 python bench/crossover_job.py --model cnn --steps 30
+    mpirun -np 2 python bench/crossover_job.py --model cnn --steps 30 [--device cuda]
 
 A Horovod PyTorch job under crossover (plain with CROSSOVER_ENABLE=0), seeded. Rank 0
 prints one JSON line: wall-clock start and end of the training loop (epoch seconds, so
-runs of several jobs can be laid on one time axis), samples/s, and the step's split into
+runs of several jobs can be laid on one time axis), samples/s, the step's split into
 compute (forward, backward, update) and exposed communication (waiting for the gradient
-allreduces after backward), summed over the steps.
+allreduces after backward), summed over the steps, and a digest of the final weights.
+On CUDA the timing points synchronise the device, so the split is what the GPU did.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import time
+from pathlib import Path
 
 import horovod.torch as hvd
 import torch
@@ -84,21 +88,60 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=640)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: local rank i computes on GPU i mod the GPUs present")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="torch.use_deterministic_algorithms (on CUDA it needs "
+                             "CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment)")
+    parser.add_argument("--profile-dir", type=Path, default=None,
+                        help="record the timed steps' GPU kernels with the torch profiler "
+                             "to DIR/<job>.rank<r>.json, phase changes marked "
+                             "(bench/gpu_release.py checks them against the holds)")
+    parser.add_argument("--skip-device-sync", action="store_true",
+                        help="the negative control of that check: release the slot "
+                             "without waiting for the GPU to finish")
     args = parser.parse_args()
 
     hvd.init()
-    torch.set_num_threads(1)  # one core is one device
+    if args.device == "cuda":
+        device = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(1)  # one core is one device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    if args.deterministic:
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+        # Not the NaN fill of every new tensor that deterministic mode adds: Horovod's
+        # host copy of each CUDA gradient is a new tensor it overwrites whole, and filling
+        # it first cost 3-4 ms of CPU per 64 MB gradient (seen in the H100 profile).
+        torch.utils.deterministic.fill_uninitialized_memory = False
+    if args.skip_device_sync:
+        crossover_torch._SlotHooks._device_sync = lambda self: None
+    profiler = None
+    if args.profile_dir is not None:
+        from gpu_release import mark_phases  # bench/, this script's directory
+
+        mark_phases()
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                      torch.profiler.ProfilerActivity.CUDA])
     torch.manual_seed(args.seed)
     model, data = build(args.model, args.width, args.layers)
+    model.to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     crossover_torch.wrap(optimizer)
     gen = torch.Generator().manual_seed(args.seed * 1000 + hvd.rank())
     loss_fn = nn.CrossEntropyLoss()
-    batches = [data(args.batch, gen) for _ in range(4)]  # data loading is not measured
+    # data loading is not measured
+    batches = [tuple(t.to(device) for t in data(args.batch, gen)) for _ in range(4)]
 
     compute = comm = 0.0
+    sync()
+    if profiler is not None:
+        profiler.start()
     start_wall, start = time.time(), time.perf_counter()
     cpu0, main0 = time.process_time(), time.thread_time()
     for step in range(args.steps):
@@ -107,17 +150,28 @@ def main() -> None:
         optimizer.zero_grad()
         loss = loss_fn(model(x), y)
         loss.backward()
+        sync()
         t1 = time.perf_counter()
         optimizer.synchronize()  # the allreduces, without the slot
+        sync()
         t2 = time.perf_counter()
         with optimizer.skip_synchronize():
             optimizer.step()
+        sync()
         t3 = time.perf_counter()
         compute += (t1 - t0) + (t3 - t2)
         comm += t2 - t1
     elapsed = time.perf_counter() - start
     cpu, main_cpu = time.process_time() - cpu0, time.thread_time() - main0
     end_wall = start_wall + elapsed
+    if profiler is not None:
+        profiler.stop()
+        args.profile_dir.mkdir(parents=True, exist_ok=True)
+        job = os.environ.get("CROSSOVER_JOB", "job")  # the name the crossover trace uses
+        profiler.export_chrome_trace(str(args.profile_dir / f"{job}.rank{hvd.rank()}.json"))
+    weights = hashlib.sha256()
+    for tensor in model.state_dict().values():
+        weights.update(tensor.detach().cpu().contiguous().numpy().tobytes())
 
     if hvd.rank() == 0:
         params = sum(p.numel() for p in model.parameters())
@@ -127,6 +181,7 @@ def main() -> None:
             "seconds": elapsed, "start": start_wall, "end": end_wall,
             "compute_s": compute, "comm_s": comm, "cpu_s": cpu,
             "main_thread_cpu_s": main_cpu, "loss": float(loss.detach()),
+            "device": str(device), "weights_sha256": weights.hexdigest(),
         }), flush=True)
 
 

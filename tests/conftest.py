@@ -24,6 +24,10 @@ PY = sys.executable
 os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
 os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
 os.environ.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
+# Four ranks on two cores: a rank waiting in an allreduce yields its core instead of
+# spinning on it (as the demo and README advise for CPUs). Without it, two uncoordinated
+# 2-rank jobs (the daemon-death test) ran past their 180 s on a slow day.
+os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 os.environ.setdefault("PYTHONWARNINGS", "ignore")
 
 

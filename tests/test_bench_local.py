@@ -1,0 +1,48 @@
+"""The benchmarks' one-host Gloo launch (`cluster.local_gloo_run`), with real Horovod jobs.
+
+bench/gpu_bench.py launches its jobs this way on a GPU machine (no MPI there); here the
+same jobs run on the CPU: the weights each job trains under crossover, beside the other
+job, must be bit-identical to its run alone.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from cluster import local_gloo_run  # noqa: E402
+from crossover_bench import run_jobs  # noqa: E402
+
+from crossover import trace  # noqa: E402
+from crossover.launch.local import DaemonProcess  # noqa: E402
+
+WORKLOAD = ["--model", "mlp", "--width", "64", "--layers", "2", "--batch", "32",
+            "--deterministic"]
+
+
+def launch(argv: list[str]) -> list[str]:
+    return local_gloo_run(2, argv, timeout_s=120)
+
+
+@pytest.mark.timeout(300)
+def test_local_gloo_jobs_train_the_same_weights_alone_and_under_crossover(tmp_path):
+    plain = {"CROSSOVER_ENABLE": "0"}
+    solo_a = run_jobs(launch, ["soloA"], WORKLOAD, 4, plain, tmp_path, 120, first_seed=1)[0]
+    solo_b = run_jobs(launch, ["soloB"], WORKLOAD, 4, plain, tmp_path, 120, first_seed=2)[0]
+    assert solo_a["weights_sha256"] != solo_b["weights_sha256"]  # the digest sees the seed
+    traces = tmp_path / "traces"
+    with DaemonProcess(tmp_path / "run", log=tmp_path / "daemon.log") as daemon:
+        both = run_jobs(launch, ["xA", "xB"], WORKLOAD, 4,
+                        {"CROSSOVER_RUNTIME_DIR": str(daemon.runtime_dir),
+                         "CROSSOVER_TRACE": str(traces)}, tmp_path, 120)
+    assert [r["weights_sha256"] for r in both] == [solo_a["weights_sha256"],
+                                                   solo_b["weights_sha256"]]
+    events = trace.merge(sorted(traces.glob("*.json")), tmp_path / "merged.json")
+    holds = trace.holds_by_device(events)
+    # each job's two ranks are local ranks 0 and 1 of this host: two devices, both shared
+    assert len(holds) == 2, holds.keys()
+    assert all({job for _, _, job, _ in spans} == {"xA", "xB"} for spans in holds.values())
+    assert trace.overlaps(events) == []
