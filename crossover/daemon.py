@@ -120,7 +120,10 @@ class Daemon:
         self.path = socket_path(self.node, runtime_dir, create=True)
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = os.pipe()
+        # Both ends non-blocking: a full pipe already holds a wake-up, and a blocked
+        # write would stall the peer thread or the signal handler that calls _wakeup.
         os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self.peers = PeerChannel(self.comm, self._wakeup)
         self._conns: dict[tuple[str, int], _Conn] = {}
         self._orders: dict[str, int] = {}  # global job order, decided by the leader
@@ -311,7 +314,8 @@ class Daemon:
         if key in self._conns or any(c.key == key for c in self._pending.get(hello.job, [])):
             self._reply(conn, P.Error(
                 f"job {hello.job!r} rank {hello.rank} is connected already: two jobs with "
-                f"one name? Give each job its own name (CROSSOVER_JOB or crossoverrun --name)"))
+                f"one name? Give each job its own name (CROSSOVER_JOB or crossoverrun "
+                f"--crossover-job)"))
             self._close(conn, "duplicate rank")
             return
         conn.hello = hello

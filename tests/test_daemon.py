@@ -149,7 +149,8 @@ def test_version_mismatch_is_refused_with_a_clear_message(cluster: Cluster, monk
 def test_duplicate_rank_is_refused(cluster: Cluster):
     with cluster.daemon():
         first = client(cluster, "dup")
-        with pytest.raises(RuntimeError, match="rank 0 is connected already.*CROSSOVER_JOB"):
+        with pytest.raises(RuntimeError, match="rank 0 is connected already.*CROSSOVER_JOB "
+                                               "or crossoverrun --crossover-job"):
             client(cluster, "dup")
         first.close()
 
@@ -312,3 +313,20 @@ def test_a_job_alone_keeps_its_device_until_another_arrives(cluster: Cluster):
         a.release(Phase.COMMUNICATE)
         assert a.holding
         a.close()
+
+
+def test_wakeups_never_block_when_the_pipe_is_full(tmp_path):
+    """The peer thread and the signal handler wake the daemon through a pipe; with the
+    pipe full (nobody draining it) a wake-up must return, not block."""
+    from crossover.daemon import Daemon
+
+    daemon = Daemon(runtime_dir=tmp_path / "run")
+    done = threading.Event()
+
+    def flood() -> None:
+        for _ in range(200_000):  # far more bytes than a pipe holds
+            daemon._wakeup()
+        done.set()
+
+    threading.Thread(target=flood, daemon=True).start()
+    assert done.wait(60), "a full wake-up pipe blocked the writer"
