@@ -1,7 +1,7 @@
 """Does a job's GPU work stay inside its slot? The check behind bench/results/gpu/release.json.
 
 A rank must release its device only after the device has finished the kernels of its
-hold (hooks/torch.py synchronises the stream before releasing), and it launches no
+hold (hooks/_lifecycle.py synchronises the stream before releasing), and it launches no
 kernel until its next grant. Two records of one process are laid on one clock:
 
 - the torch profiler's kernel timeline (CUPTI: when each kernel really ran on the GPU);

@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
 
     d = sub.add_parser("daemon", help="run this node's coordinator (one per node; under "
                                       "mpirun --map-by ppr:1:node for several nodes)")
-    d.add_argument("--policy", choices=list(POLICIES), default="crossover")
+    d.add_argument("--policy", choices=list(POLICIES), default="auto")
     d.add_argument("--lease", type=float, default=30.0, metavar="S",
                    help="seconds a grant lasts without renewal (default 30)")
     d.add_argument("--patience", type=float, default=1.0, metavar="S",
@@ -30,6 +30,11 @@ def main(argv: list[str] | None = None) -> int:
                    "$CROSSOVER_RUNTIME_DIR or /tmp/crossover-UID)")
     d.add_argument("--cpu-devices", type=int, default=None, metavar="N",
                    help="split this node's cores into N devices (default: one per core)")
+    d.add_argument("--mode-probe", type=float, default=1.0, metavar="S",
+                   help="policy auto: shortest window measuring each mode (default 1)")
+    d.add_argument("--mode-hold", type=float, default=30.0, metavar="S",
+                   help="policy auto: how long a mode decision holds before it is probed "
+                        "again; doubled at each confirmation (default 30)")
 
     s = sub.add_parser("status", help="devices, holders, queues")
     s.add_argument("--json", action="store_true", help="print the report once, as JSON")
@@ -69,9 +74,15 @@ def _daemon(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="crossover-daemon %(asctime)s %(message)s",
                         stream=sys.stderr)
-    Daemon(policy=args.policy, lease_s=args.lease, patience_s=args.patience,
-           idle_shutdown_s=args.idle_shutdown,
-           runtime_dir=args.runtime_dir, cpu_devices=args.cpu_devices).serve()
+    try:
+        daemon = Daemon(policy=args.policy, lease_s=args.lease, patience_s=args.patience,
+                        idle_shutdown_s=args.idle_shutdown, runtime_dir=args.runtime_dir,
+                        cpu_devices=args.cpu_devices, mode_probe_s=args.mode_probe,
+                        mode_hold_s=args.mode_hold)
+    except ValueError as exc:
+        print(f"crossover daemon: {exc}", file=sys.stderr)
+        return 2
+    daemon.serve()
     return 0
 
 
@@ -103,15 +114,19 @@ def _status(args: argparse.Namespace) -> int:
 def status_table(nodes: dict) -> str:
     """Devices, the job holding each, the queue, and per job the share of time spent
     holding and waiting since it joined the device."""
-    rows = [f"{'node':<10} {'device':<7} {'holder':<16} {'queue':<24} job: hold% wait%"]
+    rows = [f"{'node':<10} {'device':<7} {'mode':<10} {'holder':<16} {'queue':<24} "
+            f"job: hold% wait%"]
     for node, snap in sorted(nodes.items()):
+        mode = snap.get("mode", "-")
         for dev, st in snap["devices"].items():
             usage = "  ".join(f"{job}: {u['hold_pct']:.0f}% {u['wait_pct']:.0f}%"
                               for job, u in st["usage"].items())
-            rows.append(f"{node:<10} {dev:<7} {st['holder'] or '-':<16} "
+            rows.append(f"{node:<10} {dev:<7} {mode:<10} {st['holder'] or '-':<16} "
                         f"{','.join(st['waiting']) or '-':<24} {usage}")
         if not snap["devices"]:
             rows.append(f"{node:<10} (no jobs)")
+    reasons = {snap.get("mode_reason") for snap in nodes.values()} - {None}
+    rows += [f"mode: {reason}" for reason in sorted(reasons)]
     return "\n".join(rows)
 
 

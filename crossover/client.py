@@ -13,20 +13,13 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
+from crossover import environment as E
 from crossover import protocol as P
-from crossover.daemon import FAKE_NODES_ENV, NODE_ENV
-from crossover.scheduler import Phase
+from crossover.scheduler import Mode, Phase
 from crossover.trace import TraceRecorder
 from crossover.transport import recv_msg, send_msg, socket_path
-
-
-def node_name() -> str:
-    """This process's node as the daemons name it ($CROSSOVER_NODE if set, else fake0
-    under CROSSOVER_FAKE_NODES, else the hostname)."""
-    if os.environ.get(NODE_ENV):
-        return os.environ[NODE_ENV]
-    return "fake0" if os.environ.get(FAKE_NODES_ENV) else socket.gethostname()
 
 
 def daemon_status(runtime_dir: str | os.PathLike | None = None, node: str | None = None,
@@ -36,7 +29,7 @@ def daemon_status(runtime_dir: str | os.PathLike | None = None, node: str | None
     Raises:
         ConnectionError: no daemon answers there (the message says how to start one).
     """
-    path = socket_path(node or node_name(), runtime_dir)
+    path = socket_path(node or E.node_name(), runtime_dir)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout_s)
     try:
@@ -51,6 +44,10 @@ def daemon_status(runtime_dir: str | os.PathLike | None = None, node: str | None
     if not isinstance(report, P.StatusReport):
         raise ConnectionError(f"daemon on {path} answered {report.kind}, not a status report")
     return report.nodes
+
+
+#: Shortest time between two progress reports of a rank.
+REPORT_S = 0.05
 
 
 class CrossoverVersionError(RuntimeError):
@@ -121,6 +118,7 @@ class SlotClient:
         self.policy: str | None = None
         self.label: str | None = None  # node/device, for traces
         self._cores: list[int] = []
+        self._pin = False  # set once the daemon has named the device's cores
         self._phase: str | None = None
         self._phase_start = time.time()
         self._seq = 0
@@ -133,24 +131,30 @@ class SlotClient:
         self._release_on_communicate = True
         self._yield_on_step = False
         self._alone = False  # no other job on the device (the daemon says so): keep it
-        # CROSSOVER_KEEP_WHEN_ALONE=0: release at every phase even alone (to trace them)
-        self._keep_when_alone = os.environ.get("CROSSOVER_KEEP_WHEN_ALONE", "1") != "0"
+        self._mode = Mode.ANTIPHASE  # concurrent: every job keeps its device (see Company)
+        # CROSSOVER_KEEP_WHEN_ALONE=0: release at every phase even when the device could
+        # be kept (alone, or concurrent mode), to trace every phase
+        self._keep_when_alone = E.flag(E.KEEP_WHEN_ALONE)
+        self.steps = 0  # training steps so far (step boundaries), reported for the mode
+        self._last_report = 0.0
         self._wait_s = wait_s
-        fake = int(os.environ.get(FAKE_NODES_ENV, "0") or 0)
-        node_index, local_rank = (info.local_rank % fake, info.local_rank // fake) if fake \
-            else (None, info.local_rank)
-        node = f"fake{node_index}" if fake else socket.gethostname()
-        if os.environ.get(NODE_ENV):  # an emulated host: one name for all its ranks
-            node, local_rank = os.environ[NODE_ENV], info.local_rank
+        self.path: Path | None = None
         try:
-            self.path = socket_path(node, runtime_dir)
+            fake = 0 if os.environ.get(E.NODE) else E.fake_nodes()
+            # Under fake nodes local rank l is local rank l // N of node fake<l % N>.
+            local_rank = info.local_rank // fake if fake else info.local_rank
+            self.path = socket_path(E.node_name(info.local_rank), runtime_dir)
             self._connect(P.Hello(job, info.rank, info.size, local_rank, info.local_size,
                                   os.getpid(), weight, gpu))
-        except (OSError, P.ProtocolError) as exc:
-            self._fail_open(f"cannot reach the crossover daemon at {self.path} ({exc})")
+        except (OSError, ValueError, P.ProtocolError) as exc:
+            # A runtime directory with the wrong owner or mode lands here too: its error
+            # names the directory, mode, owner and fix. Never crash the job over it.
+            where = f" at {self.path}" if self.path is not None else ""
+            self._fail_open(f"cannot reach the crossover daemon{where} ({exc})")
             return
-        if pin_cpu and self._cores:
-            os.sched_setaffinity(0, self._cores)
+        self._pin = pin_cpu and bool(self._cores)
+        self._unpinned = os.sched_getaffinity(0)  # where the launcher put us
+        self._place()
 
     @property
     def coordinated(self) -> bool:
@@ -169,7 +173,7 @@ class SlotClient:
             raise
         if isinstance(reply, P.Error):
             sock.close()
-            if "version" in reply.message:
+            if reply.code == P.ErrorCode.VERSION:
                 raise CrossoverVersionError(reply.message)
             raise RuntimeError(f"crossover daemon refused job {self.job!r}: {reply.message}")
         if not isinstance(reply, P.Welcome):
@@ -197,6 +201,7 @@ class SlotClient:
         devices over at step boundaries (round-robin, priority); under crossover the
         rank just keeps the device.
         """
+        self._count_step()
         if not self.holding:
             self._request(release_first=False)
         elif self._yield_on_step and not self._keep_alone():
@@ -208,6 +213,8 @@ class SlotClient:
         Under a policy that keeps the device through communication (round-robin) a
         COMMUNICATE release is a no-op: the rank goes on holding.
         """
+        if phase == Phase.IDLE:
+            self._count_step()  # the end of a `crossover.step()` block
         if phase == Phase.COMMUNICATE and not self._release_on_communicate:
             return
         if self.holding and not (phase != Phase.IDLE and self._keep_alone()):
@@ -230,13 +237,24 @@ class SlotClient:
         if self.trace is not None:
             self.trace.flush()
 
-    def alone(self) -> bool:
-        """True while the daemon says no other job shares this rank's device."""
+    def keeps_device(self) -> bool:
+        """True while this rank keeps its device through communication: no other job
+        shares it, or the daemons serve it concurrently (plain co-location)."""
         return self._keep_alone()
 
     # --- internals ---------------------------------------------------------------------
+    def _count_step(self) -> None:
+        """A step boundary: count it, and report the count while the device is shared
+        (at most every REPORT_S; one small one-way message)."""
+        self.steps += 1
+        now = time.monotonic()
+        if self._sock is not None and not self._alone and now - self._last_report >= REPORT_S:
+            self._last_report = now
+            self._send(P.Progress(self.steps))
+
     def _keep_alone(self) -> bool:
-        """Whether to keep the device instead of releasing it: no other job shares it.
+        """Whether to keep the device instead of releasing it: no other job shares it,
+        or the mode is concurrent.
 
         Reads the daemon's pending notices first, so a job that arrived since the last
         step is seen at this release point: a newcomer waits at most one hold of ours.
@@ -250,14 +268,39 @@ class SlotClient:
                 self._on_notice(recv_msg(self._sock))
             except (OSError, P.ProtocolError) as exc:
                 self._fail_open(f"lost the crossover daemon ({exc})")
-        return self._alone and self._keep_when_alone and self._sock is not None
+        keep = self._alone or self._mode == Mode.CONCURRENT
+        return keep and self._keep_when_alone and self._sock is not None
 
     def _on_notice(self, msg: P.Message) -> None:
         """A message the daemon sent unasked (or a grant for an abandoned wait)."""
         if isinstance(msg, P.Company):
             self._alone = msg.others == 0
+            try:
+                mode = Mode(msg.mode)
+            except ValueError:
+                self._fail_open(f"crossover daemon sent an unknown mode {msg.mode!r}")
+                return
+            if mode != self._mode:
+                if self.trace is not None:
+                    self.trace.instant(f"mode {mode.value}", time.time(), reason=msg.reason,
+                                       device=self.label)
+                self._mode = mode
+                self._place()
         elif isinstance(msg, P.Error):
             self._fail_open(f"crossover daemon error: {msg.message}")
+
+    def _place(self) -> None:
+        """Pin to the device's cores in antiphase, as a GPU rank is bound to its GPU.
+        Concurrent grants are plain co-location, placement included: pinned there, a
+        rank waiting on its allreduce and a rank computing share one core, and the
+        kernel cannot move either to the other core when it idles."""
+        if not self._pin:
+            return
+        try:
+            os.sched_setaffinity(0, self._cores if self._mode == Mode.ANTIPHASE
+                                 else self._unpinned)
+        except OSError as exc:  # the launcher's cpuset changed under us: train on
+            self._warn(f"cannot set CPU affinity ({exc})")
 
     @property
     def holding(self) -> bool:

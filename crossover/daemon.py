@@ -23,21 +23,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from crossover import environment as E
 from crossover import protocol as P
-from crossover.scheduler import Grant, Phase, SchedulerError, SlotScheduler, make_policy
+from crossover.scheduler import (
+    Grant,
+    Mode,
+    ModeController,
+    ModeSwitch,
+    Phase,
+    SchedulerError,
+    SlotScheduler,
+    make_policy,
+)
 from crossover.transport import FrameBuffer, PeerChannel, send_msg, socket_path
 
 log = logging.getLogger("crossover.daemon")
-
-#: Environment variable: fake this many nodes on one machine (daemon rank r is node r;
-#: a rank of local rank l talks to node l % N). For tests and benchmarks.
-FAKE_NODES_ENV = "CROSSOVER_FAKE_NODES"
-
-#: Environment variable: this process's node name, overriding the hostname and fake
-#: nodes, for daemons and job ranks alike. Emulated hosts (network namespaces) share one
-#: hostname; the launcher sets it per host.
-NODE_ENV = "CROSSOVER_NODE"
-
 
 class _SoloComm:
     """A one-process stand-in for an MPI communicator: a daemon run without mpirun
@@ -62,13 +62,10 @@ def default_comm() -> Any:
 def node_identity(comm: Any) -> tuple[str, list[int]]:
     """This daemon's node name and the CPU cores its devices are made of."""
     cores = sorted(os.sched_getaffinity(0))
-    if os.environ.get(NODE_ENV):
-        return os.environ[NODE_ENV], cores
-    fake = int(os.environ.get(FAKE_NODES_ENV, "0") or 0)
-    if fake:
-        r = comm.Get_rank()
-        return f"fake{r}", cores[r % len(cores) :: fake] or cores
-    return socket.gethostname(), cores
+    if os.environ.get(E.NODE) or not E.fake_nodes():
+        return E.node_name(), cores
+    r, fake = comm.Get_rank(), E.fake_nodes()  # fake node r gets every N-th core
+    return E.node_name(r), cores[r % len(cores) :: fake] or cores
 
 
 @dataclass
@@ -78,7 +75,7 @@ class _Conn:
     hello: P.Hello | None = None
     registered: bool = False
     seq: int = 0  # the rank's outstanding Acquire
-    others: int | None = None  # other jobs on its device, as last told (Company)
+    told: tuple[int, str] | None = None  # (other jobs on its device, mode), as last told
 
     @property
     def key(self) -> tuple[str, int] | None:
@@ -97,18 +94,25 @@ class Daemon:
         runtime_dir: directory of the sockets (default: see `transport.runtime_dir`).
         comm: the daemons' communicator (default: COMM_WORLD under mpirun).
         cpu_devices: how many devices this node's CPU cores form (default: one per core).
+        mode_probe_s: policy auto: the shortest window measuring a mode.
+        mode_hold_s: policy auto: how long a mode decision holds before a re-probe.
         clock: monotonic clock, injectable for tests.
+
+    Raises:
+        ValueError: a setting out of range, naming it.
     """
 
     def __init__(
         self,
-        policy: str = "crossover",
+        policy: str = "auto",
         lease_s: float = 30.0,
         patience_s: float = 1.0,
         idle_shutdown_s: float | None = None,
         runtime_dir: str | os.PathLike | None = None,
         comm: Any = None,
         cpu_devices: int | None = None,
+        mode_probe_s: float = 1.0,
+        mode_hold_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.comm = comm if comm is not None else default_comm()
@@ -136,6 +140,12 @@ class Daemon:
         self._members: dict[str, set[int]] = {}  # job -> daemon ranks with its ranks
         self._decided: dict[str, int] = {}  # job -> the order the leader gave it
         self._idle_since = clock()
+        # The mode decision (policy auto): the leader measures, every daemon applies.
+        self.modes = ModeController(clock, probe_s=mode_probe_s, hold_s=mode_hold_s,
+                                    max_hold_s=max(240.0, mode_hold_s)) \
+            if self.sched.policy.adaptive else None
+        self._mode_reason = "policy " + self.sched.policy.name
+        self._steps: dict[str, int] = {}  # job -> most steps a local rank reported
 
     # --- life cycle -------------------------------------------------------------------
     def serve(self) -> None:
@@ -198,9 +208,12 @@ class Daemon:
 
     def _timeout(self) -> float:
         t = 0.5
-        deadline = self.sched.next_deadline()
-        if deadline is not None:
-            t = min(t, max(0.0, deadline - self.clock()))
+        deadlines = [self.sched.next_deadline()]
+        if self.modes is not None and self.peers.rank == 0:
+            deadlines.append(self.modes.next_deadline())
+        for deadline in deadlines:
+            if deadline is not None:
+                t = min(t, max(0.0, deadline - self.clock()))
         return t
 
     def _wakeup(self) -> None:
@@ -239,10 +252,12 @@ class Daemon:
             for msg in conn.frames.feed(data):
                 self._handle(conn, msg)
         except P.ProtocolError as exc:
-            self._reply(conn, P.Error(str(exc)))
+            code = P.ErrorCode.VERSION if isinstance(exc, P.VersionMismatch) \
+                else P.ErrorCode.PROTOCOL
+            self._reply(conn, P.Error(str(exc), code.value))
             self._close(conn, f"protocol error: {exc}")
         except SchedulerError as exc:
-            self._reply(conn, P.Error(str(exc)))
+            self._reply(conn, P.Error(str(exc), P.ErrorCode.REFUSED.value))
 
     def _reply(self, conn: _Conn, msg: P.Message) -> None:
         try:
@@ -294,6 +309,12 @@ class Daemon:
             self._deliver(self.sched.release(job, rank, phase))
         elif isinstance(msg, P.Renew):
             self.sched.renew(job, rank)
+        elif isinstance(msg, P.Progress):
+            if not isinstance(msg.steps, int):
+                raise P.ProtocolError(f"progress with steps {msg.steps!r}, not an integer")
+            if msg.steps > self._steps.get(job, -1):  # the job's other local ranks repeat it
+                self._steps[job] = msg.steps
+                self.peers.send(0, ("progress", job, msg.steps))
         else:
             raise P.ProtocolError(f"unexpected {msg.kind} from a client")
 
@@ -315,7 +336,7 @@ class Daemon:
             self._reply(conn, P.Error(
                 f"job {hello.job!r} rank {hello.rank} is connected already: two jobs with "
                 f"one name? Give each job its own name (CROSSOVER_JOB or crossoverrun "
-                f"--crossover-job)"))
+                f"--crossover-job)", P.ErrorCode.DUPLICATE.value))
             self._close(conn, "duplicate rank")
             return
         conn.hello = hello
@@ -346,16 +367,23 @@ class Daemon:
                                     policy.yield_on_step))
         self._tell_company(device)
 
-    def _tell_company(self, device: str) -> None:
-        """Tell each rank on `device` how many other jobs share it, when that changed."""
-        jobs = self.sched.jobs_on(device)
+    def _tell_company(self, device: str | None = None) -> None:
+        """Tell each rank on `device` (None: every device) how many other jobs share it
+        and the mode, when that changed."""
         for key, conn in list(self._conns.items()):
-            if self.sched.device_of(*key) != device:
+            mine = self.sched.device_of(*key)
+            if mine is None or device not in (None, mine):
                 continue
-            others = len(jobs - {key[0]})
-            if conn.others != others:
-                conn.others = others
-                self._reply(conn, P.Company(others))
+            told = (len(self.sched.jobs_on(mine) - {key[0]}), self.sched.mode.value)
+            if conn.told != told:
+                conn.told = told
+                self._reply(conn, P.Company(*told, self._mode_reason))
+
+    def _apply_modes(self, switches: list[ModeSwitch]) -> None:
+        """Leader: announce the mode decisions to every daemon (itself included)."""
+        for switch in switches:
+            log.info("mode %s: %s", switch.mode.value, switch.reason)
+            self.peers.broadcast(("mode", switch.mode.value, switch.reason))
 
     def _cpu_device(self, index: int) -> tuple[str, list[int]]:
         # Device i is every cpu_devices-th core from core i: one core each by default.
@@ -368,6 +396,8 @@ class Daemon:
                 self._reply(conn, P.Grant(conn.seq))
 
     def _expire(self) -> None:
+        if self.modes is not None and self.peers.rank == 0:
+            self._apply_modes(self.modes.tick())
         revoked, grants = self.sched.expire()
         for job, rank, device in revoked:
             log.warning("job %s rank %d held %s past its %.0f s lease: slot revoked",
@@ -398,6 +428,15 @@ class Daemon:
                     self._members.pop(msg[1], None)
                     self._decided.pop(msg[1], None)
                     self.peers.broadcast(("forget", msg[1]))
+                    if self.modes is not None:
+                        self._apply_modes(self.modes.leave(msg[1]))
+            elif kind == "progress":  # leader: a job's step count, for the mode decision
+                if self.modes is not None and msg[1] in self._members:
+                    self._apply_modes(self.modes.progress(msg[1], msg[2]))
+            elif kind == "mode":
+                self._mode_reason = msg[2]
+                self._deliver(self.sched.set_mode(Mode(msg[1])))
+                self._tell_company()
             elif kind == "order":
                 self._orders[msg[1]] = msg[2]
                 for conn in self._pending.pop(msg[1], []):
@@ -405,8 +444,12 @@ class Daemon:
             elif kind == "forget":
                 if not any(j == msg[1] for j, _ in self._conns) and msg[1] not in self._pending:
                     self._orders.pop(msg[1], None)
+                    self._steps.pop(msg[1], None)
             elif kind == "status?":
                 snap = self.sched.snapshot()
+                snap["mode_reason"] = self._mode_reason
+                if self.modes is not None and self.peers.rank == 0:
+                    snap["mode_decision"] = self.modes.snapshot()
                 snap["devices_cores"] = {self._cpu_device(i)[0]: self._cpu_device(i)[1]
                                          for i in range(self.cpu_devices)}
                 self.peers.send(source, ("status!", msg[1], self.node, snap))

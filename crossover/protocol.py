@@ -3,21 +3,36 @@
 Every message is one JSON object in a length-prefixed frame (see `transport`), with the
 protocol version and a `kind`. Requests from a rank and the daemon's replies mirror each
 other: Hello -> Welcome, Acquire -> Grant, Status -> StatusReport; Release and Renew are
-one-way. Any request may be answered with Error, which carries the daemon's message.
+one-way, and so are Progress reports. The daemon sends Company unasked. Any request may
+be answered with Error, which carries a machine-readable code and the daemon's message.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, fields
+from enum import Enum
 from typing import Any, ClassVar
 
 #: Bumped on any incompatible change; a client and daemon that differ refuse each other.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+
+
+class ErrorCode(str, Enum):
+    """Why the daemon refused something: clients act on the code, people read the text."""
+
+    VERSION = "version_mismatch"  # another protocol version: never silenced
+    DUPLICATE = "duplicate_rank"  # the job's rank is connected already
+    PROTOCOL = "protocol_error"  # a malformed or unexpected message
+    REFUSED = "refused"  # a well-formed request that does not fit the scheduler's state
 
 
 class ProtocolError(RuntimeError):
     """A malformed message, or one from an incompatible version."""
+
+
+class VersionMismatch(ProtocolError):
+    """A message from another protocol version."""
 
 
 @dataclass
@@ -75,6 +90,17 @@ class Company(Message):
 
     kind: ClassVar[str] = "company"
     others: int
+    mode: str = "antiphase"  # `crossover.scheduler.Mode`: concurrent lets every job keep it
+    reason: str = ""  # why the daemons chose `mode` (for traces)
+
+
+@dataclass
+class Progress(Message):
+    """Rank -> daemon, one-way: the job has made `steps` training steps. The daemons
+    measure step rates from these to choose the mode (only ranks with company send)."""
+
+    kind: ClassVar[str] = "progress"
+    steps: int
 
 
 @dataclass
@@ -103,12 +129,13 @@ class StatusReport(Message):
 class Error(Message):
     kind: ClassVar[str] = "error"
     message: str
+    code: str = ErrorCode.REFUSED.value
 
 
 KINDS: dict[str, type[Message]] = {
     cls.kind: cls
-    for cls in (Hello, Welcome, Acquire, Grant, Company, Release, Renew, Status, StatusReport,
-                Error)
+    for cls in (Hello, Welcome, Acquire, Grant, Company, Progress, Release, Renew, Status,
+                StatusReport, Error)
 }
 
 
@@ -130,9 +157,12 @@ def decode(data: bytes) -> Message:
     except (ValueError, KeyError, AttributeError, TypeError) as exc:
         raise ProtocolError(f"malformed crossover message: {exc}") from None
     if kind == "error" and isinstance(obj.get("message"), str):
-        return Error(obj["message"])  # readable across versions: it explains the refusal
+        # Readable across versions, since it explains the refusal. An error from another
+        # version is a version mismatch whatever it says (version 1 sent no code).
+        code = obj.get("code") if version == PROTOCOL_VERSION else ErrorCode.VERSION.value
+        return Error(obj["message"], code if isinstance(code, str) else ErrorCode.REFUSED.value)
     if version != PROTOCOL_VERSION:
-        raise ProtocolError(
+        raise VersionMismatch(
             f"crossover protocol version mismatch: got {version}, this side speaks "
             f"{PROTOCOL_VERSION}; run the client and the daemon from the same crossover "
             f"release (restart the daemon after upgrading)"

@@ -1,16 +1,8 @@
 """The process's crossover session: one slot client per process, set up from the
 environment, plus the context managers for custom training loops.
 
-Environment (all optional; crossoverrun sets them):
-    CROSSOVER_ENABLE      "0" turns every hook into a no-op (the job trains plain).
-    CROSSOVER_JOB         the job's name; default "<script>-<pid of rank 0>", agreed
-                          over Horovod so all ranks use the same.
-    CROSSOVER_RUNTIME_DIR where the daemons' sockets are.
-    CROSSOVER_PRIORITY    weight for the priority policy (default 1).
-    CROSSOVER_TRACE       directory for this job's trace files (one per rank).
-    CROSSOVER_PIN_CPU     "0" leaves CPU affinity alone.
-    CROSSOVER_KEEP_WHEN_ALONE  "0": a rank alone on its device still releases it at
-                          every phase (costs round trips; shows every phase in traces).
+The environment it reads is listed in `crossover.environment`; without CROSSOVER_JOB
+the job's name is "<script>-<pid of rank 0>", agreed over Horovod so all ranks use it.
 """
 
 from __future__ import annotations
@@ -22,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from crossover import environment as E
 from crossover.client import RankInfo, SlotClient
 from crossover.scheduler import Phase
 from crossover.trace import TraceRecorder
@@ -31,7 +24,7 @@ _client: SlotClient | None = None
 
 def enabled() -> bool:
     """False when CROSSOVER_ENABLE=0: hooks then leave the job untouched."""
-    return os.environ.get("CROSSOVER_ENABLE", "1") != "0"
+    return E.flag(E.ENABLE)
 
 
 def init(job: str | None = None, gpu: int | None = None) -> SlotClient:
@@ -50,15 +43,15 @@ def init(job: str | None = None, gpu: int | None = None) -> SlotClient:
     if _client is not None:
         return _client
     info = RankInfo.from_env()
-    name = job or os.environ.get("CROSSOVER_JOB") or _agreed_job_name(info)
-    trace_dir = os.environ.get("CROSSOVER_TRACE")
+    name = job or os.environ.get(E.JOB) or _agreed_job_name(info)
+    trace_dir = os.environ.get(E.TRACE)
     trace = TraceRecorder(name, info.rank, Path(trace_dir) / f"{name}.rank{info.rank}.json") \
         if trace_dir else None
     _client = SlotClient(
         name, info,
-        weight=float(os.environ.get("CROSSOVER_PRIORITY", "1")),
+        weight=float(os.environ.get(E.PRIORITY, "1")),
         gpu=gpu,
-        pin_cpu=os.environ.get("CROSSOVER_PIN_CPU", "1") != "0",
+        pin_cpu=E.flag(E.PIN_CPU),
         trace=trace,
     )
     atexit.register(shutdown)

@@ -45,6 +45,11 @@ class TraceRecorder:
             "ts": start_s * 1e6, "dur": max(0.0, end_s - start_s) * 1e6, "args": args,
         })
 
+    def instant(self, name: str, at_s: float, **args) -> None:
+        """Record a moment (a mode switch, say) at `at_s` seconds since the epoch."""
+        self.events.append({"ph": "i", "s": "p", "name": name, "pid": job_pid(self.job),
+                            "tid": self.rank, "ts": at_s * 1e6, "args": args})
+
     def flush(self) -> None:
         """Write all events so far (the file is replaced, so flushing twice is fine)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -52,7 +52,7 @@ def main() -> None:
         optimizer.zero_grad()
         loss_fn(model(x), y).backward()
         callback.on_backward_end()
-        optimizer.synchronize()
+        callback.synchronize(optimizer)  # optimizer.synchronize(), quiet when sharing
         callback.on_update_begin()
         with optimizer.skip_synchronize():
             optimizer.step()

@@ -5,4 +5,6 @@
   DistributedGradientTape wrapper (release inside the compiled step).
 - crossover.hooks.torch_callback: a callback for plain PyTorch loops.
 - crossover.hooks.lightning: a PyTorch Lightning callback.
+
+The three PyTorch adapters share one slot lifecycle, crossover.hooks._lifecycle.
 """

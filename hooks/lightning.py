@@ -11,7 +11,7 @@ off the synchronization in `step()` and synchronizes in `on_before_optimizer_ste
 (after backward, before gradient clipping and the update). That part runs even with
 CROSSOVER_ENABLE=0, so a job trains correctly with or without crossover.
 
-The slot's life in one batch (as in `crossover.hooks.torch`):
+The slot's life in one batch (`crossover.hooks._lifecycle`, as in `crossover.hooks.torch`):
 
     on_train_batch_start                 acquire
     training_step, backward              held
@@ -19,6 +19,9 @@ The slot's life in one batch (as in `crossover.hooks.torch`):
     on_before_optimizer_step             synchronize (not held), then acquire
     clipping, optimizer update           held
     on_train_batch_end                   yield_slot
+
+While other jobs share the device the synchronization waits quietly, sleeping between
+polls instead of spinning a core.
 """
 
 from __future__ import annotations
@@ -26,22 +29,13 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 
 from crossover import session
 from crossover.client import SlotClient
-from crossover.scheduler import Phase
 
+from ._lifecycle import SlotLifecycle, horovod_optimizer
 
-def _horovod_optimizer(optimizer: Any) -> Any:
-    """The Horovod DistributedOptimizer behind `optimizer` (a LightningOptimizer too)."""
-    inner = getattr(optimizer, "_optimizer", optimizer)
-    if not (hasattr(inner, "synchronize") and hasattr(inner, "_handles")):
-        raise TypeError(
-            f"crossover.hooks.lightning.CrossoverCallback needs configure_optimizers to "
-            f"return hvd.DistributedOptimizer(...), got {type(inner).__name__}: wrap the "
-            f"optimizer with horovod.torch.DistributedOptimizer")
-    return inner
+_WHERE = "crossover.hooks.lightning.CrossoverCallback (configure_optimizers' optimizer)"
 
 
 class CrossoverCallback(pl.Callback):
@@ -60,7 +54,7 @@ class CrossoverCallback(pl.Callback):
         self._client = client
         self.client: SlotClient | None = None
         self._optimizers: list[Any] = []
-        self._cuda = False
+        self._life = SlotLifecycle(None)  # until on_fit_start knows the client and device
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Check the set-up and take Horovod's synchronization out of `step()`.
@@ -75,7 +69,7 @@ class CrossoverCallback(pl.Callback):
                 f"crossover.hooks.lightning runs one single-device Trainer per Horovod rank "
                 f"(Trainer(devices=1)); this Trainer has world_size {trainer.world_size}: "
                 f"launch one process per device with mpirun/horovodrun instead")
-        self._optimizers = [_horovod_optimizer(opt) for opt in trainer.optimizers]
+        self._optimizers = [horovod_optimizer(opt, _WHERE) for opt in trainer.optimizers]
         for opt in self._optimizers:
             if opt.backward_passes_per_step != trainer.accumulate_grad_batches:
                 raise ValueError(
@@ -84,58 +78,46 @@ class CrossoverCallback(pl.Callback):
                     f"{trainer.accumulate_grad_batches}): set both to the same number")
             # synchronized in on_before_optimizer_step instead (see the module docstring)
             opt._should_synchronize = False
-        self._cuda = pl_module.device.type == "cuda"
+        device = pl_module.device
         if session.enabled():
-            gpu = pl_module.device.index if self._cuda else None
+            gpu = device.index if device.type == "cuda" else None
             self.client = self._client or session.init(gpu=gpu)
+        self._life = SlotLifecycle(self.client, self._optimizers, device)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                              batch: Any, batch_idx: int) -> None:
         """Forward and backward hold the device."""
-        if self.client is not None:
-            self.client.acquire()
+        self._life.begin_compute()
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Backward is done and the allreduces are running: give the device up."""
-        if self.client is not None and self._allreduces_in_flight():
-            if self._cuda:
-                torch.cuda.current_stream().synchronize()  # backward's kernels are done
-            self.client.release(Phase.COMMUNICATE)
-        # else: an accumulation pass (no allreduce yet): compute goes on
+        self._life.end_backward()  # an accumulation pass (no allreduce yet) keeps it
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: Any) -> None:
         """Wait for the averaged gradients without the slot, then hold it for the update."""
-        _horovod_optimizer(optimizer).synchronize()
-        if self.client is not None:
-            self.client.acquire()
+        self._life.wait_for_gradients(horovod_optimizer(optimizer, _WHERE))
+        self._life.begin_update()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:
         """A step boundary: a waiting job may go first."""
-        if self.client is not None:
-            self.client.yield_slot()
+        self._life.end_step()
 
     def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                   batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         """Validation computes on the device too."""
-        if self.client is not None:
-            self.client.acquire()
+        self._life.begin_compute()
 
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                 outputs: Any, batch: Any, batch_idx: int,
                                 dataloader_idx: int = 0) -> None:
         """A step boundary."""
-        if self.client is not None:
-            self.client.yield_slot()
+        self._life.end_step()
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Training is over: give the device up and restore Horovod's `step()`."""
         for opt in self._optimizers:
             opt._should_synchronize = True
-        if self.client is not None:
-            self.client.release(Phase.IDLE)
+        self._life.close()
 
-    def _allreduces_in_flight(self) -> bool:
-        return any(handle is not None for opt in self._optimizers
-                   for handle, _ in opt._handles.values())

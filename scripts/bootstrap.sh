@@ -64,7 +64,14 @@ fi
 
 # --- 4. this project ---------------------------------------------------------------
 # Editable, so the cached environment follows whichever clone ran the bootstrap last.
-"$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
-  --no-build-isolation -e "$repo"
+# setuptools prints pages of deprecation warnings on every run: keep them in a log that
+# is shown only if the install fails.
+install_log="$cache/install-$(printf '%s' "$repo" | sha256sum | cut -c1-8).log"
+if ! "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
+    --no-build-isolation -e "$repo" >"$install_log" 2>&1; then
+  cat "$install_log" >&2
+  log "installing this project failed (log above, kept in $install_log)"
+  exit 1
+fi
 ln -sfn "$venv" "$repo/.venv"
 log "environment ready: $repo/.venv -> $venv"

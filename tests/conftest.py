@@ -103,8 +103,8 @@ class Cluster:
 
     @contextmanager
     def daemon(self, nodes: int = 1, policy: str = "crossover", lease: float = 30.0,
-               fake: bool = False) -> Iterator[Proc]:
-        args = ["-m", "crossover", "daemon", "--policy", policy, "--lease", str(lease)]
+               fake: bool = False, extra: tuple[str, ...] = ()) -> Iterator[Proc]:
+        args = ["-m", "crossover", "daemon", "--policy", policy, "--lease", str(lease), *extra]
         env = dict(self.env)
         if nodes > 1 or fake:
             env["CROSSOVER_FAKE_NODES"] = str(nodes)

@@ -51,8 +51,10 @@ def test_two_unmodified_scripts_run_under_crossover(runtime, tmp_path):
                                 str(seed)]).stdout) for seed in (1, 2)}
     assert not (runtime / "daemon.pid").exists(), "without --crossover no daemon starts"
     traces = tmp_path / "traces"
-    common = ["--crossover", "--crossover-trace", str(traces),
-              "--crossover-idle-shutdown", "180"]
+    # Always antiphase, so that the trace must show no overlapping holds (the default
+    # policy, auto, may serve the device concurrently: tests/test_mpi_core.py).
+    common = ["--crossover", "--crossover-policy", "crossover", "--crossover-trace",
+              str(traces), "--crossover-idle-shutdown", "180"]
     # Start one job first so that the daemon it starts is reused by the second.
     first = subprocess.Popen(CROSSOVERRUN + common + ["--crossover-job", "one", "-np", "2",
                              "-H", "localhost:2", PY, SCRIPT, "--seed", "1"],
@@ -87,8 +89,10 @@ def test_unmodified_keras_and_torch_scripts_together(runtime, tmp_path):
     keras_cmd = ["-np", "2", "-H", "localhost:2", PY, KERAS_SCRIPT]
     solo = checksum(run(keras_cmd, env=env).stdout)
     traces = tmp_path / "traces"
-    common = ["--crossover", "--crossover-trace", str(traces),
-              "--crossover-idle-shutdown", "180"]
+    # Always antiphase, so that the trace must show no overlapping holds (the default
+    # policy, auto, may serve the device concurrently: tests/test_mpi_core.py).
+    common = ["--crossover", "--crossover-policy", "crossover", "--crossover-trace",
+              str(traces), "--crossover-idle-shutdown", "180"]
     torch_job = subprocess.Popen(CROSSOVERRUN + common + ["--crossover-job", "torch", "-np",
                                  "2", "-H", "localhost:2", PY, SCRIPT, "--steps", "40"],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -139,6 +139,7 @@ def test_version_mismatch_is_refused_with_a_clear_message(cluster: Cluster, monk
         sock.sendall(struct.pack("!I", len(body)) + body)
         reply = recv_msg(sock)
         assert isinstance(reply, P.Error) and "version mismatch: got 99" in reply.message
+        assert reply.code == P.ErrorCode.VERSION
         sock.close()
         # the client side raises instead of silently going uncoordinated
         monkeypatch.setattr(P, "PROTOCOL_VERSION", 99)
@@ -148,11 +149,22 @@ def test_version_mismatch_is_refused_with_a_clear_message(cluster: Cluster, monk
 
 def test_duplicate_rank_is_refused(cluster: Cluster):
     with cluster.daemon():
-        first = client(cluster, "dup")
+        # "version" in the job's name once made the client call this a version mismatch
+        first = client(cluster, "version-dup")
         with pytest.raises(RuntimeError, match="rank 0 is connected already.*CROSSOVER_JOB "
-                                               "or crossoverrun --crossover-job"):
-            client(cluster, "dup")
+                                               "or crossoverrun --crossover-job") as refused:
+            client(cluster, "version-dup")
+        assert not isinstance(refused.value, CrossoverVersionError)
         first.close()
+
+
+def test_an_error_from_another_version_is_a_version_mismatch():
+    """Version 1 sent no error code: an error frame of another version is read as a
+    version mismatch, whatever its text; this version's errors carry their code."""
+    old = json.dumps({"v": 1, "kind": "error", "message": "refused"}).encode()
+    assert P.decode(old) == P.Error("refused", P.ErrorCode.VERSION.value)
+    dup = P.Error("version-x rank 0 is connected already", P.ErrorCode.DUPLICATE.value)
+    assert P.decode(P.encode(dup)) == dup
 
 
 def test_status_reports_holders_and_queues(cluster: Cluster):
@@ -219,8 +231,10 @@ def test_frames_roundtrip_in_pieces():
 
 @pytest.mark.parametrize("raw,match", [
     (b"not json", "malformed"),
-    (json.dumps({"v": 1, "kind": "nope"}).encode(), "unknown crossover message kind"),
-    (json.dumps({"v": 1, "kind": "acquire", "seq": 1, "bogus": 2}).encode(), "unexpected fields"),
+    (json.dumps({"v": P.PROTOCOL_VERSION, "kind": "nope"}).encode(),
+     "unknown crossover message kind"),
+    (json.dumps({"v": P.PROTOCOL_VERSION, "kind": "acquire", "seq": 1, "bogus": 2}).encode(),
+     "unexpected fields"),
 ])
 def test_bad_messages_are_named(raw, match):
     with pytest.raises(P.ProtocolError, match=match):
@@ -247,8 +261,8 @@ def test_policy_off_shows_overlaps(cluster: Cluster):
 
 def test_crossover_node_names_the_daemon_and_its_clients(tmp_path, monkeypatch):
     """CROSSOVER_NODE overrides hostname and fake nodes on both sides (emulated hosts)."""
-    from crossover.client import node_name
     from crossover.daemon import node_identity
+    from crossover.environment import node_name
 
     monkeypatch.setenv("CROSSOVER_NODE", "hostB")
     monkeypatch.setenv("CROSSOVER_FAKE_NODES", "2")
@@ -330,3 +344,42 @@ def test_wakeups_never_block_when_the_pipe_is_full(tmp_path):
 
     threading.Thread(target=flood, daemon=True).start()
     assert done.wait(60), "a full wake-up pipe blocked the writer"
+
+
+def test_a_runtime_dir_with_the_wrong_mode_warns_and_trains_on(tmp_path, capsys):
+    """A client never crashes its job: a 0755 runtime directory once raised AttributeError
+    from the warning itself. Now one warning names the directory, mode, owner and fix."""
+    run = tmp_path / "run"
+    run.mkdir(mode=0o755)
+    run.chmod(0o755)
+    c = SlotClient("job", SOLO, runtime_dir=run, pin_cpu=False)
+    c.acquire()  # uncoordinated: returns at once
+    c.release()
+    assert not c.coordinated and c.holding is False
+    err = capsys.readouterr().err
+    assert err.count("WARNING") == 1, err
+    assert str(run) in err and "mode 0o755" in err and f"uid {os.getuid()}" in err, err
+    assert "remove it or set CROSSOVER_RUNTIME_DIR" in err and "trains on uncoordinated" in err
+    c.close()
+
+
+def test_launchers_wait_for_the_socket_the_daemon_names(tmp_path, monkeypatch):
+    """With CROSSOVER_NODE set, crossoverrun and the local runner used to wait for
+    node-<hostname>.sock while the daemon listened on node-<CROSSOVER_NODE>.sock."""
+    from crossover.launch import cli
+    from crossover.launch.local import DaemonProcess
+
+    monkeypatch.setenv("CROSSOVER_NODE", "emulated-host")
+    daemon = DaemonProcess(tmp_path / "local", timeout_s=20)
+    try:
+        assert (tmp_path / "local" / "node-emulated-host.sock").exists()
+    finally:
+        daemon.stop()
+    rdir = tmp_path / "cli"
+    rdir.mkdir(mode=0o700)
+    try:
+        cli._start_daemon(rdir, "auto", ["localhost"], 30)
+        assert (rdir / "node-emulated-host.sock").exists()
+    finally:
+        pid = int((rdir / "daemon.pid").read_text())
+        os.killpg(pid, signal.SIGTERM)

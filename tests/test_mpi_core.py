@@ -67,6 +67,25 @@ def test_two_jobs_share_devices_without_overlap_and_keep_their_math(cluster: Clu
     assert same_weights(b.weights, solo["B"])
 
 
+def test_mode_switches_mid_run_keep_the_math(cluster: Cluster, solo):
+    """The default policy with short probes and holds switches between antiphase and
+    concurrent grants many times while the jobs train; the weights stay bit-identical.
+    (Holds overlap in concurrent windows by design; tests/test_mode.py proves that
+    antiphase stays exclusive across switches.)"""
+    with cluster.daemon(policy="auto", extra=("--mode-probe", "0.2", "--mode-hold", "0.5")):
+        a, b = cluster.jobs_together(("A", 1, STEPS), ("B", 2, STEPS))
+        a.wait(180)
+        b.wait(180)
+        log = (cluster.tmp / "daemon.log").read_text()
+    decided = re.findall(r"mode (antiphase|concurrent): ", log)
+    assert {"antiphase", "concurrent"} <= set(decided) and len(decided) >= 4, log
+    events = trace.merge(sorted(cluster.traces.glob("*.json")), cluster.tmp / "merged.json")
+    seen = {ev["name"] for ev in events if ev.get("ph") == "i"}
+    assert {"mode antiphase", "mode concurrent"} <= seen, "the ranks' traces show the switches"
+    assert same_weights(a.weights, solo["A"])
+    assert same_weights(b.weights, solo["B"])
+
+
 def test_backward_passes_per_step_keeps_the_math(cluster: Cluster, solo):
     with cluster.daemon():
         acc, other = cluster.jobs_together(("acc", 3, STEPS // 2, "--accumulate", "2"),

@@ -174,7 +174,7 @@ def test_errors_name_the_problem():
         sched.register("B", 0, "d0", 1, weight=0)
     with pytest.raises(SchedulerError, match="differ from its other ranks"):
         sched.register("A", 1, "d1", 5)
-    with pytest.raises(ValueError, match="choose one of crossover, round-robin"):
+    with pytest.raises(ValueError, match="choose one of auto, crossover, round-robin"):
         make_policy("fifo")
 
 

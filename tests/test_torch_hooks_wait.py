@@ -12,6 +12,7 @@ pytest.importorskip("horovod.torch")
 def test_synchronize_polls_with_sleeps_then_calls_horovods(monkeypatch):
     import horovod.torch.mpi_ops as mpi_ops
 
+    import crossover.hooks._lifecycle as lifecycle
     import crossover.hooks.torch as hooks_torch
 
     polls = {"h1": 3, "h2": 1}  # polls left before each handle reports done
@@ -22,21 +23,22 @@ def test_synchronize_polls_with_sleeps_then_calls_horovods(monkeypatch):
 
     slept = []
     monkeypatch.setattr(mpi_ops, "poll", fake_poll)
-    monkeypatch.setattr(hooks_torch.time, "sleep", slept.append)
+    monkeypatch.setattr(lifecycle.time, "sleep", slept.append)
     calls = []
     opt = types.SimpleNamespace(_handles={"p1": ("h1", None), "p2": (None, None),
                                           "p3": ("h2", None)})
     hooks = object.__new__(hooks_torch._SlotHooks)
     hooks.opt = opt
-    hooks.client = types.SimpleNamespace(alone=lambda: False)  # another job shares the device
+    # another job shares the device
+    hooks.life = lifecycle.SlotLifecycle(types.SimpleNamespace(keeps_device=lambda: False), [opt])
     assert hooks._synchronize(lambda: calls.append("horovod") or "done") == "done"
     assert calls == ["horovod"]  # Horovod's synchronize still finishes the step
     assert polls == {"h1": 0, "h2": 0}
     assert len(slept) == 2 and all(0 < s <= 5e-4 for s in slept)
 
-    # alone on the device: nobody needs the CPU, so Horovod's own (fastest) wait
+    # keeps the device (alone, or concurrent: plain co-location): Horovod's own wait
     polls.update(h1=3, h2=1)
     slept.clear()
-    hooks.client = types.SimpleNamespace(alone=lambda: True)
+    hooks.life.client = types.SimpleNamespace(keeps_device=lambda: True)
     assert hooks._synchronize(lambda: "done") == "done"
     assert polls == {"h1": 3, "h2": 1} and slept == []

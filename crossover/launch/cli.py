@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from crossover.client import daemon_status
+from crossover.environment import node_name
 from crossover.launch import jobspec
 from crossover.launch.inject import INJECT_ENV, inject_dir
 from crossover.scheduler import POLICIES
@@ -176,7 +177,7 @@ def ensure_daemon(address: str, policy: str | None, hosts: list[str],
         if nodes is not None:
             _check_policy(nodes, policy, str(rdir))
         else:
-            _start_daemon(rdir, policy or "crossover", hosts, idle_shutdown_s)
+            _start_daemon(rdir, policy or "auto", hosts, idle_shutdown_s)
     return rdir
 
 
@@ -206,7 +207,7 @@ def _start_daemon(rdir: Path, policy: str, hosts: list[str], idle_shutdown_s: fl
     (rdir / "daemon.pid").write_text(f"{proc.pid}\n")  # `kill $(cat daemon.pid)` stops it
     if not any(_local(h) for h in hosts):
         return  # nothing local to wait for
-    path = socket_path(socket.gethostname(), rdir)
+    path = socket_path(node_name(), rdir)  # CROSSOVER_NODE / _FAKE_NODES name it too
     deadline = time.monotonic() + 60
     while not path.exists():
         if time.monotonic() > deadline:

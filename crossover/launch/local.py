@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from crossover.environment import node_name
 from crossover.transport import socket_path
 
 
@@ -70,7 +71,7 @@ class DaemonProcess:
         log: file for the daemon's output.
     """
 
-    def __init__(self, runtime_dir: Path, policy: str = "crossover", lease_s: float = 30.0,
+    def __init__(self, runtime_dir: Path, policy: str = "auto", lease_s: float = 30.0,
                  idle_shutdown_s: float | None = None, log: Path | None = None,
                  timeout_s: float = 60.0) -> None:
         self.runtime_dir = Path(runtime_dir)
@@ -81,7 +82,7 @@ class DaemonProcess:
         self._log = open(log or os.devnull, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
-        path = socket_path(os.uname().nodename, self.runtime_dir)
+        path = socket_path(node_name(), self.runtime_dir)  # as the daemon names itself
         deadline = time.monotonic() + timeout_s
         while not path.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from crossover.scheduler.mode import Mode
 from crossover.scheduler.policies import Phase, Policy
 
 # Rank states on its device.
@@ -90,6 +91,46 @@ class SlotScheduler:
         self._where: dict[tuple[str, int], str] = {}  # (job, rank) -> device
         self._jobs: dict[str, tuple[int, float]] = {}  # job -> (order, weight)
         self._devices: dict[str, _Device] = {}
+        # Concurrent serves every request at once, as plain co-location does (see
+        # `mode`); an exclusive policy starts in antiphase.
+        self.mode = Mode.ANTIPHASE if policy.exclusive else Mode.CONCURRENT
+
+    @property
+    def exclusive(self) -> bool:
+        """Whether devices are held by one job at a time now (policy and mode)."""
+        return self.policy.exclusive and self.mode == Mode.ANTIPHASE
+
+    def set_mode(self, mode: Mode) -> list[Grant]:
+        """Serve devices in `mode` from now on; returns the grants that follows.
+
+        Going to concurrent grants every waiting rank. Going to antiphase grants
+        nothing new on a device while two jobs still hold it (they drain at their next
+        release); a device held by one job keeps it as the holder of the turn.
+
+        Raises:
+            SchedulerError: antiphase under a policy that is never exclusive (off).
+        """
+        if mode == Mode.ANTIPHASE and not self.policy.exclusive:
+            raise SchedulerError(f"policy {self.policy.name!r} cannot serve in antiphase")
+        if mode == self.mode:
+            return []
+        self.mode = mode
+        now = self.clock()
+        grants: list[Grant] = []
+        for name, dev in self._devices.items():
+            if mode == Mode.CONCURRENT and dev.holder is not None:
+                dev.held_s[dev.holder] = dev.held_s.get(dev.holder, 0.0) + now - dev.hold_start
+            dev.holder, dev.served = None, set()  # antiphase: _dispatch finds the holder
+            if mode == Mode.ANTIPHASE and dev.ranks:
+                # Start the sequence afresh: turns drift apart while jobs step at their
+                # own rates, and a job behind would take every turn until it caught up.
+                # Equal turns order the jobs by global order, the same on every device.
+                dev.vtime = max(self.policy.virtual_time(r.turn, r.weight)
+                                for r in dev.ranks.values())
+                for r in dev.ranks.values():
+                    r.turn = self.policy.turn_at(dev.vtime, r.weight)
+            grants += self._dispatch(name)
+        return grants
 
     # --- membership -------------------------------------------------------------------
     def register(self, job: str, rank: int, device: str, order: int, weight: float = 1.0):
@@ -241,7 +282,8 @@ class SlotScheduler:
             }
         jobs = {name: {"order": o, "weight": w}
                 for name, (o, w) in sorted(self._jobs.items(), key=lambda kv: kv[1])}
-        return {"policy": self.policy.name, "devices": devices, "jobs": jobs}
+        return {"policy": self.policy.name, "mode": self.mode.value, "devices": devices,
+                "jobs": jobs}
 
     # --- internals --------------------------------------------------------------------
     def _lookup(self, job: str, rank: int) -> tuple[str, _Rank]:
@@ -263,7 +305,7 @@ class SlotScheduler:
     def _grant(self, device: str, r: _Rank) -> Grant:
         dev = self._devices[device]
         now = self.clock()
-        if dev.holder != r.job and self.policy.exclusive:
+        if dev.holder != r.job and self.exclusive:
             dev.holder, dev.hold_start, dev.served = r.job, now, set()
         dev.served.add(r.rank)
         r.waited_s += now - r.since
@@ -279,8 +321,9 @@ class SlotScheduler:
             return
         self._set(r, BUSY)
         r.deadline = None
-        if self.policy.exclusive and not self.holders(device):
-            dev.held_s[r.job] = dev.held_s.get(r.job, 0.0) + self.clock() - dev.hold_start
+        if self.exclusive and not self.holders(device):
+            if dev.holder == r.job:  # (after a switch to antiphase, nobody may own the turn)
+                dev.held_s[r.job] = dev.held_s.get(r.job, 0.0) + self.clock() - dev.hold_start
             dev.holder = None
             dev.served = set()
 
@@ -290,8 +333,16 @@ class SlotScheduler:
         if not waiting:
             dev.blocked_since = None
             return []
-        if not self.policy.exclusive:
+        if not self.exclusive:
             return [self._grant(device, r) for r in waiting]
+        if dev.holder is None:
+            holding = {r.job for r in dev.ranks.values() if r.state == HOLDING}
+            if len(holding) > 1:
+                # Several jobs still hold from concurrent mode: no grant until they drain.
+                return []
+            if holding:  # the last one left owns the turn
+                dev.holder, dev.hold_start = holding.pop(), self.clock()
+                dev.served = {r.rank for r in dev.ranks.values() if r.state == HOLDING}
         if dev.holder is not None:
             dev.blocked_since = None
             # Peers of the holding job join it, except ranks that held this turn

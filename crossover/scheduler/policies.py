@@ -33,6 +33,8 @@ class Policy:
     release_on_communicate = True
     #: The holder offers the device to waiting jobs at each step boundary.
     yield_on_step = False
+    #: The daemon chooses antiphase or concurrent grants by measurement (`mode`).
+    adaptive = False
 
     def keeps_device(self, phase: Phase) -> bool:
         """Whether a holder that enters `phase` keeps the device."""
@@ -71,6 +73,15 @@ class CrossoverPolicy(Policy):
     name = "crossover"
 
 
+class AutoPolicy(CrossoverPolicy):
+    """Crossover when it pays: the daemon measures the co-located jobs under antiphase
+    and under concurrent grants and serves their devices in the faster mode (see
+    `mode`). The default."""
+
+    name = "auto"
+    adaptive = True
+
+
 class RoundRobinPolicy(Policy):
     """Whole-step time slicing: a job keeps the device through its communication and
     hands it over at the step boundary. The baseline crossover improves on: the device
@@ -101,7 +112,7 @@ class OffPolicy(Policy):
 
 
 POLICIES: dict[str, type[Policy]] = {
-    p.name: p for p in (CrossoverPolicy, RoundRobinPolicy, PriorityPolicy, OffPolicy)
+    p.name: p for p in (AutoPolicy, CrossoverPolicy, RoundRobinPolicy, PriorityPolicy, OffPolicy)
 }
 
 

@@ -1,0 +1,230 @@
+"""Whether co-located jobs should take turns on their devices or compute at once.
+
+Antiphase (exclusive grants in one global sequence) pays when a job's communication
+leaves the device idle: the other job computes in that gap. When communication is
+itself work on the same resource (shared-memory allreduce on the cores that compute,
+on one host), taking turns only adds waiting, and plain co-location is faster. Nothing
+tells the two apart in advance, so the controller measures.
+
+Probing: when the set of co-located jobs changes, each mode gets a window; in a window
+every job's step rate is measured from the progress its ranks report (after a settling
+step, over at least `min_steps` steps and `probe_s` seconds). Antiphase is chosen when
+the jobs' mean speedup under it, each job's rate normalised by its own rate under
+concurrent grants, is at least 1 + `margin`; otherwise concurrent, which is what plain
+co-location does (do no harm). The decision holds for `hold_s`, doubled each time a
+re-probe confirms it (up to `max_hold_s`); meanwhile longer windows in the held mode
+(`watch_s`) watch the rates, and a job whose rate differs by more than `drift` from the
+first watch window after the decision (its phase lengths changed) starts a re-probe at
+once. Short probe windows are noisy on a busy host; watch windows compare like with
+like.
+
+Pure: time comes from an injected clock; every call returns the switches it decided, so
+the daemon only has to apply and announce them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class Mode(str, Enum):
+    """How a device serves the jobs that share it."""
+
+    ANTIPHASE = "antiphase"  # one job computes at a time, in the global sequence
+    CONCURRENT = "concurrent"  # every job computes at once (plain co-location)
+
+
+@dataclass(frozen=True)
+class ModeSwitch:
+    """Serve devices in `mode` from now on, because of `reason` (for traces and status)."""
+
+    mode: Mode
+    reason: str
+
+
+@dataclass
+class _Window:
+    """A measurement of every job's step rate in one mode."""
+
+    mode: Mode
+    start: float
+    min_s: float  # the window's shortest length
+    base: dict[str, int]  # each job's steps when the window opened
+    first: dict[str, tuple[int, float]] = field(default_factory=dict)  # after settling
+    last: dict[str, tuple[int, float]] = field(default_factory=dict)
+
+    def rate(self, job: str, now: float) -> float:
+        """Steps per second of `job` in this window (from the window's start if it never
+        made two reports after settling)."""
+        if job in self.first and self.last[job][1] > self.first[job][1]:
+            (s0, t0), (s1, t1) = self.first[job], self.last[job]
+            return (s1 - s0) / (t1 - t0)
+        steps = self.last[job][0] - self.base.get(job, 0) if job in self.last else 0
+        return steps / max(now - self.start, 1e-9)
+
+
+class ModeController:
+    """Chooses the mode for a group of co-located jobs from their measured progress.
+
+    Args:
+        clock: monotonic seconds.
+        probe_s: shortest measurement window.
+        min_steps: steps every job must make in a window (after settling).
+        settle_steps: steps ignored after a switch (the pipeline drains and refills).
+        max_probe_s: a window closes after this long even if a job is slower.
+        hold_s: how long a decision holds before it is probed again.
+        watch_s: the length of the windows that watch the rates during a hold.
+        max_hold_s: the longest hold, after repeated confirmations.
+        margin: antiphase must beat concurrent by this fraction to be chosen.
+        drift: relative change of a job's rate, in the held mode, that re-probes.
+    """
+
+    def __init__(self, clock: Callable[[], float], probe_s: float = 1.0, min_steps: int = 3,
+                 settle_steps: int = 2, max_probe_s: float = 15.0, hold_s: float = 30.0,
+                 watch_s: float = 5.0, max_hold_s: float = 240.0, margin: float = 0.03,
+                 drift: float = 0.5) -> None:
+        if not (0 < probe_s <= max_probe_s and min_steps >= 1 and settle_steps >= 0
+                and 0 < hold_s <= max_hold_s and margin >= 0 and drift > 0):
+            raise ValueError(
+                f"mode controller: need 0 < probe_s <= max_probe_s, min_steps >= 1, "
+                f"settle_steps >= 0, 0 < hold_s <= max_hold_s, margin >= 0, drift > 0; got "
+                f"probe_s={probe_s}, max_probe_s={max_probe_s}, min_steps={min_steps}, "
+                f"settle_steps={settle_steps}, hold_s={hold_s}, max_hold_s={max_hold_s}, "
+                f"margin={margin}, drift={drift}")
+        self.clock = clock
+        self.probe_s, self.min_steps, self.settle_steps = probe_s, min_steps, settle_steps
+        self.max_probe_s, self.base_hold_s, self.max_hold_s = max_probe_s, hold_s, max_hold_s
+        self.watch_s = max(watch_s, probe_s)
+        self.margin, self.drift = margin, drift
+        self.mode = Mode.ANTIPHASE
+        self.state = "solo"  # solo (fewer than two jobs), probe, or hold
+        self.reason = "fewer than two jobs"
+        self._steps: dict[str, int] = {}  # each job's latest reported step count
+        self._plan: list[Mode] = []  # the probe windows still to run
+        self._window: _Window | None = None
+        self._rates: dict[Mode, dict[str, float]] = {}
+        self._hold_s = hold_s
+        self._hold_until: float | None = None
+        self._decided: Mode | None = None  # the last probe's decision
+        self._watched: dict[str, float] = {}  # rates of the first watch window of a hold
+
+    # --- events ---------------------------------------------------------------------
+    def progress(self, job: str, steps: int) -> list[ModeSwitch]:
+        """A rank of `job` reports that the job has made `steps` steps."""
+        if job not in self._steps:
+            self._steps[job] = steps
+            return self._restart(f"job {job} joined")
+        if steps <= self._steps[job]:
+            return []  # another rank of the job, or a report out of date
+        self._steps[job] = steps
+        w, now = self._window, self.clock()
+        if w is not None and job in w.base:
+            if job not in w.first:
+                if steps >= w.base[job] + self.settle_steps:
+                    w.first[job] = w.last[job] = (steps, now)
+            else:
+                w.last[job] = (steps, now)
+        return self._advance()
+
+    def leave(self, job: str) -> list[ModeSwitch]:
+        """`job` has no rank left anywhere."""
+        if self._steps.pop(job, None) is None:
+            return []
+        return self._restart(f"job {job} left")
+
+    def tick(self) -> list[ModeSwitch]:
+        """Let time-based limits act (window timeouts, the end of a hold)."""
+        return self._advance()
+
+    def next_deadline(self) -> float | None:
+        """When `tick` may next decide something."""
+        ends = [self._hold_until] if self._hold_until is not None else []
+        if self._window is not None:
+            ends.append(self._window.start + self.max_probe_s)
+        return min(ends, default=None)
+
+    def snapshot(self) -> dict:
+        """The current mode, state and measurements, JSON-ready (for status)."""
+        return {"mode": self.mode.value, "state": self.state, "reason": self.reason,
+                "rates": {m.value: dict(r) for m, r in self._rates.items()}}
+
+    # --- internals ------------------------------------------------------------------
+    def _restart(self, why: str) -> list[ModeSwitch]:
+        self._rates, self._hold_until, self._decided = {}, None, None
+        if len(self._steps) < 2:
+            self.state, self.reason, self._plan, self._window = "solo", why, [], None
+            return []
+        # Concurrent first: a newcomer computes at once instead of waiting for a turn.
+        return self._probe([Mode.CONCURRENT, Mode.ANTIPHASE], f"{why}: probing")
+
+    def _probe(self, plan: list[Mode], why: str) -> list[ModeSwitch]:
+        self.state, self._plan, self._hold_until = "probe", plan[1:], None
+        self._watched = {}
+        return self._open(plan[0], f"{why} {plan[0].value}")
+
+    def _open(self, mode: Mode, why: str, min_s: float | None = None) -> list[ModeSwitch]:
+        self._window = _Window(mode, self.clock(), min_s or self.probe_s, dict(self._steps))
+        if mode == self.mode:
+            return []
+        self.mode, self.reason = mode, why
+        return [ModeSwitch(mode, why)]
+
+    def _advance(self) -> list[ModeSwitch]:
+        if self.state == "solo":
+            return []
+        now = self.clock()
+        w = self._window
+        if w is None:  # holding without a watch window cannot happen; be safe
+            return self._open(self.mode, self.reason)
+        if self.state == "hold" and self._hold_until is not None and now >= self._hold_until:
+            other = Mode.CONCURRENT if self.mode == Mode.ANTIPHASE else Mode.ANTIPHASE
+            return self._probe([other, self.mode], "re-probing after the hold:")
+        if not self._window_done(w, now):
+            return []
+        rates = {job: w.rate(job, now) for job in w.base if job in self._steps}
+        if self.state == "hold":
+            return self._watch(rates)
+        self._rates[w.mode] = rates
+        if self._plan:
+            nxt = self._plan.pop(0)
+            return self._open(nxt, f"probing {nxt.value}")
+        return self._decide()
+
+    def _window_done(self, w: _Window, now: float) -> bool:
+        if now - w.start >= self.max_probe_s:
+            return True
+        if now - w.start < w.min_s:
+            return False
+        return all(job in w.first and w.last[job][0] - w.first[job][0] >= self.min_steps
+                   for job in w.base if job in self._steps)
+
+    def _decide(self) -> list[ModeSwitch]:
+        anti, conc = self._rates[Mode.ANTIPHASE], self._rates[Mode.CONCURRENT]
+        jobs = sorted(set(anti) & set(conc))
+        speedups = {j: anti[j] / conc[j] if conc[j] > 0 else float("inf") if anti[j] > 0
+                    else 1.0 for j in jobs}
+        mean = sum(speedups.values()) / max(len(speedups), 1)
+        best = Mode.ANTIPHASE if mean >= 1 + self.margin else Mode.CONCURRENT
+        detail = ", ".join(f"{j} {s:.2f}x" for j, s in speedups.items())
+        why = f"antiphase {mean:.2f}x concurrent ({detail}): {best.value}"
+        # A re-probe that confirms the last decision holds it twice as long.
+        self._hold_s = min(2 * self._hold_s, self.max_hold_s) if best == self._decided \
+            else self.base_hold_s
+        self._decided, self.state = best, "hold"
+        self._hold_until = self.clock() + self._hold_s
+        switches = self._open(best, why, self.watch_s)
+        self.reason = why
+        return switches
+
+    def _watch(self, rates: dict[str, float]) -> list[ModeSwitch]:
+        for job, rate in sorted(rates.items()):
+            ref = self._watched.get(job)
+            if ref and abs(rate / ref - 1) > self.drift:
+                return self._probe(
+                    [Mode.CONCURRENT if self.mode == Mode.ANTIPHASE else Mode.ANTIPHASE,
+                     self.mode],
+                    f"job {job}'s rate went from {ref:.2f} to {rate:.2f} steps/s: re-probing")
+        self._watched = self._watched or rates  # the first watch window after a decision
+        return self._open(self.mode, self.reason, self.watch_s)  # the next watch window

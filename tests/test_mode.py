@@ -1,0 +1,233 @@
+"""The mode decision (antiphase or concurrent), tested with synthetic step rates, and the
+scheduler's mode switch, tested with tables and hypothesis."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from crossover.scheduler import Mode, ModeController, ModeSwitch, Phase, SchedulerError
+from tests.test_scheduler import FakeClock, build, run
+
+A, C = Mode.ANTIPHASE, Mode.CONCURRENT
+M = Phase.COMMUNICATE
+
+
+def simulate(ctl: ModeController, clock: FakeClock, rates: dict, until: float,
+             steps: dict | None = None) -> list[tuple[float, str]]:
+    """Jobs step at rates[job][mode] steps/s (the mode in force when a step starts) and
+    report every step; returns [(time, mode switched to)]."""
+    steps = steps if steps is not None else {}
+    due = {j: clock.now + 1 / r[ctl.mode] for j, r in rates.items()}
+    out, ticked = [], None
+    while True:
+        job = min(due, key=due.get)
+        deadline = ctl.next_deadline()
+        if deadline is not None and deadline < due[job] and deadline <= until:
+            assert deadline > clock.now or ticked != deadline, "a deadline that never passes"
+            clock.now, ticked = max(clock.now, deadline), deadline
+            out += [(clock.now, s.mode.value) for s in ctl.tick()]
+            continue
+        if due[job] > until:
+            clock.now = until
+            return out
+        clock.now = due[job]
+        steps[job] = steps.get(job, 0) + 1
+        out += [(clock.now, s.mode.value) for s in ctl.progress(job, steps[job])]
+        due[job] = clock.now + 1 / rates[job][ctl.mode]
+
+
+def controller(**kw) -> tuple[ModeController, FakeClock]:
+    clock = FakeClock()
+    return ModeController(clock, **kw), clock
+
+
+# Steps per second of each job in each mode.
+SHORT_COMM = {"a": {A: 6.0, C: 10.0}, "b": {A: 5.0, C: 8.0}}  # sharing cores: taking turns loses
+LONG_COMM = {"a": {A: 13.0, C: 10.0}, "b": {A: 10.0, C: 8.0}}  # idle links: antiphase fills gaps
+TIE = {"a": {A: 10.1, C: 10.0}, "b": {A: 8.0, C: 8.0}}  # within the margin: do no harm
+
+TABLE = [
+    # (name, rates, mode after 10 s, the switches in order)
+    ("short communication -> concurrent", SHORT_COMM, C, ["concurrent", "antiphase", "concurrent"]),
+    ("long idle communication -> antiphase", LONG_COMM, A, ["concurrent", "antiphase"]),
+    ("a gain within the margin -> concurrent", TIE, C, ["concurrent", "antiphase", "concurrent"]),
+]
+
+
+@pytest.mark.parametrize("name,rates,mode,switches", TABLE, ids=[t[0] for t in TABLE])
+def test_mode_decision(name, rates, mode, switches):
+    ctl, clock = controller()
+    got = simulate(ctl, clock, rates, until=10.0)
+    assert ctl.mode == mode and ctl.state == "hold", ctl.snapshot()
+    assert [m for _, m in got] == switches
+    assert ctl.reason.endswith(mode.value)
+
+
+def test_decision_reason_names_each_jobs_speedup():
+    ctl, clock = controller()
+    simulate(ctl, clock, LONG_COMM, until=10.0)
+    assert "a 1.30x" in ctl.reason and "b 1.25x" in ctl.reason, ctl.reason
+    assert ctl.snapshot()["rates"]["antiphase"]["a"] == pytest.approx(13.0)
+
+
+def test_probing_takes_few_steps_of_each_mode():
+    """The probe ends once every job made settle + min_steps steps and probe_s passed."""
+    ctl, clock = controller(probe_s=1.0, min_steps=3, settle_steps=1)
+    got = simulate(ctl, clock, LONG_COMM, until=10.0)
+    assert got[-1][0] < 2.6, got  # two windows of about 1 s each (b's 4th step at 0.5 s)
+
+
+def test_one_job_is_never_probed():
+    ctl, clock = controller()
+    assert simulate(ctl, clock, {"a": {A: 5.0, C: 5.0}}, until=10.0) == []
+    assert ctl.state == "solo"
+
+
+def test_a_change_of_job_mix_re_probes():
+    ctl, clock = controller()
+    steps: dict = {}
+    simulate(ctl, clock, LONG_COMM, until=10.0, steps=steps)
+    assert ctl.mode == A
+    three = {**LONG_COMM, "c": {A: 2.0, C: 4.0}}  # a newcomer that turns the balance
+    got = simulate(ctl, clock, three, until=20.0, steps=steps)
+    assert got[0] == (pytest.approx(10.5), "concurrent"), got  # c's first report
+    assert ctl.mode == C, ctl.reason  # (1.3 + 1.25 + 0.5) / 3 < 1.03
+    ctl.leave("c")
+    assert ctl.state == "probe"  # and its leaving re-probes
+    assert ctl.leave("b") == [] and ctl.state == "solo"
+
+
+def test_a_hold_ends_in_a_re_probe_and_a_confirmation_holds_longer():
+    ctl, clock = controller(hold_s=5.0)
+    got = simulate(ctl, clock, LONG_COMM, until=80.0)
+    modes = [m for _, m in got]
+    # probe (C, A), hold 5 s, re-probe (C, A), hold 10 s, re-probe, hold 20 s, ...
+    assert modes[:6] == ["concurrent", "antiphase"] * 3, got
+    # Probes take the same time each round, so the holds show in the differences of
+    # the times between successive probes.
+    starts = [t for t, m in got if m == "concurrent"]
+    rounds = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    assert rounds[1] - rounds[0] == pytest.approx(5.0, abs=0.3), got
+    assert rounds[2] - rounds[1] == pytest.approx(10.0, abs=0.3), got
+
+
+def test_phase_lengths_that_change_re_probe_at_once():
+    ctl, clock = controller(hold_s=100.0)
+    steps: dict = {}
+    simulate(ctl, clock, LONG_COMM, until=10.0, steps=steps)
+    assert ctl.mode == A
+    slower = {"a": {A: 5.0, C: 9.0}, "b": {A: 10.0, C: 8.0}}  # a's communication got short
+    got = simulate(ctl, clock, slower, until=30.0, steps=steps)
+    # 5 s watch windows from the decision at about 2.5 s; the first one is the reference,
+    # the first one wholly after the change re-probes
+    assert got and got[0][1] == "concurrent" and got[0][0] < 19.0, got
+    assert ctl.mode == C and "concurrent" in ctl.reason  # (5/9 + 10/8) / 2 < 1.03
+
+
+def test_a_job_slower_than_the_window_is_measured_at_the_timeout():
+    ctl, clock = controller(max_probe_s=4.0)
+    rates = {"a": {A: 10.0, C: 10.0}, "b": {A: 0.3, C: 0.4}}  # b: 3 s steps
+    simulate(ctl, clock, rates, until=12.0)
+    assert ctl.state == "hold" and ctl.mode == C, ctl.snapshot()
+
+
+def test_reports_out_of_order_are_ignored():
+    ctl, clock = controller()
+    ctl.progress("a", 5)
+    assert ctl.progress("b", 5) == [ModeSwitch(C, "job b joined: probing concurrent")]
+    assert ctl.progress("a", 4) == [] and ctl.progress("a", 5) == []
+
+
+def test_bad_settings_are_named():
+    with pytest.raises(ValueError, match="probe_s=0"):
+        ModeController(FakeClock(), probe_s=0)
+
+
+# --- the scheduler's switch ---------------------------------------------------------
+TWO = {"A": ["d0"], "B": ["d0"]}
+SWITCHES = [
+    # (name, events, grants per event); ("mode", "-", 0, Mode) switches
+    ("concurrent grants everyone waiting", TWO,
+     [("req", "A", 0), ("req", "B", 0), ("mode", "-", 0, C)], [["A:0"], [], ["B:0"]]),
+    ("antiphase waits until the jobs holding drain", TWO,
+     [("mode", "-", 0, C), ("req", "A", 0), ("req", "B", 0), ("mode", "-", 0, A),
+      ("rel", "A", 0, M), ("req", "A", 0), ("rel", "B", 0, M)],
+     [[], ["A:0"], ["B:0"], [], [], [], ["A:0"]]),
+    ("antiphase starts with equal turns: a job that stepped less does not take them all",
+     TWO,
+     [("mode", "-", 0, C), ("req", "A", 0), ("rel", "A", 0, M), ("req", "A", 0),
+      ("rel", "A", 0, M), ("req", "B", 0), ("rel", "B", 0, M), ("mode", "-", 0, A),
+      ("req", "B", 0), ("req", "A", 0), ("rel", "A", 0, M)],
+     [[], ["A:0"], [], ["A:0"], [], ["B:0"], [], [], [], ["A:0"], ["B:0"]]),
+    ("the last job holding owns the turn: its peers join it", {"A": ["d0", "d0"], "B": ["d0"]},
+     [("mode", "-", 0, C), ("req", "A", 0), ("req", "B", 0), ("mode", "-", 0, A),
+      ("rel", "B", 0, M), ("req", "B", 0), ("req", "A", 1)],
+     [[], ["A:0"], ["B:0"], [], [], [], ["A:1"]]),
+]
+
+
+@pytest.mark.parametrize("name,jobs,events,expected", SWITCHES, ids=[t[0] for t in SWITCHES])
+def test_mode_switch_table(name, jobs, events, expected):
+    sched, clock = build("auto", jobs)
+    got = []
+    for ev in events:
+        if ev[0] == "mode":
+            got.append(sorted(f"{g.job}:{g.rank}" for g in sched.set_mode(ev[3])))
+        else:
+            got += run(sched, clock, [ev])
+    assert got == expected
+
+
+def test_off_cannot_be_antiphase():
+    sched, _ = build("off", TWO)
+    with pytest.raises(SchedulerError, match="'off' cannot serve in antiphase"):
+        sched.set_mode(A)
+
+
+JOBS3 = {"A": ["d0", "d1"], "B": ["d0", "d1"], "C": ["d0", "d0"]}
+event = st.tuples(st.sampled_from(["req", "rel", "tick", "mode"]), st.sampled_from(list(JOBS3)),
+                  st.integers(0, 1), st.sampled_from([M, Phase.IDLE, Phase.COMPUTE, A, C]),
+                  st.floats(0.1, 2.0))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(event, max_size=80))
+def test_switching_modes_keeps_antiphase_exclusive_and_loses_no_request(events):
+    """In antiphase no job is granted a device another job holds, across any switches;
+    and once holders let go, every waiting rank is granted."""
+    sched, clock = build("auto", JOBS3, lease_s=100.0)
+
+    def held():
+        return {(j, r, d) for d in ("d0", "d1") for j, r in sched.holders(d)}
+
+    def check(grants, before):
+        for g in grants:
+            if sched.mode == A and (g.job, g.rank, g.device) not in before:
+                others = {j for j, _ in sched.holders(g.device)} - {g.job}
+                assert not others, f"{g} granted in antiphase while {others} hold"
+
+    for op, job, rank, arg, dt in events:
+        before = held()  # a rank that holds already is granted again (idempotent)
+        if op == "req":
+            check(sched.request(job, rank), before)
+        elif op == "rel" and isinstance(arg, Phase):
+            check(sched.release(job, rank, arg), before)
+        elif op == "tick":
+            clock.now += dt
+            check(sched.expire()[1], before)
+        elif op == "mode" and isinstance(arg, Mode):
+            check(sched.set_mode(arg), before)
+    waiting = {k for d in ("d0", "d1") for k in sched.waiting(d)}
+    granted = set()
+    for _ in range(50):  # holders communicate; the patience limit passes over the rest
+        for d in ("d0", "d1"):
+            for job, rank in sorted(sched.holders(d)):
+                granted.add((job, rank))
+                check(sched.release(job, rank, M), held())
+        clock.now += 1.0
+        grants = sched.expire()[1]
+        check(grants, held())
+        granted |= {(g.job, g.rank) for g in grants}
+    assert waiting <= granted, f"never granted: {waiting - granted}"
