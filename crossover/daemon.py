@@ -111,7 +111,7 @@ class Daemon:
         runtime_dir: str | os.PathLike | None = None,
         comm: Any = None,
         cpu_devices: int | None = None,
-        mode_probe_s: float = 1.0,
+        mode_probe_s: float = 2.0,
         mode_hold_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:

@@ -1,7 +1,7 @@
 """The main demo (`make demo`): two 2-rank PyTorch Horovod jobs share two hosts.
 
 Where it can (root, network namespaces), the demo builds two emulated hosts joined by a
-shaped 500 Mbit/s link (bench/cluster.py): each job has one rank per host and averages
+shaped 1000 Mbit/s link (bench/cluster.py): each job has one rank per host and averages
 its gradients over the link, so communication leaves each host's core idle, as on a real
 cluster. Where it cannot, it says why and runs both jobs' ranks on this host.
 
@@ -27,7 +27,7 @@ from cluster import EmulatedCluster  # noqa: E402
 from crossover import trace  # noqa: E402
 from crossover.launch.local import DaemonProcess, mpirun  # noqa: E402
 
-MBIT = 500.0
+MBIT = 1000.0
 
 
 def arms(launch, runtime: Path, args: argparse.Namespace, job_env: dict, logs: Path,
@@ -75,7 +75,7 @@ def report(results: dict[str, list[dict]], link_s: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--workload", choices=list(bench.WORKLOADS), default="mlp")
     parser.add_argument("--one-host", action="store_true",
                         help="skip the emulated hosts: both jobs' ranks on this host")

@@ -51,7 +51,8 @@ TIE = {"a": {A: 10.1, C: 10.0}, "b": {A: 8.0, C: 8.0}}  # within the margin: do 
 TABLE = [
     # (name, rates, mode after 10 s, the switches in order)
     ("short communication -> concurrent", SHORT_COMM, C, ["concurrent", "antiphase", "concurrent"]),
-    ("long idle communication -> antiphase", LONG_COMM, A, ["concurrent", "antiphase"]),
+    ("long idle communication -> antiphase", LONG_COMM, A,
+     ["concurrent", "antiphase", "antiphase"]),
     ("a gain within the margin -> concurrent", TIE, C, ["concurrent", "antiphase", "concurrent"]),
 ]
 
@@ -79,6 +80,17 @@ def test_probing_takes_few_steps_of_each_mode():
     assert got[-1][0] < 2.6, got  # two windows of about 1 s each (b's 4th step at 0.5 s)
 
 
+def test_a_probe_that_loses_by_far_ends_early():
+    """On one host antiphase runs at a fraction of concurrent: its window stops after
+    settling plus min_steps steps instead of running probe_s."""
+    slow = {"a": {A: 2.5, C: 10.0}, "b": {A: 2.0, C: 8.0}}
+    ctl, clock = controller(probe_s=3.0, min_steps=3, settle_steps=2)
+    got = simulate(ctl, clock, slow, until=30.0)
+    assert [m for _, m in got] == ["concurrent", "antiphase", "concurrent"]
+    assert got[2][0] - got[1][0] < 2.8, got  # b: 5 steps at 2/s, not 3 s + ...
+    assert ctl.mode == C
+
+
 def test_one_job_is_never_probed():
     ctl, clock = controller()
     assert simulate(ctl, clock, {"a": {A: 5.0, C: 5.0}}, until=10.0) == []
@@ -103,8 +115,8 @@ def test_a_hold_ends_in_a_re_probe_and_a_confirmation_holds_longer():
     ctl, clock = controller(hold_s=5.0)
     got = simulate(ctl, clock, LONG_COMM, until=80.0)
     modes = [m for _, m in got]
-    # probe (C, A), hold 5 s, re-probe (C, A), hold 10 s, re-probe, hold 20 s, ...
-    assert modes[:6] == ["concurrent", "antiphase"] * 3, got
+    # probe (C, A, decision A), hold 5 s, re-probe, hold 10 s, re-probe, hold 20 s, ...
+    assert modes[:9] == ["concurrent", "antiphase", "antiphase"] * 3, got
     # Probes take the same time each round, so the holds show in the differences of
     # the times between successive probes.
     starts = [t for t, m in got if m == "concurrent"]
