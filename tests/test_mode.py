@@ -91,6 +91,21 @@ def test_a_probe_that_loses_by_far_ends_early():
     assert ctl.mode == C
 
 
+def test_slow_first_steps_are_not_measured():
+    """Jobs start slowly (their neighbour still loads, caches are cold). Measured, that
+    start made concurrent look slow and a run chose antiphase on one host, where it
+    loses; the first window now settles for warmup_steps."""
+    start = {j: {m: r / 10 for m, r in rates.items()} for j, rates in SHORT_COMM.items()}
+    decided = {}
+    for warmup in (1, 8):
+        ctl, clock = controller(probe_s=1.0, settle_steps=1, warmup_steps=warmup)
+        steps: dict = {}
+        simulate(ctl, clock, start, until=4.0, steps=steps)
+        simulate(ctl, clock, SHORT_COMM, until=20.0, steps=steps)
+        decided[warmup] = ctl.mode
+    assert decided == {1: A, 8: C}
+
+
 def test_one_job_is_never_probed():
     ctl, clock = controller()
     assert simulate(ctl, clock, {"a": {A: 5.0, C: 5.0}}, until=10.0) == []

@@ -7,8 +7,11 @@ on one host), taking turns only adds waiting, and plain co-location is faster. N
 tells the two apart in advance, so the controller measures.
 
 Probing: when the set of co-located jobs changes, each mode gets a window; in a window
-every job's step rate is measured from the progress its ranks report (after a settling
-step, over at least `min_steps` steps and `probe_s` seconds). Antiphase is chosen when
+every job's step rate is measured from the progress its ranks report (after settling
+steps, over at least `min_steps` steps and `probe_s` seconds). The first window, served
+concurrently as plain co-location would, settles for `warmup_steps`: a job that has
+just started (or whose neighbour has) runs its first steps slowly, and measuring them
+once made a run choose antiphase on one host, where it loses. Antiphase is chosen when
 the jobs' mean speedup under it, each job's rate normalised by its own rate under
 concurrent grants, is at least 1 + `margin`; otherwise concurrent, which is what plain
 co-location does (do no harm). The decision holds for `hold_s`, doubled each time a
@@ -52,6 +55,7 @@ class _Window:
     mode: Mode
     start: float
     min_s: float  # the window's shortest length
+    settle: int  # steps ignored after the window opened
     base: dict[str, int]  # each job's steps when the window opened
     first: dict[str, tuple[int, float]] = field(default_factory=dict)  # after settling
     last: dict[str, tuple[int, float]] = field(default_factory=dict)
@@ -74,6 +78,7 @@ class ModeController:
         probe_s: shortest measurement window.
         min_steps: steps every job must make in a window (after settling).
         settle_steps: steps ignored after a switch (the pipeline drains and refills).
+        warmup_steps: steps ignored at the start of a probe after the job mix changed.
         max_probe_s: a window closes after this long even if a job is slower.
         hold_s: how long a decision holds before it is probed again.
         watch_s: the length of the windows that watch the rates during a hold.
@@ -85,7 +90,8 @@ class ModeController:
     """
 
     def __init__(self, clock: Callable[[], float], probe_s: float = 2.0, min_steps: int = 3,
-                 settle_steps: int = 2, max_probe_s: float = 15.0, hold_s: float = 30.0,
+                 settle_steps: int = 2, warmup_steps: int = 8, max_probe_s: float = 15.0,
+                 hold_s: float = 30.0,
                  watch_s: float = 5.0, max_hold_s: float = 240.0, margin: float = 0.03,
                  drift: float = 0.5, cutoff: float = 0.25) -> None:
         if not (0 < probe_s <= max_probe_s and min_steps >= 1 and settle_steps >= 0
@@ -98,6 +104,7 @@ class ModeController:
                 f"margin={margin}, drift={drift}")
         self.clock = clock
         self.probe_s, self.min_steps, self.settle_steps = probe_s, min_steps, settle_steps
+        self.warmup_steps = max(warmup_steps, settle_steps)
         self.max_probe_s, self.base_hold_s, self.max_hold_s = max_probe_s, hold_s, max_hold_s
         self.watch_s = max(watch_s, probe_s)
         self.margin, self.drift, self.cutoff = margin, drift, cutoff
@@ -125,7 +132,7 @@ class ModeController:
         w, now = self._window, self.clock()
         if w is not None and job in w.base:
             if job not in w.first:
-                if steps >= w.base[job] + self.settle_steps:
+                if steps >= w.base[job] + w.settle:
                     w.first[job] = w.last[job] = (steps, now)
             else:
                 w.last[job] = (steps, now)
@@ -160,15 +167,19 @@ class ModeController:
             self.state, self.reason, self._plan, self._window = "solo", why, [], None
             return []
         # Concurrent first: a newcomer computes at once instead of waiting for a turn.
-        return self._probe([Mode.CONCURRENT, Mode.ANTIPHASE], f"{why}: probing")
+        return self._probe([Mode.CONCURRENT, Mode.ANTIPHASE], f"{why}: probing",
+                           self.warmup_steps)
 
-    def _probe(self, plan: list[Mode], why: str) -> list[ModeSwitch]:
+    def _probe(self, plan: list[Mode], why: str, settle: int | None = None) -> list[ModeSwitch]:
         self.state, self._plan, self._hold_until = "probe", plan[1:], None
         self._watched = {}
-        return self._open(plan[0], f"{why} {plan[0].value}")
+        return self._open(plan[0], f"{why} {plan[0].value}", settle=settle)
 
-    def _open(self, mode: Mode, why: str, min_s: float | None = None) -> list[ModeSwitch]:
-        self._window = _Window(mode, self.clock(), min_s or self.probe_s, dict(self._steps))
+    def _open(self, mode: Mode, why: str, min_s: float | None = None,
+              settle: int | None = None) -> list[ModeSwitch]:
+        self._window = _Window(mode, self.clock(), min_s or self.probe_s,
+                               self.settle_steps if settle is None else settle,
+                               dict(self._steps))
         if mode == self.mode:
             return []
         self.mode, self.reason = mode, why
