@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--mode-hold", type=float, default=30.0, metavar="S",
                    help="policy auto: how long a mode decision holds before it is probed "
                         "again; doubled at each confirmation (default 30)")
+    d.add_argument("--mode-probe-local", action="store_true",
+                   help="policy auto: probe jobs whose ranks all share this host's CPU too "
+                        "(by default they are served concurrently: nothing to fill)")
 
     s = sub.add_parser("status", help="devices, holders, queues")
     s.add_argument("--json", action="store_true", help="print the report once, as JSON")
@@ -78,7 +81,7 @@ def _daemon(args: argparse.Namespace) -> int:
         daemon = Daemon(policy=args.policy, lease_s=args.lease, patience_s=args.patience,
                         idle_shutdown_s=args.idle_shutdown, runtime_dir=args.runtime_dir,
                         cpu_devices=args.cpu_devices, mode_probe_s=args.mode_probe,
-                        mode_hold_s=args.mode_hold)
+                        mode_hold_s=args.mode_hold, mode_probe_local=args.mode_probe_local)
     except ValueError as exc:
         print(f"crossover daemon: {exc}", file=sys.stderr)
         return 2

@@ -96,6 +96,8 @@ class Daemon:
         cpu_devices: how many devices this node's CPU cores form (default: one per core).
         mode_probe_s: policy auto: the shortest window measuring a mode.
         mode_hold_s: policy auto: how long a mode decision holds before a re-probe.
+        mode_probe_local: policy auto: probe jobs whose ranks all share one host's CPU
+            too (by default they are served concurrently without a probe).
         clock: monotonic clock, injectable for tests.
 
     Raises:
@@ -113,6 +115,7 @@ class Daemon:
         cpu_devices: int | None = None,
         mode_probe_s: float = 2.0,
         mode_hold_s: float = 30.0,
+        mode_probe_local: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.comm = comm if comm is not None else default_comm()
@@ -142,7 +145,8 @@ class Daemon:
         self._idle_since = clock()
         # The mode decision (policy auto): the leader measures, every daemon applies.
         self.modes = ModeController(clock, probe_s=mode_probe_s, hold_s=mode_hold_s,
-                                    max_hold_s=max(240.0, mode_hold_s)) \
+                                    max_hold_s=max(240.0, mode_hold_s),
+                                    probe_local=mode_probe_local) \
             if self.sched.policy.adaptive else None
         self._mode_reason = "policy " + self.sched.policy.name
         self._steps: dict[str, int] = {}  # job -> most steps a local rank reported
@@ -314,7 +318,9 @@ class Daemon:
                 raise P.ProtocolError(f"progress with steps {msg.steps!r}, not an integer")
             if msg.steps > self._steps.get(job, -1):  # the job's other local ranks repeat it
                 self._steps[job] = msg.steps
-                self.peers.send(0, ("progress", job, msg.steps))
+                hello = conn.hello  # a CPU job all on this host allreduces in its memory
+                local = hello.gpu is None and hello.local_size == hello.size
+                self.peers.send(0, ("progress", job, msg.steps, local))
         else:
             raise P.ProtocolError(f"unexpected {msg.kind} from a client")
 
@@ -432,7 +438,7 @@ class Daemon:
                         self._apply_modes(self.modes.leave(msg[1]))
             elif kind == "progress":  # leader: a job's step count, for the mode decision
                 if self.modes is not None and msg[1] in self._members:
-                    self._apply_modes(self.modes.progress(msg[1], msg[2]))
+                    self._apply_modes(self.modes.progress(msg[1], msg[2], msg[3]))
             elif kind == "mode":
                 self._mode_reason = msg[2]
                 self._deliver(self.sched.set_mode(Mode(msg[1])))

@@ -136,13 +136,15 @@ def overlaps(events: Iterable[dict]) -> list[tuple[str, tuple, tuple]]:
 
 
 def plot_gantt(events: Iterable[dict], png: str | os.PathLike, title: str = "") -> None:
-    """Draw slot holds per device (one lane each), coloured by job, to a PNG."""
+    """Draw slot holds per device (one lane each), coloured by job, and the mode
+    switches the ranks recorded, to a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    by_dev = holds_by_device(list(events))
+    events = list(events)
+    by_dev = holds_by_device(events)
     if not by_dev:
         raise ValueError("no 'hold' events to plot")
     t0 = min(s[0] for spans in by_dev.values() for s in spans)
@@ -153,6 +155,17 @@ def plot_gantt(events: Iterable[dict], png: str | os.PathLike, title: str = "") 
         for job in jobs:
             bars = [((s[0] - t0) / 1e3, (s[1] - s[0]) / 1e3) for s in spans if s[2] == job]
             ax.broken_barh(bars, (lane - 0.4, 0.8), color=colors[job])
+    # Mode switches (policy auto): one dashed line per switch, however many ranks saw it.
+    seen: list[float] = []
+    for ev in sorted((e for e in events if e.get("ph") == "i"
+                      and str(e.get("name", "")).startswith("mode ")), key=lambda e: e["ts"]):
+        if seen and ev["ts"] - seen[-1] < 2e5:  # the other ranks learn it within 0.2 s
+            continue
+        seen.append(ev["ts"])
+        x = (ev["ts"] - t0) / 1e3
+        ax.axvline(x, color="grey", ls="--", lw=0.8)
+        ax.text(x, len(by_dev) - 0.45, ev["name"].removeprefix("mode "), fontsize=7,
+                rotation=90, va="top", ha="right", color="dimgrey")
     ax.set_yticks(range(len(by_dev)), list(by_dev))
     ax.set_xlabel("time (ms)")
     ax.set_title(title or "device slot holds")

@@ -106,6 +106,20 @@ def test_slow_first_steps_are_not_measured():
     assert decided == {1: A, 8: C}
 
 
+def test_jobs_inside_one_hosts_cpu_are_served_concurrently_without_a_probe():
+    ctl, clock = controller()
+    assert ctl.progress("a", 1, local=True) == []
+    (switch,) = ctl.progress("b", 1, local=True)
+    assert switch.mode == C and "allreduces in this host's memory" in switch.reason
+    assert ctl.state == "fixed" and ctl.tick() == [] and ctl.progress("a", 9, True) == []
+    ctl.progress("c", 1, local=False)  # a job across hosts joined: the gap may pay now
+    assert ctl.state == "probe" and ctl.mode == C  # (probing concurrent first)
+    ctl, clock = controller(probe_local=True)
+    ctl.progress("a", 1, local=True)
+    ctl.progress("b", 1, local=True)
+    assert ctl.state == "probe"
+
+
 def test_one_job_is_never_probed():
     ctl, clock = controller()
     assert simulate(ctl, clock, {"a": {A: 5.0, C: 5.0}}, until=10.0) == []

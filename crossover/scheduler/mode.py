@@ -21,6 +21,11 @@ first watch window after the decision (its phase lengths changed) starts a re-pr
 once. Short probe windows are noisy on a busy host; watch windows compare like with
 like.
 
+Jobs whose ranks all share one host's CPU are not probed: their allreduce is memory
+copying on the very cores the other job computes on, so there is no gap to fill, and a
+probe in antiphase there cost one-host runs up to 2x (stragglers pinned while the rest
+had moved on). They are served concurrently at once (`probe_local` probes them anyway).
+
 Pure: time comes from an injected clock; every call returns the switches it decided (a
 probe's decision is returned even when it keeps the mode), so the daemon only has to
 apply and announce them.
@@ -87,13 +92,14 @@ class ModeController:
         drift: relative change of a job's rate, in the held mode, that re-probes.
         cutoff: a probe window ends early, after `min_steps`, once every job runs slower
             than under the other mode by this fraction.
+        probe_local: probe jobs that communicate inside one host's CPU too.
     """
 
     def __init__(self, clock: Callable[[], float], probe_s: float = 2.0, min_steps: int = 3,
                  settle_steps: int = 2, warmup_steps: int = 8, max_probe_s: float = 15.0,
                  hold_s: float = 30.0,
                  watch_s: float = 5.0, max_hold_s: float = 240.0, margin: float = 0.03,
-                 drift: float = 0.5, cutoff: float = 0.25) -> None:
+                 drift: float = 0.5, cutoff: float = 0.25, probe_local: bool = False) -> None:
         if not (0 < probe_s <= max_probe_s and min_steps >= 1 and settle_steps >= 0
                 and 0 < hold_s <= max_hold_s and margin >= 0 and drift > 0):
             raise ValueError(
@@ -108,8 +114,10 @@ class ModeController:
         self.max_probe_s, self.base_hold_s, self.max_hold_s = max_probe_s, hold_s, max_hold_s
         self.watch_s = max(watch_s, probe_s)
         self.margin, self.drift, self.cutoff = margin, drift, cutoff
+        self.probe_local = probe_local
+        self._local: dict[str, bool] = {}  # job -> all its ranks on one host's CPU
         self.mode = Mode.ANTIPHASE
-        self.state = "solo"  # solo (fewer than two jobs), probe, or hold
+        self.state = "solo"  # solo (fewer than two jobs), fixed (local jobs), probe, hold
         self.reason = "fewer than two jobs"
         self._steps: dict[str, int] = {}  # each job's latest reported step count
         self._plan: list[Mode] = []  # the probe windows still to run
@@ -121,10 +129,11 @@ class ModeController:
         self._watched: dict[str, float] = {}  # rates of the first watch window of a hold
 
     # --- events ---------------------------------------------------------------------
-    def progress(self, job: str, steps: int) -> list[ModeSwitch]:
-        """A rank of `job` reports that the job has made `steps` steps."""
+    def progress(self, job: str, steps: int, local: bool = False) -> list[ModeSwitch]:
+        """A rank of `job` reports that the job has made `steps` steps (`local`: all the
+        job's ranks compute on one host's CPU and allreduce in its memory)."""
         if job not in self._steps:
-            self._steps[job] = steps
+            self._steps[job], self._local[job] = steps, local
             return self._restart(f"job {job} joined")
         if steps <= self._steps[job]:
             return []  # another rank of the job, or a report out of date
@@ -140,6 +149,7 @@ class ModeController:
 
     def leave(self, job: str) -> list[ModeSwitch]:
         """`job` has no rank left anywhere."""
+        self._local.pop(job, None)
         if self._steps.pop(job, None) is None:
             return []
         return self._restart(f"job {job} left")
@@ -166,6 +176,12 @@ class ModeController:
         if len(self._steps) < 2:
             self.state, self.reason, self._plan, self._window = "solo", why, [], None
             return []
+        if all(self._local.values()) and not self.probe_local:
+            self.state, self._plan, self._window = "fixed", [], None
+            self.mode = Mode.CONCURRENT
+            self.reason = (f"{why}: every job allreduces in this host's memory, on the cores "
+                           f"that compute: nothing to fill; concurrent")
+            return [ModeSwitch(Mode.CONCURRENT, self.reason)]
         # Concurrent first: a newcomer computes at once instead of waiting for a turn.
         return self._probe([Mode.CONCURRENT, Mode.ANTIPHASE], f"{why}: probing",
                            self.warmup_steps)
@@ -186,7 +202,7 @@ class ModeController:
         return [ModeSwitch(mode, why)]
 
     def _advance(self) -> list[ModeSwitch]:
-        if self.state == "solo":
+        if self.state in ("solo", "fixed"):
             return []
         now = self.clock()
         w = self._window
