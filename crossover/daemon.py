@@ -26,12 +26,12 @@ from typing import Any
 from crossover import environment as E
 from crossover import protocol as P
 from crossover.scheduler import (
-    Grant,
     Mode,
     ModeController,
     ModeSwitch,
     Phase,
     SchedulerError,
+    SlotGrant,
     SlotScheduler,
     make_policy,
 )
@@ -395,7 +395,7 @@ class Daemon:
         # Device i is every cpu_devices-th core from core i: one core each by default.
         return f"cpu{index}", self.cores[index :: self.cpu_devices]
 
-    def _deliver(self, grants: list[Grant]) -> None:
+    def _deliver(self, grants: list[SlotGrant]) -> None:
         for g in grants:
             conn = self._conns.get((g.job, g.rank))
             if conn is not None:

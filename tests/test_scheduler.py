@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from crossover.scheduler import Grant, Phase, SchedulerError, SlotScheduler, make_policy
+from crossover.scheduler import Phase, SchedulerError, SlotGrant, SlotScheduler, make_policy
 
 M, IDLE = Phase.COMMUNICATE, Phase.IDLE
 
@@ -148,7 +148,7 @@ def test_priority_weight_shares_device_time(policy, share_a):
 def test_a_newcomer_starts_at_the_present_turn():
     sched, _ = build("crossover", {"A": ["d0"]})
     for _ in range(5):  # A alone for five turns
-        assert sched.request("A", 0) == [Grant("A", 0, "d0")]
+        assert sched.request("A", 0) == [SlotGrant("A", 0, "d0")]
         sched.release("A", 0, M)
     sched.request("A", 0)
     sched.register("B", 0, "d0", order=1)
@@ -257,7 +257,7 @@ def test_lease_must_be_positive():
 
 def test_grant_is_for_a_rank_on_its_device():
     sched, _ = build("crossover", TWO_JOBS)
-    assert sched.request("A", 1) == [Grant("A", 1, "d1")]
+    assert sched.request("A", 1) == [SlotGrant("A", 1, "d1")]
 
 
 @settings(max_examples=300, deadline=None)

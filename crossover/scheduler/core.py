@@ -31,7 +31,7 @@ _ACTIVE = (NEW, WAITING, BUSY)
 
 
 @dataclass(frozen=True)
-class Grant:
+class SlotGrant:
     """The device is now held by this rank (deliver to the rank's connection)."""
 
     job: str
@@ -100,7 +100,7 @@ class SlotScheduler:
         """Whether devices are held by one job at a time now (policy and mode)."""
         return self.policy.exclusive and self.mode == Mode.ANTIPHASE
 
-    def set_mode(self, mode: Mode) -> list[Grant]:
+    def set_mode(self, mode: Mode) -> list[SlotGrant]:
         """Serve devices in `mode` from now on; returns the grants that follows.
 
         Going to concurrent grants every waiting rank. Going to antiphase grants
@@ -116,7 +116,7 @@ class SlotScheduler:
             return []
         self.mode = mode
         now = self.clock()
-        grants: list[Grant] = []
+        grants: list[SlotGrant] = []
         for name, dev in self._devices.items():
             if mode == Mode.CONCURRENT and dev.holder is not None:
                 dev.held_s[dev.holder] = dev.held_s.get(dev.holder, 0.0) + now - dev.hold_start
@@ -157,7 +157,7 @@ class SlotScheduler:
         now = self.clock()
         dev.ranks[(job, rank)] = _Rank(job, rank, order, weight, turn, NEW, now, joined=now)
 
-    def unregister(self, job: str, rank: int) -> list[Grant]:
+    def unregister(self, job: str, rank: int) -> list[SlotGrant]:
         """Remove a rank (it finished, crashed or lost its connection); frees its slot."""
         device = self._where.pop((job, rank), None)
         if device is None:
@@ -169,7 +169,7 @@ class SlotScheduler:
         return self._dispatch(device)
 
     # --- the hot path -----------------------------------------------------------------
-    def request(self, job: str, rank: int) -> list[Grant]:
+    def request(self, job: str, rank: int) -> list[SlotGrant]:
         """The rank wants its device for compute; granted now or queued.
 
         A rank that holds already is granted again at once (idempotent).
@@ -178,14 +178,14 @@ class SlotScheduler:
         dev = self._devices[device]
         if r.state == HOLDING:
             r.deadline = self.clock() + self.lease_s
-            return [Grant(job, rank, device)]
+            return [SlotGrant(job, rank, device)]
         if r.state in (IDLE, SKIPPED):
             # Back after a pause: start at the present, not with a backlog of turns.
             r.turn = max(r.turn, self.policy.turn_at(dev.vtime, r.weight))
         self._set(r, WAITING)
         return self._dispatch(device)
 
-    def release(self, job: str, rank: int, phase: Phase) -> list[Grant]:
+    def release(self, job: str, rank: int, phase: Phase) -> list[SlotGrant]:
         """The rank enters `phase`; the policy decides whether it keeps the device.
 
         A release from a rank that does not hold (say its lease expired) only records
@@ -204,7 +204,7 @@ class SlotScheduler:
         if r.state == HOLDING:
             r.deadline = self.clock() + self.lease_s
 
-    def expire(self) -> tuple[list[tuple[str, int, str]], list[Grant]]:
+    def expire(self) -> tuple[list[tuple[str, int, str]], list[SlotGrant]]:
         """Revoke grants whose lease ran out; pass over ranks that kept a device waiting.
 
         Returns:
@@ -213,7 +213,7 @@ class SlotScheduler:
         """
         now = self.clock()
         revoked: list[tuple[str, int, str]] = []
-        grants: list[Grant] = []
+        grants: list[SlotGrant] = []
         for device, dev in self._devices.items():
             for r in list(dev.ranks.values()):
                 if r.state == HOLDING and r.deadline is not None and r.deadline <= now:
@@ -302,7 +302,7 @@ class SlotScheduler:
         active = [r for r in dev.ranks.values() if r.state in _ACTIVE]
         return min(active, key=self._key, default=None)
 
-    def _grant(self, device: str, r: _Rank) -> Grant:
+    def _grant(self, device: str, r: _Rank) -> SlotGrant:
         dev = self._devices[device]
         now = self.clock()
         if dev.holder != r.job and self.exclusive:
@@ -313,7 +313,7 @@ class SlotScheduler:
         r.turn += 1
         r.deadline = now + self.lease_s
         self._set(r, HOLDING)
-        return Grant(r.job, r.rank, device)
+        return SlotGrant(r.job, r.rank, device)
 
     def _drop_holding(self, device: str, r: _Rank) -> None:
         dev = self._devices[device]
@@ -327,7 +327,7 @@ class SlotScheduler:
             dev.holder = None
             dev.served = set()
 
-    def _dispatch(self, device: str) -> list[Grant]:
+    def _dispatch(self, device: str) -> list[SlotGrant]:
         dev = self._devices[device]
         waiting = [r for r in dev.ranks.values() if r.state == WAITING]
         if not waiting:
