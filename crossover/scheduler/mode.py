@@ -206,8 +206,7 @@ class ModeController:
             return []
         now = self.clock()
         w = self._window
-        if w is None:  # holding without a watch window cannot happen; be safe
-            return self._open(self.mode, self.reason)
+        assert w is not None, "probe and hold always keep a window open"
         if self.state == "hold" and self._hold_until is not None and now >= self._hold_until:
             other = Mode.CONCURRENT if self.mode == Mode.ANTIPHASE else Mode.ANTIPHASE
             return self._probe([other, self.mode], "re-probing after the hold:")
