@@ -21,7 +21,7 @@ from common import write_result  # noqa: E402
 
 from crossover.client import RankInfo, SlotClient  # noqa: E402
 from crossover.launch.local import DaemonProcess, Job, mpirun, run_together  # noqa: E402
-from crossover.scheduler import Phase  # noqa: E402
+from crossover.protocol import Phase  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 

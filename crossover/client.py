@@ -1,8 +1,11 @@
 """The job side: one connection per rank to its node's daemon; acquire, release, phases.
 
-Fail-open: if the daemon cannot be reached, dies, or does not grant within the wait
-limit, the rank warns once and trains on uncoordinated. Scheduling never changes the
-math, so a job loses nothing but the sharing.
+Fail-open, then heal: if the daemon cannot be reached, dies, or does not grant within
+the wait limit, the rank warns once and trains on uncoordinated. Scheduling never changes
+the math, so a job loses nothing but the sharing. While uncoordinated, the rank tries to
+reconnect whenever it next asks for its device, at most every HEAL_FIRST_S doubling to
+HEAL_MOST_S, so a daemon that comes back (restarted by crossoverrun or by hand) takes the
+job back without a restart of the job.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from pathlib import Path
 
 from crossover import environment as E
 from crossover import protocol as P
-from crossover.scheduler import Mode, Phase
+from crossover.backoff import Backoff
+from crossover.protocol import Mode, Phase
 from crossover.trace import TraceRecorder
 from crossover.transport import recv_msg, send_msg, socket_path
 
@@ -48,6 +52,9 @@ def daemon_status(runtime_dir: str | os.PathLike | None = None, node: str | None
 
 #: Shortest time between two progress reports of a rank.
 REPORT_S = 0.05
+#: Reconnection attempts after losing the daemon: the first after this long, then
+#: doubling up to HEAL_MOST_S; each attempt waits at most HEAL_TIMEOUT_S for a welcome.
+HEAL_FIRST_S, HEAL_MOST_S, HEAL_TIMEOUT_S = 0.5, 10.0, 2.0
 
 
 class CrossoverVersionError(RuntimeError):
@@ -138,32 +145,42 @@ class SlotClient:
         self.steps = 0  # training steps so far (step boundaries), reported for the mode
         self._last_report = 0.0
         self._wait_s = wait_s
+        self._pin_cpu = pin_cpu
+        self._unpinned = os.sched_getaffinity(0)  # where the launcher put us
+        self._heal: Backoff | None = None  # reconnection attempts, while uncoordinated
+        self._next_heal = 0.0
+        self.reconnects = 0  # how often the rank took up coordination again
         self.path: Path | None = None
         try:
             fake = 0 if os.environ.get(E.NODE) else E.fake_nodes()
             # Under fake nodes local rank l is local rank l // N of node fake<l % N>.
             local_rank = info.local_rank // fake if fake else info.local_rank
+            self._hello = P.Hello(job, info.rank, info.size, local_rank, info.local_size,
+                                  os.getpid(), weight, gpu)
             self.path = socket_path(E.node_name(info.local_rank), runtime_dir)
-            self._connect(P.Hello(job, info.rank, info.size, local_rank, info.local_size,
-                                  os.getpid(), weight, gpu))
-        except (OSError, ValueError, P.ProtocolError) as exc:
-            # A runtime directory with the wrong owner or mode lands here too: its error
-            # names the directory, mode, owner and fix. Never crash the job over it.
-            where = f" at {self.path}" if self.path is not None else ""
-            self._fail_open(f"cannot reach the crossover daemon{where} ({exc})")
+        except (OSError, ValueError) as exc:
+            # A runtime directory with the wrong owner or mode lands here: its error names
+            # the directory, mode, owner and fix. Never crash the job over it; a set-up
+            # error does not heal, so the rank does not try again.
+            self._fail_open(f"cannot use the crossover runtime directory ({exc})", heal=False)
             return
-        self._pin = pin_cpu and bool(self._cores)
-        self._unpinned = os.sched_getaffinity(0)  # where the launcher put us
-        self._place()
+        try:
+            # A refusal (another protocol version, a job name in use) is a set-up error
+            # and raises; a daemon that is not there yet is not.
+            self._connect(self._hello, timeout_s=30.0)
+        except (OSError, P.ProtocolError) as exc:
+            self._fail_open(f"cannot reach the crossover daemon at {self.path} ({exc})")
 
     @property
     def coordinated(self) -> bool:
         """True while a daemon schedules this rank."""
         return self._sock is not None
 
-    def _connect(self, hello: P.Hello) -> None:
+    def _connect(self, hello: P.Hello, timeout_s: float) -> None:
+        """Register with the daemon (`timeout_s`: the longest wait for its welcome, which
+        waits for the leader's job order)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(30.0)  # registration waits for the leader's job order at most this
+        sock.settimeout(timeout_s)
         try:
             sock.connect(str(self.path))
             send_msg(sock, hello)
@@ -187,6 +204,31 @@ class SlotClient:
         if self._wait_s is None:
             self._wait_s = 2 * reply.lease_s + 5.0
         self._sock = sock
+        self._alone, self._mode = False, Mode.ANTIPHASE  # until the daemon's notice
+        self._pin = self._pin_cpu and bool(self._cores)
+        self._place()
+
+    def _try_heal(self) -> None:
+        """Uncoordinated: reconnect if an attempt is due (see HEAL_FIRST_S)."""
+        if self._heal is None or time.monotonic() < self._next_heal:
+            return
+        self._next_heal = time.monotonic() + self._heal.next()
+        if not self.path.exists():  # no daemon yet: one stat, no connect
+            return
+        try:
+            self._connect(self._hello, timeout_s=HEAL_TIMEOUT_S)
+        except CrossoverVersionError as exc:
+            self._heal = None  # the daemon was upgraded under the job: do not retry
+            self._warn(f"not reconnecting: {exc}", again=True)
+            return
+        except (OSError, P.ProtocolError, RuntimeError):
+            return  # not back yet (or still busy with our old connection): back off
+        self._heal = None
+        self.reconnects += 1
+        self._warned = False  # the next loss is news again
+        print(f"crossover: reconnected to the crossover daemon at {self.path}; job "
+              f"{self.job!r} rank {self.info.rank} is coordinated again", file=sys.stderr,
+              flush=True)
 
     # --- the slot ----------------------------------------------------------------------
     def acquire(self) -> None:
@@ -315,6 +357,9 @@ class SlotClient:
 
     def _request(self, release_first: bool) -> None:
         self._enter("slot wait")
+        if self._sock is None:
+            self._try_heal()
+            release_first = False  # a new daemon has granted us nothing to give back
         if self._sock is not None:
             self._seq += 1
             self._send(P.Acquire(self._seq, release_first))
@@ -353,13 +398,20 @@ class SlotClient:
         except OSError as exc:
             self._fail_open(f"lost the crossover daemon ({exc})")
 
-    def _fail_open(self, why: str) -> None:
+    def _fail_open(self, why: str, heal: bool = True) -> None:
+        """Go on uncoordinated (and, if `heal`, try to reconnect from time to time)."""
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-        self._warn(f"{why}; job {self.job!r} rank {self.info.rank} trains on uncoordinated")
+        then = "; it reconnects when the daemon is back" if heal else ""
+        self._warn(f"{why}; job {self.job!r} rank {self.info.rank} trains on "
+                   f"uncoordinated{then}")
+        if heal:
+            self._heal = Backoff(HEAL_FIRST_S, HEAL_MOST_S)
+            self._next_heal = time.monotonic() + self._heal.next()
 
-    def _warn(self, message: str) -> None:
-        if not self._warned:
+    def _warn(self, message: str, again: bool = False) -> None:
+        """Print a warning, once per loss of the daemon (`again`: whatever was said)."""
+        if again or not self._warned:
             self._warned = True
             print(f"crossover: WARNING: {message}", file=sys.stderr, flush=True)

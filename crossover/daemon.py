@@ -25,11 +25,10 @@ from typing import Any
 
 from crossover import environment as E
 from crossover import protocol as P
+from crossover.protocol import Mode, Phase
 from crossover.scheduler import (
-    Mode,
     ModeController,
     ModeSwitch,
-    Phase,
     SchedulerError,
     SlotGrant,
     SlotScheduler,

@@ -27,6 +27,22 @@ class ErrorCode(str, Enum):
     REFUSED = "refused"  # a well-formed request that does not fit the scheduler's state
 
 
+class Phase(str, Enum):
+    """What a rank does next when it releases (or offers) its device."""
+
+    COMPUTE = "compute"  # a step boundary: the rank computes on at once
+    COMMUNICATE = "communicate"  # it waits on the network
+    IDLE = "idle"  # it does not need the device for a while
+
+
+class Mode(str, Enum):
+    """How a device serves the jobs that share it (the daemons decide, see
+    `crossover.scheduler.mode`)."""
+
+    ANTIPHASE = "antiphase"  # one job computes at a time, in the global sequence
+    CONCURRENT = "concurrent"  # every job computes at once (plain co-location)
+
+
 class ProtocolError(RuntimeError):
     """A malformed message, or one from an incompatible version."""
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from crossover import environment as E
 from crossover.client import RankInfo, SlotClient
-from crossover.scheduler import Phase
+from crossover.protocol import Phase
 from crossover.trace import TraceRecorder
 
 _client: SlotClient | None = None

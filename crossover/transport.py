@@ -13,10 +13,10 @@ import socket
 import stat
 import struct
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
+from crossover.backoff import Backoff
 from crossover.protocol import Message, ProtocolError, decode, encode
 
 _HEADER = struct.Struct("!I")
@@ -157,7 +157,7 @@ class PeerChannel:
         from mpi4py import MPI
 
         req = self.comm.irecv(source=MPI.ANY_SOURCE, tag=self.TAG)
-        delay = 0.001
+        backoff = Backoff(0.001, 0.02)
         status = MPI.Status()
         while not self._stop.is_set():
             done, obj = req.test(status=status)
@@ -165,8 +165,7 @@ class PeerChannel:
                 self.inbox.put((status.Get_source(), obj))
                 self._wakeup()
                 req = self.comm.irecv(source=MPI.ANY_SOURCE, tag=self.TAG)
-                delay = 0.001
+                backoff.reset()
             else:
-                time.sleep(delay)
-                delay = min(delay * 2, 0.02)
+                self._stop.wait(backoff.next())
         req.Cancel()

@@ -27,8 +27,9 @@ from typing import Any
 
 import torch
 
+from crossover.backoff import Backoff, wait_until
 from crossover.client import SlotClient
-from crossover.scheduler import Phase
+from crossover.protocol import Phase
 
 #: Longest polite (sleeping) wait for one step's allreduces before Horovod's own wait.
 QUIET_WAIT_S = 60.0
@@ -171,9 +172,5 @@ class SlotLifecycle:
         from horovod.torch.mpi_ops import poll
 
         handles = [h for h, _ in optimizer._handles.values() if h is not None]
-        deadline = time.monotonic() + QUIET_WAIT_S
-        delay = 5e-5
-        for handle in handles:
-            while not poll(handle) and time.monotonic() < deadline:
-                time.sleep(delay)
-                delay = min(2 * delay, 5e-4)
+        backoff = Backoff(5e-5, 5e-4)
+        wait_until(lambda: all(poll(h) for h in handles), QUIET_WAIT_S, backoff)

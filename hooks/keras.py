@@ -36,7 +36,7 @@ import tensorflow as tf
 
 from crossover import session
 from crossover.client import SlotClient
-from crossover.scheduler import Phase
+from crossover.protocol import Phase
 
 LEGACY_FLAG = "TF_USE_LEGACY_KERAS"
 

@@ -14,7 +14,7 @@ import pytest
 from crossover import trace
 from crossover.launch import jobspec
 from crossover.launch.cli import main
-from tests.conftest import PY, REPO
+from tests.conftest import PY, REPO, wait_for
 
 SCRIPT = str(REPO / "examples/horovod_torch_synthetic.py")
 CROSSOVERRUN = [PY, "-m", "crossover.launch.cli"]
@@ -236,3 +236,28 @@ def test_job_spec_reports_every_problem_at_once(tmp_path):
     assert "job 'a': field 'command': missing" in lines[0]
     assert "job 'a': field 'np'" in lines[1]
     assert "job 'b': unknown field 'bad'" in lines[2]
+
+
+@pytest.mark.mpi
+def test_a_dead_daemon_is_restarted_and_the_job_reconnects(runtime):
+    """Under --crossover-daemon auto, crossoverrun restarts a daemon that died under its
+    job, and the job's ranks reconnect to the new one."""
+    job = subprocess.Popen(CROSSOVERRUN + ["--crossover", "--crossover-job", "healer",
+                                           "-np", "2", "-H", "localhost:2", PY, SCRIPT,
+                                           "--steps", "2000"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        log = runtime / "daemon.log"
+        wait_for(lambda: log.exists() and "job healer rank 1 on node" in log.read_text(),
+                 60, "the job to register")
+        first = int((runtime / "daemon.pid").read_text())
+        os.kill(first, signal.SIGKILL)
+        out, err = job.communicate(timeout=240)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, err[-3000:]
+    assert "the crossover daemon was gone; started a new one" in err
+    assert err.count("is coordinated again") == 2, err[-3000:]  # both ranks
+    assert int((runtime / "daemon.pid").read_text()) != first
+    assert log.read_text().count("job healer rank 1 on node") == 2

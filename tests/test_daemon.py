@@ -15,7 +15,7 @@ import pytest
 
 from crossover import protocol as P
 from crossover.client import CrossoverVersionError, RankInfo, SlotClient
-from crossover.scheduler import Phase
+from crossover.protocol import Phase
 from crossover.trace import TraceRecorder, load
 from crossover.transport import FrameBuffer, recv_msg
 from tests.conftest import PY, REPO, Cluster, wait_for

@@ -12,7 +12,7 @@ pytest.importorskip("torch")
 
 from crossover.hooks import _lifecycle  # noqa: E402
 from crossover.hooks._lifecycle import SlotLifecycle  # noqa: E402
-from crossover.scheduler import Phase  # noqa: E402
+from crossover.protocol import Phase  # noqa: E402
 
 
 class RecordingClient:

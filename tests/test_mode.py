@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from crossover.scheduler import Mode, ModeController, ModeSwitch, Phase, SchedulerError
+from crossover.protocol import Mode, Phase
+from crossover.scheduler import ModeController, ModeSwitch, SchedulerError
 from tests.test_scheduler import FakeClock, build, run
 
 A, C = Mode.ANTIPHASE, Mode.CONCURRENT

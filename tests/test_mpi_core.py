@@ -18,6 +18,7 @@ from tests.conftest import Cluster, same_weights, wait_for
 pytestmark = pytest.mark.mpi
 
 STEPS = 150
+LONG_STEPS = 2500  # outlasts a daemon restart (seconds)
 SEEDS = {"A": 1, "B": 2}
 
 
@@ -34,6 +35,9 @@ def solo(tmp_path_factory) -> dict:
         acc = c.job("acc", 3, STEPS // 2, crossover=False, extra=("--accumulate", "2"))
         acc.wait(120)
         out["acc"] = acc.weights
+        long = c.job("Blong", SEEDS["B"], LONG_STEPS, crossover=False)
+        long.wait(120)
+        out["Blong"] = long.weights
     finally:
         c.cleanup()
     return out
@@ -130,6 +134,22 @@ def test_daemon_death_falls_back_to_uncoordinated_training(cluster: Cluster, sol
         assert "trains on uncoordinated" in out
     assert same_weights(a.weights, solo["A"])
     assert same_weights(b.weights, solo["B"])
+
+
+def test_jobs_reconnect_to_a_restarted_daemon_and_keep_their_math(cluster: Cluster, solo):
+    """A daemon that dies and comes back takes its running jobs back: they heal (reconnect
+    with backoff, re-register) instead of training on uncoordinated to the end."""
+    with cluster.daemon(policy="auto") as daemon:
+        a, b = cluster.jobs_together(("A", 1, 100_000), ("B", 2, LONG_STEPS))
+        daemon.kill(signal.SIGKILL)
+    with cluster.daemon(policy="auto"):  # a fresh daemon on the same runtime directory
+        wait_for(registered(cluster, "A"), 60, "job A to re-register")
+        wait_for(registered(cluster, "B"), 60, "job B to re-register")
+        out_b = b.wait(180)
+        a.kill()
+    assert "trains on uncoordinated; it reconnects when the daemon is back" in out_b
+    assert out_b.count("is coordinated again") == 2, out_b  # both of B's ranks
+    assert same_weights(b.weights, solo["Blong"])
 
 
 def test_daemons_on_two_nodes_agree_on_the_job_order(cluster: Cluster, solo):

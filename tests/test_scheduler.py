@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from crossover.scheduler import Phase, SchedulerError, SlotGrant, SlotScheduler, make_policy
+from crossover.protocol import Phase
+from crossover.scheduler import SchedulerError, SlotGrant, SlotScheduler, make_policy
 
 M, IDLE = Phase.COMMUNICATE, Phase.IDLE
 

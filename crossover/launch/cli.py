@@ -20,9 +20,10 @@ import socket
 import subprocess
 import sys
 import threading
-import time
+from collections.abc import Iterator
 from pathlib import Path
 
+from crossover.backoff import Backoff, wait_until
 from crossover.client import daemon_status
 from crossover.environment import node_name
 from crossover.launch import jobspec
@@ -143,7 +144,7 @@ def hosts_of(rest: list[str]) -> list[str]:
 
 
 def ensure_daemon(address: str, policy: str | None, hosts: list[str],
-                  idle_shutdown_s: float) -> Path:
+                  idle_shutdown_s: float, quiet: bool = False) -> Path:
     """Find or start the daemon(s) the job will use; returns the runtime directory.
 
     Raises:
@@ -160,16 +161,9 @@ def ensure_daemon(address: str, policy: str | None, hosts: list[str],
     rdir = default_runtime_dir(create=True)
     # Serialise check-and-start: jobs launched together must share one daemon.
     with open(rdir / "launch.lock", "w") as lock:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise UsageError(f"{rdir / 'launch.lock'} held for 60 s by another "
-                                     f"crossoverrun; is one stuck?") from None
-                time.sleep(0.05)
+        if not wait_until(lambda: _try_lock(lock), 60, Backoff(0.01, 0.2)):
+            raise UsageError(f"{rdir / 'launch.lock'} held for 60 s by another "
+                             f"crossoverrun; is one stuck?")
         try:
             nodes = daemon_status(rdir, timeout_s=2.0)
         except ConnectionError:
@@ -177,8 +171,67 @@ def ensure_daemon(address: str, policy: str | None, hosts: list[str],
         if nodes is not None:
             _check_policy(nodes, policy, str(rdir))
         else:
-            _start_daemon(rdir, policy or "auto", hosts, idle_shutdown_s)
+            _start_daemon(rdir, policy or "auto", hosts, idle_shutdown_s, quiet)
     return rdir
+
+
+#: How often crossoverrun checks that the daemon it started is still there.
+WATCH_S = 2.0
+
+
+def _daemon_listens(rdir: Path) -> bool:
+    """Whether a daemon accepts connections on this node's socket (a stopped daemon
+    still does: the kernel queues them; only a dead one refuses)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(2.0)
+    try:
+        sock.connect(str(socket_path(node_name(), rdir)))
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.close()
+
+
+def watch_daemon(stop: threading.Event, policy: str | None, hosts: list[str],
+                 idle_shutdown_s: float) -> None:
+    """While a job runs with `--crossover-daemon auto`: if the daemon dies, start a new
+    one (under the launch lock, so jobs that watch together start one daemon). The
+    jobs' ranks reconnect to it by themselves (see `crossover.client`)."""
+    rdir = default_runtime_dir(create=True)
+    while not stop.wait(WATCH_S):
+        if _daemon_listens(rdir):
+            continue
+        try:
+            ensure_daemon("auto", policy, hosts, idle_shutdown_s, quiet=True)
+            print("crossoverrun: the crossover daemon was gone; started a new one, and "
+                  "the job's ranks reconnect to it", file=sys.stderr, flush=True)
+        except (UsageError, OSError) as exc:
+            print(f"crossoverrun: the crossover daemon is gone and could not be restarted "
+                  f"({exc}); the job trains on uncoordinated", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def daemon_watch(args: argparse.Namespace, hosts: list[str]) -> Iterator[None]:
+    """Watch the daemon (`watch_daemon`) while the block runs, under --crossover-daemon
+    auto; a daemon given by address is the user's to restart."""
+    stop = threading.Event()
+    if args.crossover_daemon == "auto":
+        threading.Thread(target=watch_daemon, name="crossover-watch", daemon=True,
+                         args=(stop, args.crossover_policy, hosts,
+                               args.crossover_idle_shutdown)).start()
+    try:
+        yield
+    finally:
+        stop.set()
+
+
+def _try_lock(lock) -> bool:
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
 
 
 def _check_policy(nodes: dict, policy: str | None, where: str) -> None:
@@ -189,7 +242,8 @@ def _check_policy(nodes: dict, policy: str | None, where: str) -> None:
                          f"--crossover-policy")
 
 
-def _start_daemon(rdir: Path, policy: str, hosts: list[str], idle_shutdown_s: float) -> None:
+def _start_daemon(rdir: Path, policy: str, hosts: list[str], idle_shutdown_s: float,
+                  quiet: bool = False) -> None:
     args = [sys.executable, "-m", "crossover", "daemon", "--policy", policy,
             "--idle-shutdown", str(idle_shutdown_s), "--runtime-dir", str(rdir)]
     remote = sorted({h for h in hosts if not _local(h)})
@@ -208,14 +262,12 @@ def _start_daemon(rdir: Path, policy: str, hosts: list[str], idle_shutdown_s: fl
     if not any(_local(h) for h in hosts):
         return  # nothing local to wait for
     path = socket_path(node_name(), rdir)  # CROSSOVER_NODE / _FAKE_NODES name it too
-    deadline = time.monotonic() + 60
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise UsageError(f"started a crossover daemon but it did not listen on {path} "
-                             f"within 60 s; see {rdir / 'daemon.log'}")
-        time.sleep(0.05)
-    print(f"crossoverrun: started a crossover daemon ({policy}; log {rdir / 'daemon.log'})",
-          file=sys.stderr)
+    if not wait_until(path.exists, 60, Backoff(0.01, 0.2)):
+        raise UsageError(f"started a crossover daemon but it did not listen on {path} "
+                         f"within 60 s; see {rdir / 'daemon.log'}")
+    if not quiet:
+        print(f"crossoverrun: started a crossover daemon ({policy}; log "
+              f"{rdir / 'daemon.log'})", file=sys.stderr)
 
 
 # --- running -------------------------------------------------------------------------
@@ -273,10 +325,14 @@ def merge_traces(trace_dir: str, job: str) -> None:
 
 def run_jobs(args: argparse.Namespace, specs: list[jobspec.JobSpec]) -> int:
     """Run every job of a spec at once, each through crossoverrun, output prefixed."""
-    rdir = ensure_daemon(args.crossover_daemon, args.crossover_policy,
-                         sorted({h for s in specs for h in hosts_of(["-H", s.hosts or
-                                                                     "localhost"])}),
+    hosts = sorted({h for s in specs for h in hosts_of(["-H", s.hosts or "localhost"])})
+    rdir = ensure_daemon(args.crossover_daemon, args.crossover_policy, hosts,
                          args.crossover_idle_shutdown)
+    with daemon_watch(args, hosts):
+        return _run_specs(args, specs, rdir)
+
+
+def _run_specs(args: argparse.Namespace, specs: list[jobspec.JobSpec], rdir: Path) -> int:
     procs = []
     for spec in specs:
         cmd = [sys.executable, "-m", "crossover.launch.cli", "--crossover",
@@ -333,7 +389,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"crossoverrun: error: {exc}", file=sys.stderr)
         return 2
     os.environ.update(job_env(args, rdir, job))
-    rc = run_horovod_child(rest)
+    with daemon_watch(args, hosts_of(rest)):
+        rc = run_horovod_child(rest)
     if args.crossover_trace:
         merge_traces(args.crossover_trace, job)
     return rc

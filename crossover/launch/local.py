@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from crossover.backoff import Backoff, wait_until
 from crossover.environment import node_name
 from crossover.transport import socket_path
 
@@ -83,13 +84,12 @@ class DaemonProcess:
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         path = socket_path(node_name(), self.runtime_dir)  # as the daemon names itself
-        deadline = time.monotonic() + timeout_s
-        while not path.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"crossover daemon did not start within {timeout_s:.0f} s"
-                                   f" (see {log or 'its output'})")
-            time.sleep(0.05)
+        started = wait_until(lambda: path.exists() or self.proc.poll() is not None,
+                             timeout_s, Backoff(0.01, 0.2))
+        if not started or not path.exists():
+            self.stop()
+            raise RuntimeError(f"crossover daemon did not start within {timeout_s:.0f} s"
+                               f" (see {log or 'its output'})")
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after 10 s."""

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from crossover.backoff import Backoff, wait_until
 from crossover.pipeline.graph import Graph
 from crossover.pipeline.partition import Plan, Stage, make_plan
 from crossover.pipeline.schedule import (
@@ -51,6 +52,7 @@ from crossover.pipeline.schedule import (
     Schedule,
     ScheduleError,
 )
+from crossover.protocol import Phase
 
 Feeds = Callable[[int], Mapping[str, torch.Tensor]]
 
@@ -339,7 +341,6 @@ class StageRunner:
                     self.client.acquire()
             elif a.kind == REL:
                 if self.client is not None:
-                    from crossover.scheduler import Phase
                     self.client.release(Phase.COMMUNICATE)
             else:
                 raise ScheduleError(f"unknown action {a} in stage {self.s}'s schedule")
@@ -369,17 +370,12 @@ class StageRunner:
             return
         handle = hvd.grouped_allreduce_async_(grads, op=hvd.Sum, process_set=self.process_set,
                                               name=f"crossover.pipeline.stage{self.s}.grads")
-        deadline = time.monotonic() + self.timeout
-        pause = 1e-4
-        while not hvd.poll(handle):
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"{self._who()} waited {self.timeout:.0f} s for the gradient allreduce "
-                    f"of {len(grads)} parameters with its replicas on ranks "
-                    f"{self.plan.devices_of(self.s)}: are they alive and running the same "
-                    f"schedule?")
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+        if not wait_until(lambda: hvd.poll(handle), self.timeout, Backoff(1e-4, 1e-3)):
+            raise TimeoutError(
+                f"{self._who()} waited {self.timeout:.0f} s for the gradient allreduce "
+                f"of {len(grads)} parameters with its replicas on ranks "
+                f"{self.plan.devices_of(self.s)}: are they alive and running the same "
+                f"schedule?")
         hvd.synchronize(handle)
 
     def _last_send_b(self, m: int, peer: int) -> bool:
@@ -403,13 +399,8 @@ class StageRunner:
 
 def _wait(req: Any, timeout: float, what: str) -> None:
     """Poll an MPI request with backoff until it completes or `timeout` passes."""
-    deadline = time.monotonic() + timeout
-    pause = 1e-5
-    while not req.Test():
-        if time.monotonic() > deadline:
-            raise TimeoutError(what + ": is that rank alive and running the same schedule?")
-        time.sleep(pause)
-        pause = min(pause * 2, 1e-3)
+    if not wait_until(req.Test, timeout, Backoff(1e-5, 1e-3)):
+        raise TimeoutError(what + ": is that rank alive and running the same schedule?")
 
 
 def output_shapes(graph: Graph, feeds: Mapping[str, torch.Tensor]

@@ -1,8 +1,11 @@
-"""The pure slot scheduler: a state machine, policies and the mode decision, with no I/O."""
+"""The pure slot scheduler: a state machine, policies and the mode decision, with no I/O.
+
+Its vocabulary (`Phase`, `Mode`) travels on the wire, so it lives in `crossover.protocol`.
+"""
 
 from crossover.scheduler.core import SchedulerError, SlotGrant, SlotScheduler
-from crossover.scheduler.mode import Mode, ModeController, ModeSwitch
-from crossover.scheduler.policies import POLICIES, Phase, Policy, make_policy
+from crossover.scheduler.mode import ModeController, ModeSwitch
+from crossover.scheduler.policies import POLICIES, Policy, make_policy
 
-__all__ = ["Mode", "ModeController", "ModeSwitch", "POLICIES", "Phase", "Policy", "SlotGrant",
+__all__ = ["ModeController", "ModeSwitch", "POLICIES", "Policy", "SlotGrant",
            "SchedulerError", "SlotScheduler", "make_policy"]

@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from crossover.scheduler.mode import Mode
-from crossover.scheduler.policies import Phase, Policy
+from crossover.protocol import Mode, Phase
+from crossover.scheduler.policies import Policy
 
 # Rank states on its device.
 NEW, WAITING, HOLDING, BUSY, IDLE, SKIPPED = "new", "waiting", "holding", "busy", "idle", "skipped"

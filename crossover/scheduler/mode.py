@@ -35,14 +35,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
 
-
-class Mode(str, Enum):
-    """How a device serves the jobs that share it."""
-
-    ANTIPHASE = "antiphase"  # one job computes at a time, in the global sequence
-    CONCURRENT = "concurrent"  # every job computes at once (plain co-location)
+from crossover.protocol import Mode
 
 
 @dataclass(frozen=True)

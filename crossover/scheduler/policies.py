@@ -12,15 +12,7 @@ A policy also says at which phase changes a holder gives the device up.
 
 from __future__ import annotations
 
-from enum import Enum
-
-
-class Phase(str, Enum):
-    """What a rank does next when it releases (or offers) its device."""
-
-    COMPUTE = "compute"  # a step boundary: the rank computes on at once
-    COMMUNICATE = "communicate"  # it waits on the network
-    IDLE = "idle"  # it does not need the device for a while
+from crossover.protocol import Phase
 
 
 class Policy:
