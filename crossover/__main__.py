@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="policy auto: probe jobs whose ranks all share this host's CPU too "
                         "(by default they are served concurrently: nothing to fill)")
 
+    d.add_argument("--hello-timeout", type=float, default=10.0, metavar="S",
+                   help="drop a connection that sends no hello within S seconds (default 10)")
+
     s = sub.add_parser("status", help="devices, holders, queues")
     s.add_argument("--json", action="store_true", help="print the report once, as JSON")
     s.add_argument("--once", action="store_true", help="print the table once")
@@ -81,8 +84,9 @@ def _daemon(args: argparse.Namespace) -> int:
         daemon = Daemon(policy=args.policy, lease_s=args.lease, patience_s=args.patience,
                         idle_shutdown_s=args.idle_shutdown, runtime_dir=args.runtime_dir,
                         cpu_devices=args.cpu_devices, mode_probe_s=args.mode_probe,
-                        mode_hold_s=args.mode_hold, mode_probe_local=args.mode_probe_local)
-    except ValueError as exc:
+                        mode_hold_s=args.mode_hold, mode_probe_local=args.mode_probe_local,
+                        hello_timeout_s=args.hello_timeout)
+    except (ValueError, PermissionError) as exc:  # a bad setting, or runtime directory
         print(f"crossover daemon: {exc}", file=sys.stderr)
         return 2
     daemon.serve()
@@ -128,6 +132,14 @@ def status_table(nodes: dict) -> str:
                         f"{','.join(st['waiting']) or '-':<24} {usage}")
         if not snap["devices"]:
             rows.append(f"{node:<10} (no jobs)")
+        if "daemon" in snap:
+            d = snap["daemon"]
+            jobs = ", ".join(f"{job} {u['ranks']} ranks {u['cpu_pct']:.0f}% CPU "
+                             f"{u['rss_mb']:.0f} MiB"
+                             for job, u in snap.get("job_usage", {}).items())
+            rows.append(f"{node:<10} daemon pid {d['pid']}: {d['fds']} fds, "
+                        f"{d['rss_mb']:.0f} MiB, {d['connections']} connections"
+                        + (f"; {jobs}" if jobs else ""))
     reasons = {snap.get("mode_reason") for snap in nodes.values()} - {None}
     rows += [f"mode: {reason}" for reason in sorted(reasons)]
     return "\n".join(rows)

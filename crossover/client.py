@@ -50,6 +50,22 @@ def daemon_status(runtime_dir: str | os.PathLike | None = None, node: str | None
     return report.nodes
 
 
+def daemon_listens(runtime_dir: str | os.PathLike | None = None,
+                   node: str | None = None) -> bool:
+    """Whether a daemon accepts connections on a node's socket. A socket file alone
+    proves nothing (a killed daemon leaves its file); a stopped daemon still accepts
+    (the kernel queues the connection)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(2.0)
+    try:
+        sock.connect(str(socket_path(node or E.node_name(), runtime_dir)))
+        return True
+    except (OSError, ValueError):
+        return False
+    finally:
+        sock.close()
+
+
 #: Shortest time between two progress reports of a rank.
 REPORT_S = 0.05
 #: Reconnection attempts after losing the daemon: the first after this long, then

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import fcntl
 import logging
+import math
 import os
+import resource
 import selectors
 import signal
 import socket
@@ -25,6 +27,7 @@ from typing import Any
 
 from crossover import environment as E
 from crossover import protocol as P
+from crossover.procstats import RankUsage, daemon_figures, process_state
 from crossover.protocol import Mode, Phase
 from crossover.scheduler import (
     ModeController,
@@ -37,6 +40,10 @@ from crossover.scheduler import (
 from crossover.transport import FrameBuffer, PeerChannel, send_msg, socket_path
 
 log = logging.getLogger("crossover.daemon")
+
+#: The longest frame a rank may send (a hello is about 200 bytes): a bigger length prefix
+#: is refused before anything is buffered, so a client cannot make the daemon grow.
+MAX_REQUEST = 1 << 16
 
 class _SoloComm:
     """A one-process stand-in for an MPI communicator: a daemon run without mpirun
@@ -67,10 +74,11 @@ def node_identity(comm: Any) -> tuple[str, list[int]]:
     return E.node_name(r), cores[r % len(cores) :: fake] or cores
 
 
-@dataclass
+@dataclass(eq=False)
 class _Conn:
     sock: socket.socket
-    frames: FrameBuffer = field(default_factory=FrameBuffer)
+    opened: float
+    frames: FrameBuffer = field(default_factory=lambda: FrameBuffer(MAX_REQUEST))
     hello: P.Hello | None = None
     registered: bool = False
     seq: int = 0  # the rank's outstanding Acquire
@@ -97,6 +105,8 @@ class Daemon:
         mode_hold_s: policy auto: how long a mode decision holds before a re-probe.
         mode_probe_local: policy auto: probe jobs whose ranks all share one host's CPU
             too (by default they are served concurrently without a probe).
+        hello_timeout_s: a connection that neither says hello nor asks for status within
+            this long is dropped (a stalled or hostile client holds no descriptor long).
         clock: monotonic clock, injectable for tests.
 
     Raises:
@@ -115,6 +125,7 @@ class Daemon:
         mode_probe_s: float = 2.0,
         mode_hold_s: float = 30.0,
         mode_probe_local: bool = False,
+        hello_timeout_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.comm = comm if comm is not None else default_comm()
@@ -123,6 +134,12 @@ class Daemon:
         self.clock = clock
         self.sched = SlotScheduler(make_policy(policy), clock, lease_s, patience_s)
         self.idle_shutdown_s = idle_shutdown_s
+        self.hello_timeout_s = hello_timeout_s
+        # Descriptors for connections: the soft limit, less room for the daemon's own.
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self.max_conns = max(16, min(soft if soft > 0 else 65536, 65536) - 64)
+        self._refused_at = -1e9  # when a connection over max_conns was last logged
+        self._swept_at = clock()
         self.path = socket_path(self.node, runtime_dir, create=True)
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = os.pipe()
@@ -149,6 +166,8 @@ class Daemon:
             if self.sched.policy.adaptive else None
         self._mode_reason = "policy " + self.sched.policy.name
         self._steps: dict[str, int] = {}  # job -> most steps a local rank reported
+        self._started = time.monotonic()
+        self._usage = RankUsage()
 
     # --- life cycle -------------------------------------------------------------------
     def serve(self) -> None:
@@ -171,6 +190,7 @@ class Daemon:
                     else:
                         self._read(key.data)
                 self._handle_peers()
+                self._drop_silent()
                 self._expire()
                 self._check_idle()
                 self._finish_status_waits()
@@ -236,12 +256,33 @@ class Daemon:
     def _accept(self, listener: socket.socket) -> None:
         try:
             sock, _ = listener.accept()
-        except BlockingIOError:
+        except OSError:  # gone already, or out of descriptors: the listener stays
             return
-        # Blocking with a timeout: replies are tiny, and a client that stops reading
-        # for a second is dropped rather than allowed to stall every other job.
-        sock.settimeout(1.0)
-        self._sel.register(sock, selectors.EVENT_READ, _Conn(sock))
+        if len(self._sel.get_map()) >= self.max_conns:
+            sock.close()
+            if self.clock() - self._refused_at > 10:
+                self._refused_at = self.clock()
+                log.warning("%d connections open: refusing more (raise `ulimit -n`?)",
+                            self.max_conns)
+            return
+        # Non-blocking: replies are tiny, so a send that would block means the client
+        # stopped reading; it is dropped rather than allowed to stall every other job.
+        sock.setblocking(False)
+        self._sel.register(sock, selectors.EVENT_READ, _Conn(sock, self.clock()))
+
+    def _drop_silent(self) -> None:
+        """Close connections that said nothing useful within hello_timeout_s (at most
+        one sweep a second)."""
+        now = self.clock()
+        if now - self._swept_at < 1.0:
+            return
+        self._swept_at = now
+        asking = {id(conn) for conn, _, _ in self._status_waits.values()}
+        for key in list(self._sel.get_map().values()):
+            conn = key.data
+            if (isinstance(conn, _Conn) and conn.hello is None and id(conn) not in asking
+                    and now - conn.opened > self.hello_timeout_s):
+                self._close(conn, "no hello")
 
     def _read(self, conn: _Conn) -> None:
         try:
@@ -253,14 +294,19 @@ class Daemon:
             return
         try:
             for msg in conn.frames.feed(data):
-                self._handle(conn, msg)
+                try:
+                    self._handle(conn, msg)
+                except SchedulerError as exc:  # a request that does not fit: the rank stays
+                    self._reply(conn, P.Error(str(exc), P.ErrorCode.REFUSED.value))
         except P.ProtocolError as exc:
             code = P.ErrorCode.VERSION if isinstance(exc, P.VersionMismatch) \
                 else P.ErrorCode.PROTOCOL
             self._reply(conn, P.Error(str(exc), code.value))
             self._close(conn, f"protocol error: {exc}")
-        except SchedulerError as exc:
-            self._reply(conn, P.Error(str(exc), P.ErrorCode.REFUSED.value))
+        except Exception as exc:  # noqa: BLE001 - one client's message must not stop the daemon
+            log.exception("internal error on a message from %s", conn.key or "a client")
+            self._reply(conn, P.Error(f"internal error: {exc}", P.ErrorCode.PROTOCOL.value))
+            self._close(conn, f"internal error: {exc}")
 
     def _reply(self, conn: _Conn, msg: P.Message) -> None:
         try:
@@ -313,8 +359,6 @@ class Daemon:
         elif isinstance(msg, P.Renew):
             self.sched.renew(job, rank)
         elif isinstance(msg, P.Progress):
-            if not isinstance(msg.steps, int):
-                raise P.ProtocolError(f"progress with steps {msg.steps!r}, not an integer")
             if msg.steps > self._steps.get(job, -1):  # the job's other local ranks repeat it
                 self._steps[job] = msg.steps
                 hello = conn.hello  # a CPU job all on this host allreduces in its memory
@@ -326,12 +370,17 @@ class Daemon:
     def _hello(self, conn: _Conn, hello: P.Hello) -> None:
         if conn.hello is not None:
             raise P.ProtocolError("second hello on one connection")
+        # The decoder checked the types; these are the values that make sense.
         problems = [
             name for name, ok in [
-                ("job", bool(hello.job) and isinstance(hello.job, str)),
-                ("rank", isinstance(hello.rank, int) and 0 <= hello.rank < hello.size),
-                ("local_rank", isinstance(hello.local_rank, int) and hello.local_rank >= 0),
-                ("weight", isinstance(hello.weight, int | float) and hello.weight > 0),
+                ("job", 0 < len(hello.job) <= 200 and hello.job.isprintable()),
+                ("size", hello.size >= 1),
+                ("rank", 0 <= hello.rank < hello.size),
+                ("local_size", hello.local_size >= 1),
+                ("local_rank", hello.local_rank >= 0),
+                ("pid", hello.pid >= 0),
+                ("weight", math.isfinite(hello.weight) and hello.weight > 0),
+                ("gpu", hello.gpu is None or hello.gpu >= 0),
             ] if not ok
         ]
         if problems:
@@ -405,8 +454,10 @@ class Daemon:
             self._apply_modes(self.modes.tick())
         revoked, grants = self.sched.expire()
         for job, rank, device in revoked:
-            log.warning("job %s rank %d held %s past its %.0f s lease: slot revoked",
-                        job, rank, device, self.sched.lease_s)
+            conn = self._conns.get((job, rank))
+            state = process_state(conn.hello.pid) if conn is not None else "unknown"
+            log.warning("job %s rank %d held %s past its %.0f s lease: slot revoked (its "
+                        "process is %s)", job, rank, device, self.sched.lease_s, state)
         self._deliver(grants)
 
     # --- the daemons' world: membership, order, status, shutdown ------------------------
@@ -457,6 +508,12 @@ class Daemon:
                     snap["mode_decision"] = self.modes.snapshot()
                 snap["devices_cores"] = {self._cpu_device(i)[0]: self._cpu_device(i)[1]
                                          for i in range(self.cpu_devices)}
+                snap["daemon"] = {**daemon_figures(self._started),
+                                  "connections": len(self._sel.get_map()) - 2}
+                pids: dict[str, list[int]] = {}
+                for (job, _), conn in self._conns.items():
+                    pids.setdefault(job, []).append(conn.hello.pid)
+                snap["job_usage"] = self._usage.job_usage(pids)
                 self.peers.send(source, ("status!", msg[1], self.node, snap))
             elif kind == "status!":
                 wait = self._status_waits.get(msg[1])
@@ -475,7 +532,14 @@ class Daemon:
         for token, (conn, nodes, deadline) in list(self._status_waits.items()):
             if len(nodes) == self.peers.size or now >= deadline:
                 del self._status_waits[token]
+                if conn.sock.fileno() < 0:
+                    continue  # the asker left
+                # A report of many nodes may outgrow the socket's buffer: give the asker
+                # a second to read it (status is rare and never on the grant path).
+                conn.sock.settimeout(1.0)
                 self._reply(conn, P.StatusReport(nodes))
+                if conn.sock.fileno() >= 0:
+                    conn.sock.setblocking(False)
 
     def _check_idle(self) -> None:
         if self.idle_shutdown_s is None or self.peers.rank != 0:

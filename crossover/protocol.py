@@ -9,10 +9,12 @@ be answered with Error, which carries a machine-readable code and the daemon's m
 
 from __future__ import annotations
 
+import functools
 import json
+import types
 from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
 
 #: Bumped on any incompatible change; a client and daemon that differ refuse each other.
 PROTOCOL_VERSION = 2
@@ -190,6 +192,38 @@ def decode(data: bytes) -> Message:
     if set(obj) - names:
         raise ProtocolError(f"{kind}: unexpected fields {sorted(set(obj) - names)}")
     try:
-        return cls(**obj)
+        msg = cls(**obj)
     except TypeError as exc:
         raise ProtocolError(f"{kind}: {exc}") from None
+    for name, hint in _field_types(cls).items():
+        value = getattr(msg, name)
+        if not _fits(value, hint):
+            raise ProtocolError(f"{kind}: field {name} is {type(value).__name__} "
+                                f"{str(value)[:40]!r}, not {hint}")
+    return msg
+
+
+@functools.cache
+def _field_types(cls: type[Message]) -> dict[str, Any]:
+    hints = get_type_hints(cls)
+    return {f.name: hints[f.name] for f in fields(cls)}
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether a decoded JSON value has a field's declared type (a bool is no number)."""
+    origin = get_origin(hint)
+    if hint is Any:
+        return True
+    if origin in (Union, types.UnionType):
+        return any(_fits(value, h) for h in get_args(hint))
+    if hint is type(None):
+        return value is None
+    if origin is list:
+        return isinstance(value, list) and all(_fits(v, get_args(hint)[0]) for v in value)
+    if origin is dict:
+        return isinstance(value, dict)
+    if isinstance(value, bool):
+        return hint is bool
+    if hint is float:
+        return isinstance(value, int | float)
+    return isinstance(value, hint)

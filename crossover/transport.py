@@ -84,10 +84,16 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 class FrameBuffer:
-    """Reassembles frames from a non-blocking socket's byte stream (daemon side)."""
+    """Reassembles frames from a non-blocking socket's byte stream (daemon side).
 
-    def __init__(self) -> None:
+    Args:
+        max_frame: the longest frame accepted; a longer length prefix is refused as soon
+            as it arrives, before any of its bytes are buffered.
+    """
+
+    def __init__(self, max_frame: int = MAX_FRAME) -> None:
         self._buf = bytearray()
+        self.max_frame = max_frame
 
     def feed(self, data: bytes) -> list[Message]:
         """Add received bytes; return the complete messages they finish.
@@ -99,8 +105,8 @@ class FrameBuffer:
         out = []
         while len(self._buf) >= _HEADER.size:
             (length,) = _HEADER.unpack_from(self._buf)
-            if length > MAX_FRAME:
-                raise ProtocolError(f"frame of {length} bytes exceeds {MAX_FRAME}")
+            if length > self.max_frame:
+                raise ProtocolError(f"frame of {length} bytes exceeds {self.max_frame}")
             if len(self._buf) < _HEADER.size + length:
                 break
             frame = bytes(self._buf[_HEADER.size : _HEADER.size + length])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import struct
@@ -44,9 +45,12 @@ def start_holder(c: Cluster) -> subprocess.Popen:
     return proc
 
 
-def test_hung_holder_loses_its_slot_after_the_lease(cluster: Cluster):
+@pytest.mark.parametrize("stopped", [False, True])
+def test_hung_holder_loses_its_slot_after_the_lease(cluster: Cluster, stopped):
     with cluster.daemon(lease=2):
         holder = start_holder(cluster)
+        if stopped:  # SIGSTOP (a debugger, a suspended job) rather than a busy hang
+            os.killpg(holder.pid, signal.SIGSTOP)
         try:
             waiter = client(cluster, "waiter")
             start = time.monotonic()
@@ -58,8 +62,9 @@ def test_hung_holder_loses_its_slot_after_the_lease(cluster: Cluster):
         finally:
             os.killpg(holder.pid, signal.SIGKILL)
             holder.wait(10)
-        assert "job holder rank 0 held cpu0 past its 2 s lease: slot revoked" in \
-            cluster.procs[0].output()
+        state = "stopped" if stopped else "running"
+        assert f"job holder rank 0 held cpu0 past its 2 s lease: slot revoked (its process " \
+               f"is {state})" in cluster.procs[0].output()
 
 
 def test_killed_holder_frees_the_slot_at_once(cluster: Cluster):
@@ -179,6 +184,10 @@ def test_status_reports_holders_and_queues(cluster: Cluster):
         (node,) = json.loads(out).values()
         assert node["devices"]["cpu0"]["holder"] == "a"
         assert node["devices"]["cpu0"]["waiting"] == ["b:0"]
+        # psutil's figures: the daemon's own health, and what each job uses here
+        assert node["daemon"]["fds"] > 3 and node["daemon"]["rss_mb"] > 1
+        assert node["daemon"]["connections"] >= 3  # a, b and the status request
+        assert node["job_usage"]["a"]["ranks"] == 1 and node["job_usage"]["a"]["rss_mb"] > 1
         a.close()
         b.close()
 
@@ -192,6 +201,7 @@ def test_status_table_shows_holder_queue_and_shares(cluster: Cluster):
         out = subprocess.run([PY, "-m", "crossover", "status", "--once", "--runtime-dir",
                               str(cluster.runtime)], capture_output=True, text=True,
                              timeout=30, cwd=REPO, check=True).stdout
+        assert re.search(r"daemon pid \d+: \d+ fds, \d+ MiB, \d+ connections; a 1 ranks", out)
         row = next(line for line in out.splitlines() if " cpu0 " in line)
         assert " a " in row and "b:0" in row
         hold_a = float(row.split("a: ")[1].split("%")[0])

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from crossover.backoff import Backoff, wait_until
-from crossover.client import daemon_status
+from crossover.client import daemon_listens, daemon_status
 from crossover.environment import node_name
 from crossover.launch import jobspec
 from crossover.launch.inject import INJECT_ENV, inject_dir
@@ -179,20 +179,6 @@ def ensure_daemon(address: str, policy: str | None, hosts: list[str],
 WATCH_S = 2.0
 
 
-def _daemon_listens(rdir: Path) -> bool:
-    """Whether a daemon accepts connections on this node's socket (a stopped daemon
-    still does: the kernel queues them; only a dead one refuses)."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(2.0)
-    try:
-        sock.connect(str(socket_path(node_name(), rdir)))
-        return True
-    except OSError:
-        return False
-    finally:
-        sock.close()
-
-
 def watch_daemon(stop: threading.Event, policy: str | None, hosts: list[str],
                  idle_shutdown_s: float) -> None:
     """While a job runs with `--crossover-daemon auto`: if the daemon dies, start a new
@@ -200,7 +186,7 @@ def watch_daemon(stop: threading.Event, policy: str | None, hosts: list[str],
     jobs' ranks reconnect to it by themselves (see `crossover.client`)."""
     rdir = default_runtime_dir(create=True)
     while not stop.wait(WATCH_S):
-        if _daemon_listens(rdir):
+        if daemon_listens(rdir):
             continue
         try:
             ensure_daemon("auto", policy, hosts, idle_shutdown_s, quiet=True)
@@ -262,7 +248,7 @@ def _start_daemon(rdir: Path, policy: str, hosts: list[str], idle_shutdown_s: fl
     if not any(_local(h) for h in hosts):
         return  # nothing local to wait for
     path = socket_path(node_name(), rdir)  # CROSSOVER_NODE / _FAKE_NODES name it too
-    if not wait_until(path.exists, 60, Backoff(0.01, 0.2)):
+    if not wait_until(lambda: daemon_listens(rdir), 60, Backoff(0.01, 0.2)):
         raise UsageError(f"started a crossover daemon but it did not listen on {path} "
                          f"within 60 s; see {rdir / 'daemon.log'}")
     if not quiet:

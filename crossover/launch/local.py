@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from crossover.backoff import Backoff, wait_until
-from crossover.environment import node_name
-from crossover.transport import socket_path
+from crossover.client import daemon_listens
 
 
 @dataclass
@@ -83,10 +82,9 @@ class DaemonProcess:
         self._log = open(log or os.devnull, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
-        path = socket_path(node_name(), self.runtime_dir)  # as the daemon names itself
-        started = wait_until(lambda: path.exists() or self.proc.poll() is not None,
-                             timeout_s, Backoff(0.01, 0.2))
-        if not started or not path.exists():
+        started = wait_until(lambda: self.proc.poll() is not None
+                             or daemon_listens(self.runtime_dir), timeout_s, Backoff(0.01, 0.2))
+        if not started or self.proc.poll() is not None:
             self.stop()
             raise RuntimeError(f"crossover daemon did not start within {timeout_s:.0f} s"
                                f" (see {log or 'its output'})")

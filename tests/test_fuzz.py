@@ -1,0 +1,151 @@
+"""Hostile input against a real daemon on its socket (short versions; the long run with
+latency figures is bench/fuzz_bench.py).
+
+Every case opens a connection, sends what hypothesis made (after a hello, once the
+welcome is in, as a rank would), half-closes, and reads until the daemon disconnects:
+the daemon must answer with well-formed messages (ending with an error when the input
+was malformed) and a disconnect, and must still be alive after.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from crossover import protocol as P
+from crossover.client import RankInfo, SlotClient
+from crossover.protocol import Phase
+from tests.conftest import Cluster
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from fuzz_cases import CASES, exchange, frame, hello_frame  # noqa: E402
+
+pytestmark = pytest.mark.mpi  # real processes
+
+FUZZ = settings(max_examples=40, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("fuzz"))
+    try:
+        with c.daemon(policy="crossover", lease=2.0,
+                      extra=("--hello-timeout", "1")) as proc:
+            yield c, psutil.Process(proc.popen.pid)
+    finally:
+        c.cleanup()
+
+
+def socket_of(c: Cluster) -> str:
+    return str(next(c.runtime.glob("node-*.sock")))
+
+
+def good_round_trip(c: Cluster) -> float:
+    """A well-behaved rank takes and gives back its device; returns the acquire time."""
+    ok = SlotClient("good", RankInfo(0, 1, 0, 1), runtime_dir=c.runtime, pin_cpu=False)
+    try:
+        t0 = time.monotonic()
+        ok.acquire()
+        took = time.monotonic() - t0
+        assert ok.coordinated, "the daemon must still grant to a good client"
+        ok.release(Phase.IDLE)
+        return took
+    finally:
+        ok.close()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input_gets_an_error_or_a_disconnect(daemon, case):
+    c, proc = daemon
+    path = socket_of(c)
+
+    @FUZZ
+    @given(st.data())
+    def run(data):
+        opening, payload, bad = data.draw(CASES[case])
+        replies = exchange(path, payload, opening)
+        assert all(isinstance(m, P.Message) for m in replies)
+        if bad and replies:  # answered before the hang-up: the answer names the problem
+            assert isinstance(replies[-1], P.Error), replies
+        assert proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+
+    run()
+    good_round_trip(c)
+
+
+def test_a_length_prefix_claiming_gigabytes_is_refused_at_once(daemon):
+    c, _ = daemon
+    (reply,) = exchange(socket_of(c), frame(b"x" * 10, length=3 << 30))
+    assert isinstance(reply, P.Error) and "exceeds" in reply.message
+
+
+def test_a_stalled_half_frame_neither_blocks_others_nor_stays(daemon):
+    c, proc = daemon
+    stall = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stall.connect(socket_of(c))
+    stall.sendall(hello_frame("stall")[:7])  # the header and a little: then nothing
+    try:
+        assert good_round_trip(c) < 5.0
+        stall.settimeout(10)
+        assert stall.recv(1) == b"", "a connection silent past --hello-timeout is dropped"
+    finally:
+        stall.close()
+
+
+def test_hundreds_of_connections_leave_no_descriptors_behind(daemon):
+    c, proc = daemon
+    good_round_trip(c)
+    before = proc.num_fds()
+    socks = []
+    for _ in range(300):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(socket_of(c))
+        socks.append(s)
+    good_round_trip(c)  # served while 300 idle connections are open
+    for s in socks:
+        s.close()
+    deadline = time.monotonic() + 10
+    while proc.num_fds() > before + 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.num_fds() <= before + 2, (before, proc.num_fds())
+
+
+@pytest.mark.parametrize("body, words", [
+    # each of these once raised inside the daemon's loop and stopped it
+    (b'{"v": 2, "kind": "hello", "job": "t", "rank": 0, "size": "2", "local_rank": 0, '
+     b'"local_size": 1, "pid": 1}', "field size is str"),
+    (b'{"v": 2, "kind": "hello", "job": "t", "rank": 0, "size": 1, "local_rank": 0, '
+     b'"local_size": 1, "pid": 1, "weight": NaN}', "invalid weight"),
+    (b'{"v": 2, "kind": "hello", "job": ["t"], "rank": 0, "size": 1, "local_rank": 0, '
+     b'"local_size": 1, "pid": 1}', "field job is list"),
+    (b'{"v": 2, "kind": "hello", "job": "t", "rank": true, "size": 2, "local_rank": 0, '
+     b'"local_size": 1, "pid": 1}', "field rank is bool"),
+])
+def test_wrong_types_and_values_are_refused_by_name(daemon, body, words):
+    c, proc = daemon
+    (reply,) = exchange(socket_of(c), frame(body))
+    assert isinstance(reply, P.Error) and words in reply.message, reply
+    assert reply.code == P.ErrorCode.PROTOCOL
+    assert proc.is_running()
+    good_round_trip(c)
+
+
+def test_out_of_order_requests_are_tolerated_as_the_races_they_can_be(daemon):
+    """A release without a hold (the lease ran out), a second acquire (a retry) and a
+    renew after release are what a slow rank legitimately sends: recorded, answered,
+    never an error; and the device is free again when the rank leaves."""
+    c, _ = daemon
+    seq = [frame(P.encode(m)) for m in (P.Release("communicate"), P.Renew(), P.Acquire(1),
+                                        P.Acquire(2), P.Release("compute"), P.Renew())]
+    replies = exchange(socket_of(c), b"".join(seq), opening=hello_frame("order"))
+    assert [m.kind for m in replies] == ["welcome", "company", "grant", "grant"], replies
+    assert [m.seq for m in replies[2:]] == [1, 2]
+    good_round_trip(c)
