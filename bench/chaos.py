@@ -1,6 +1,6 @@
 """Chaos soak: jobs come and go while ranks and the daemon are killed, stopped, restarted.
 
-    .venv/bin/python bench/chaos.py [--minutes 10] [--seed 0]
+    .venv/bin/python bench/chaos.py [--minutes 10] [--seed 0] [--fault-every 3]
 
 Two 2-rank PyTorch jobs (examples/torch_mlp.py, random seed and length) run at any
 time under one daemon on this host; a new one starts when one ends. Every few seconds
@@ -186,8 +186,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--fault-every", type=float, default=4.0, metavar="S",
-                    help="mean seconds between faults (default 4: ~150 in 10 minutes)")
+    ap.add_argument("--fault-every", type=float, default=3.0, metavar="S",
+                    help="mean seconds between faults (default 3: 150-200 in 10 minutes)")
     ap.add_argument("--policy", default="crossover",
                     help="daemon policy (default crossover: every step goes through grants)")
     ap.add_argument("--lease", type=float, default=3.0)
