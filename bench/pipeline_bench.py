@@ -138,7 +138,7 @@ def run_ours(name: str, stages: list[list[str]], kind: str, schedule: str, iters
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "t.json"
         cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(len(stages)),
-               sys.executable, "-m", "crossover.pipeline.runner", "--model", name,
+               sys.executable, "-m", "crossover.pipeline", "--model", name,
                "--dtype", "float32", "--batch", str(REAL_BATCH), "--micro", str(REAL_MICRO),
                "--partitioner", kind, "--schedule", schedule, "--iters", str(warmup + iters),
                "--plan", json.dumps(stages), "--out", str(out)]

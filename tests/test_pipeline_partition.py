@@ -19,7 +19,8 @@ from crossover.pipeline import (
     synthetic,
 )
 from crossover.pipeline.models import build
-from crossover.pipeline.partition import _replica_counts, evaluate, graph_frontier
+from crossover.pipeline.partition import graph_frontier
+from crossover.pipeline.pricing import evaluate, replica_counts
 from crossover.pipeline.profile import Link
 from crossover.pipeline.sptree import SPNode, decompose
 
@@ -332,9 +333,9 @@ def test_graph_plan_loses_only_to_chain_plans_outside_its_search_space(name, mem
 def test_any_replica_count_that_splits_the_micro_batch():
     """Replica counts are not only powers of two: 3 devices and micro-batches of 6 run a
     chain without parameters as one stage on 3 data-parallel replicas."""
-    assert _replica_counts(8, 6, True) == [1, 2, 3, 6]
-    assert _replica_counts(8, 128, True) == [1, 2, 4, 8]
-    assert _replica_counts(8, 6, False) == [1]
+    assert replica_counts(8, 6, True) == [1, 2, 3, 6]
+    assert replica_counts(8, 128, True) == [1, 2, 4, 8]
+    assert replica_counts(8, 6, False) == [1]
     g = explicit(GRAPHS["chain"])
     costs = synthetic(g, {n: 1e-3 for n in g.ops}, link=Link(1e9, 1e-5))
     plan = graph_partition(g, costs, 3, 24, micro_batches=[6])

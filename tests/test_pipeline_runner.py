@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from crossover.pipeline.models import build
+from crossover.trace import load
 from tests.conftest import PY, REPO, Proc, mpirun
 
 pytestmark = pytest.mark.mpi
@@ -27,7 +28,7 @@ def reference(name: str, batch: int) -> tuple[dict[str, np.ndarray], float]:
 
 def run_pipeline(tmp_path, env, name, np_, *extra, batch=8, micro=4, timeout=120):
     out = tmp_path / f"{name}.pkl"
-    cmd = mpirun(np_, PY, "-m", "crossover.pipeline.runner", "--model", name, "--small",
+    cmd = mpirun(np_, PY, "-m", "crossover.pipeline", "--model", name, "--small",
                  "--dtype", "float64", "--batch", str(batch), "--micro", str(micro),
                  "--out", str(out), "--timeout", "30", *extra)
     Proc(cmd, env, tmp_path / f"{name}.log").wait(timeout)
@@ -59,14 +60,28 @@ def test_pipelined_gradients_equal_single_process(tmp_path, cluster, name, np_, 
     if stages is not None:  # the branches really ran on different ranks
         assert sorted(p[0] for p in got["plan"]) == sorted(stages)
     assert_same_grads(got, name)
+    if schedule == "1f1b" and name == "chain":
+        # 1F1B keeps at most (depth to the sink) micro-batches of activations on a stage,
+        # the first stage included (it once kept all 4, having no gradient to send back)
+        assert got["peak_live"] == [2, 1], got["peak_live"]
 
 
 def test_pipeline_stages_take_slots_from_the_daemon(tmp_path, cluster):
+    """Every forward and backward of every stage holds its device, granted by the daemon
+    (KEEP_WHEN_ALONE=0: a lone job would otherwise keep its devices and never ask)."""
+    traces = tmp_path / "traces"
     with cluster.daemon():
-        env = dict(cluster.env, CROSSOVER_JOB="pipe")
-        got = run_pipeline(tmp_path, env, "two_tower", 3, "--slots")
+        env = dict(cluster.env, CROSSOVER_JOB="pipe", CROSSOVER_TRACE=str(traces),
+                   CROSSOVER_KEEP_WHEN_ALONE="0")
+        got = run_pipeline(tmp_path, env, "two_tower", 3, "--slots", "--iters", "2")
     log = (tmp_path / "two_tower.log").read_text()
     assert "uncoordinated" not in log, log[-2000:]
+    daemon_log = (cluster.tmp / "daemon.log").read_text()
+    assert all(f"job pipe rank {r} on node" in daemon_log for r in range(3)), daemon_log
+    for rank in range(3):  # 2 iterations x 4 micro-batches x (forward + backward)
+        holds = [e for e in load(traces / f"pipe.rank{rank}.json")
+                 if e["ph"] == "X" and e["name"] == "hold"]
+        assert len(holds) == 16, (rank, len(holds))
     assert_same_grads(got, "two_tower")
 
 
@@ -170,7 +185,7 @@ def test_replicated_stages_in_multi_branch_plans_give_single_process_gradients(
 
 def test_a_plan_launched_on_the_wrong_number_of_ranks_fails_fast(tmp_path):
     env = dict(os.environ, CROSSOVER_ENABLE="0", CROSSOVER_RUNTIME_DIR=str(tmp_path / "run"))
-    cmd = mpirun(2, PY, "-m", "crossover.pipeline.runner", "--model", "chain", "--small",
+    cmd = mpirun(2, PY, "-m", "crossover.pipeline", "--model", "chain", "--small",
                  "--replicas", "2,1", "--out", str(tmp_path / "x.pkl"), "--timeout", "200")
     proc = Proc(cmd, env, tmp_path / "wrong.log")
     try:
@@ -198,7 +213,8 @@ class _FakeComm:
 
 def test_the_runner_refuses_a_communicator_of_the_wrong_size():
     from crossover.pipeline import Graph, plan_for, schedule_for
-    from crossover.pipeline.runner import StageRunner, with_replicas
+    from crossover.pipeline.placement import with_replicas
+    from crossover.pipeline.runner import StageRunner
 
     spec = build("chain", torch.float64, small=True)
     g = Graph.from_fx(spec.module)
@@ -210,7 +226,7 @@ def test_the_runner_refuses_a_communicator_of_the_wrong_size():
 
 def test_replica_links_exchange_the_overlapping_rows():
     from crossover.pipeline import Plan, Stage
-    from crossover.pipeline.runner import links, shard_rows, stage_of_rank
+    from crossover.pipeline.placement import links, shard_rows, stage_of_rank
 
     plan = Plan([Stage(("a",), 2), Stage(("b",), 3), Stage(("c",))],
                 {(0, 1): ("a",), (1, 2): ("b",)}, micro_batch=6, num_micro=1)
@@ -234,3 +250,25 @@ def test_the_partitioner_may_replicate_stages_when_asked(tmp_path):
     got = run_pipeline(tmp_path, env, "chain", 2, "--replicate", timeout=240)
     assert got["replicas"] == [2] and got["devices"] == [[0, 1]]
     assert_same_grads(got, "chain")
+
+
+def test_message_tags_stay_small_on_large_graphs():
+    """Tags come from the tensors that cross stage edges, not from op indices: a chain of
+    20000 ops cut in 4 stages has 3 crossing tensors (it once needed tags past 32767, the
+    bound the MPI standard guarantees)."""
+    from crossover.pipeline import Plan, Stage
+    from crossover.pipeline.runner import check_tags, edge_tensor_ids, message_tag
+
+    ops = [f"op{i}" for i in range(20000)]
+    plan = Plan([Stage(tuple(ops[i:i + 5000])) for i in range(0, 20000, 5000)],
+                {(0, 1): ("op4999",), (1, 2): ("op9999",), (2, 3): ("op14999",)},
+                micro_batch=1, num_micro=8)
+    ids = edge_tensor_ids(plan)
+    assert ids == {"op14999": 0, "op4999": 1, "op9999": 2}
+    tags = {message_tag(t, bw, m, 8) for t in ids.values() for bw in (False, True)
+            for m in range(8)}
+    assert len(tags) == 3 * 2 * 8 and max(tags) == 47  # unique and small
+    check_tags(3, 8, 32767)
+    with pytest.raises(ValueError, match="need MPI tags up to 39999, above this MPI's bound "
+                                         "32767: use fewer micro-batches"):
+        check_tags(1, 20000, 32767)

@@ -16,30 +16,22 @@ matching ranges. Each replica weights its loss by its share of the micro-batch, 
 parameter gradients are its part of the single-process sum; at the end of the step the
 replicas sum them with a Horovod allreduce over one process set per replicated stage.
 
-Run as a script under mpirun (one rank per stage replica):
-
-    mpirun -np 3 python -m crossover.pipeline.runner --model uno --small --dtype float64
-    mpirun -np 3 python -m crossover.pipeline.runner --model chain --small --replicas 2,1
+Where stages run and how replicas split a micro-batch is `placement`; the command line
+is `python -m crossover.pipeline` (`__main__`).
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
-import os
-import pickle
-import statistics
-import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from crossover.backoff import Backoff, wait_until
 from crossover.pipeline.graph import Graph
-from crossover.pipeline.partition import Plan, Stage, make_plan
+from crossover.pipeline.placement import check_ranks, links, replica_process_sets, shard_rows
+from crossover.pipeline.plan import Plan
 from crossover.pipeline.schedule import (
     ACQ,
     RECV_B,
@@ -55,102 +47,6 @@ from crossover.pipeline.schedule import (
 from crossover.protocol import Phase
 
 Feeds = Callable[[int], Mapping[str, torch.Tensor]]
-
-
-def check_ranks(plan: Plan, size: int) -> None:
-    """Raise ValueError unless `size` ranks are exactly what the plan needs.
-
-    Every rank checks on its own before any message is exchanged, so a wrong launch
-    fails at once on all ranks instead of hanging in a receive.
-    """
-    if size != plan.devices:
-        reps = ", ".join(f"stage {i} x{st.replicas}" for i, st in enumerate(plan.stages)
-                         if st.replicas > 1)
-        raise ValueError(f"the plan needs {plan.devices} ranks ({len(plan.stages)} stages"
-                         f"{'; ' + reps if reps else ''}) but the communicator has {size}: "
-                         f"launch mpirun -np {plan.devices}")
-
-
-def stage_of_rank(plan: Plan, rank: int) -> tuple[int, int]:
-    """(stage, replica index) that `rank` runs: stage i's replicas are `plan.devices_of(i)`."""
-    for s in range(len(plan.stages)):
-        devs = plan.devices_of(s)
-        if rank in devs:
-            return s, devs.index(rank)
-    raise ValueError(f"rank {rank} runs no stage: the plan uses ranks 0..{plan.devices - 1}")
-
-
-def shard_rows(micro_batch: int, replicas: int, replica: int) -> tuple[int, int]:
-    """Rows [lo, hi) of a micro-batch that `replica` of `replicas` computes."""
-    share = micro_batch // replicas
-    return replica * share, (replica + 1) * share
-
-
-def links(plan: Plan, stage: int, replica: int, peer: int
-          ) -> list[tuple[int, int, slice]]:
-    """Who this replica exchanges a boundary tensor with on the edge to stage `peer`.
-
-    Returns:
-        (peer rank, peer replica, rows of this replica's local tensor) for each peer
-        replica whose share overlaps this one's. The overlap is the same rows seen from
-        both sides, so the sender slices and the receiver fills the same piece; when
-        neither stage is replicated the whole tensor travels (`slice(None)`), whatever
-        its shape.
-    """
-    mine, theirs = plan.stages[stage].replicas, plan.stages[peer].replicas
-    ranks = plan.devices_of(peer)
-    if mine == 1 and theirs == 1:
-        return [(ranks[0], 0, slice(None))]
-    b = plan.micro_batch
-    lo, hi = shard_rows(b, mine, replica)
-    out = []
-    for j in range(theirs):
-        plo, phi = shard_rows(b, theirs, j)
-        a, z = max(lo, plo), min(hi, phi)
-        if a < z:
-            out.append((ranks[j], j, slice(a - lo, z - lo)))
-    return out
-
-
-def replica_process_sets(plan: Plan, comm: Any) -> dict[int, Any]:
-    """One Horovod process set per replicated stage, keyed by stage.
-
-    Collective: every rank of `comm` must call it with the same plan, because Horovod
-    requires all ranks to agree on the process sets. If Horovod is not initialised it
-    is initialised here on `comm` with the sets (static process sets); if it already
-    is, it must span `comm` with the same ranks and the sets are added dynamically
-    (HOROVOD_DYNAMIC_PROCESS_SETS=1).
-
-    Returns:
-        {stage: hvd.ProcessSet} (empty when no stage is replicated; Horovod is then not
-        touched).
-
-    Raises:
-        ValueError: Horovod already runs on other ranks, or cannot add process sets.
-    """
-    wanted = {s: plan.devices_of(s) for s, st in enumerate(plan.stages) if st.replicas > 1}
-    if not wanted:
-        return {}
-    import horovod.torch as hvd
-
-    # A stage on every rank (pure data parallelism) uses Horovod's global set: Horovod
-    # refuses a second set with the same ranks.
-    everyone = list(range(comm.Get_size()))
-    sets = {s: hvd.ProcessSet(ranks) for s, ranks in wanted.items() if ranks != everyone}
-    whole = {s: None for s, ranks in wanted.items() if ranks == everyone}
-    if not hvd.is_initialized():
-        hvd.init(comm=comm, process_sets=list(sets.values()))
-        return {**sets, **{s: hvd.global_process_set for s in whole}}
-    if hvd.size() != comm.Get_size() or hvd.rank() != comm.Get_rank():
-        raise ValueError(f"Horovod already runs as rank {hvd.rank()} of {hvd.size()} but "
-                         f"this is rank {comm.Get_rank()} of {comm.Get_size()} in the "
-                         f"pipeline's communicator: initialise Horovod on the same ranks")
-    if os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS") != "1":
-        raise ValueError("Horovod is already initialised without the replicated stages' "
-                         "process sets: set HOROVOD_DYNAMIC_PROCESS_SETS=1 (or let the "
-                         "runner initialise Horovod)")
-    return {**{s: hvd.add_process_set(ps) for s, ps in sets.items()},
-            **{s: hvd.global_process_set for s in whole}}
 
 
 class StageRunner:
@@ -194,9 +90,13 @@ class StageRunner:
         self.replica = plan.devices_of(stage).index(rank)
         self.rows = shard_rows(plan.micro_batch, self.replicas, self.replica)
         self.ops = plan.stages[stage].ops
-        self.index = {n: i for i, n in enumerate(graph.ops)}
+        self.tensor_ids = edge_tensor_ids(plan)
+        check_tags(len(self.tensor_ids), schedule.num_micro, tag_upper_bound(comm))
         self.params = {k: p for o in self.ops for k, p in graph.ops[o].params.items()}
         self.compute_s = 0.0
+        # most micro-batches whose activations this stage held at once (1F1B bounds it
+        # by the stage's depth to the sink; the partitioner prices memory by that)
+        self.peak_live = 0
         self._check_split()
         if process_sets is None:
             process_sets = replica_process_sets(plan, comm)
@@ -231,9 +131,7 @@ class StageRunner:
 
     # --- messages ----------------------------------------------------------------------
     def _tag(self, name: str, micro: int, backward: bool) -> int:
-        # unique per (tensor, direction, micro-batch); two ranks exchange at most one
-        # piece of a tensor per micro-batch, so the rank pair completes the key
-        return (self.index[name] * 2 + int(backward)) * self.sched.num_micro + micro
+        return message_tag(self.tensor_ids[name], backward, micro, self.sched.num_micro)
 
     def _send(self, tensor: torch.Tensor, peer: int, name: str, micro: int, backward: bool,
               pending: list) -> None:
@@ -241,6 +139,9 @@ class StageRunner:
             buf = tensor.detach()[rows].contiguous()
             pending.append((self.comm.Isend(buf.numpy(), dest=rank,
                                             tag=self._tag(name, micro, backward)), buf))
+        # drop finished sends' buffers as we go: held to the end, every micro-batch's
+        # activations would stay alive until run() returns
+        pending[:] = [(req, b) for req, b in pending if not req.Test()]
 
     def _recv(self, name: str, peer: int, micro: int, backward: bool) -> torch.Tensor:
         shape, dtype = self.shapes[name]
@@ -315,6 +216,7 @@ class StageRunner:
                     losses[m] = loss_fn(env[self.g.output], self._share(targets(m))) * weight
                     total += float(losses[m].detach())
                 self.compute_s += time.perf_counter() - t0
+                self.peak_live = max(self.peak_live, len(envs))
             elif a.kind == SEND_F:
                 for name in self.plan.edges[(self.s, a.peer)]:
                     self._send(envs[m][name], a.peer, name, m, False, pending)
@@ -328,6 +230,8 @@ class StageRunner:
                 t0 = time.perf_counter()
                 self._backward(envs[m], grads.pop(m, {}), losses.pop(m, None))
                 self.compute_s += time.perf_counter() - t0
+                if not self.sched.preds[self.s]:  # no gradient to send back: done with m
+                    envs.pop(m)
             elif a.kind == SEND_B:
                 for name in self.plan.edges[(a.peer, self.s)]:
                     t = envs[m][name]
@@ -348,6 +252,8 @@ class StageRunner:
             _wait(req, self.timeout, f"{self._who()}: a send was not received in time")
         if self.replicas > 1:
             self._sum_replica_grads()
+        if self.client is not None:  # an iteration is a training step: count it
+            self.client.release(Phase.IDLE)
         return total
 
     def _sum_replica_grads(self) -> None:
@@ -379,8 +285,7 @@ class StageRunner:
         hvd.synchronize(handle)
 
     def _last_send_b(self, m: int, peer: int) -> bool:
-        preds = [p for p in self.sched.preds[self.s]]
-        return not preds or peer == preds[-1]
+        return peer == self.sched.preds[self.s][-1]
 
     def _backward(self, env: dict[str, Any], grads: dict[str, torch.Tensor],
                   loss: torch.Tensor | None) -> None:
@@ -397,6 +302,40 @@ class StageRunner:
             torch.autograd.backward(roots, seeds)
 
 
+def edge_tensor_ids(plan: Plan) -> dict[str, int]:
+    """A small number for every tensor that crosses a stage edge (message tags are built
+    from these, not from op indices, so they stay small on large graphs)."""
+    crossing = sorted({n for names in plan.edges.values() for n in names})
+    return {n: i for i, n in enumerate(crossing)}
+
+
+def message_tag(tensor: int, backward: bool, micro: int, num_micro: int) -> int:
+    """The MPI tag of one piece: unique per (tensor, direction, micro-batch); two ranks
+    exchange at most one piece of a tensor per micro-batch, so the rank pair completes
+    the key."""
+    return (tensor * 2 + int(backward)) * num_micro + micro
+
+
+def tag_upper_bound(comm: Any) -> int:
+    """The largest tag the MPI library allows (at least 32767 by the standard)."""
+    try:
+        from mpi4py import MPI
+
+        bound = comm.Get_attr(MPI.TAG_UB)
+    except (AttributeError, ImportError):
+        bound = None
+    return int(bound) if bound else 32767
+
+
+def check_tags(tensors: int, num_micro: int, bound: int) -> None:
+    """Raise ValueError if the largest tag would pass the library's bound."""
+    top = message_tag(tensors - 1, True, num_micro - 1, num_micro) if tensors else 0
+    if top > bound:
+        raise ValueError(f"{tensors} tensors crossing stage edges x {num_micro} micro-batches "
+                         f"need MPI tags up to {top}, above this MPI's bound {bound}: use "
+                         f"fewer micro-batches or fewer stages")
+
+
 def _wait(req: Any, timeout: float, what: str) -> None:
     """Poll an MPI request with backoff until it completes or `timeout` passes."""
     if not wait_until(req.Test, timeout, Backoff(1e-5, 1e-3)):
@@ -409,159 +348,3 @@ def output_shapes(graph: Graph, feeds: Mapping[str, torch.Tensor]
     with torch.no_grad():
         env = graph.run(feeds)
     return {n: (tuple(v.shape), v.dtype) for n, v in env.items() if isinstance(v, torch.Tensor)}
-
-
-def gather_grads(graph: Graph, comm: Any, root: int = 0, plan: Plan | None = None
-                 ) -> dict[str, torch.Tensor] | None:
-    """Every stage's parameter gradients, summed by name, on `root` (None elsewhere).
-
-    With a plan, only the first replica of each stage contributes: after the step every
-    replica holds the whole stage gradient, and adding them all would count it r times.
-    """
-    mine: dict[str, torch.Tensor] = {}
-    if plan is None or stage_of_rank(plan, comm.Get_rank())[1] == 0:
-        for name, p in graph.parameters().items():
-            if p.grad is not None:
-                mine[name] = p.grad.detach().clone()
-    parts = comm.gather(mine, root=root)
-    if parts is None:
-        return None
-    out: dict[str, torch.Tensor] = {}
-    for part in parts:
-        for k, v in part.items():
-            out[k] = out[k] + v if k in out else v
-    return out
-
-
-def parse_replicas(text: str | None, stages: int | None = None) -> list[int] | None:
-    """`--replicas 2,1,1` -> [2, 1, 1] (replicas per stage, in the plan's stage order).
-
-    Raises:
-        ValueError: not positive integers, or not one per stage.
-    """
-    if not text:
-        return None
-    try:
-        reps = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise ValueError(f"--replicas wants comma-separated counts per stage, not {text!r}"
-                         ) from None
-    if any(r < 1 for r in reps):
-        raise ValueError(f"--replicas counts must be >= 1, not {reps}")
-    if stages is not None and len(reps) != stages:
-        raise ValueError(f"--replicas gives {len(reps)} counts for a plan of {stages} stages")
-    return reps
-
-
-def with_replicas(plan: Plan, replicas: Sequence[int]) -> Plan:
-    """A copy of the plan with stage i on `replicas[i]` devices (edges are unchanged:
-    they name stages, and the replicas of a stage share its edges)."""
-    if len(replicas) != len(plan.stages):
-        raise ValueError(f"{len(replicas)} replica counts for {len(plan.stages)} stages")
-    stages = [Stage(st.ops, r) for st, r in zip(plan.stages, replicas, strict=True)]
-    return dataclasses.replace(plan, stages=stages, notes=list(plan.notes))
-
-
-# --- command line ---------------------------------------------------------------------------
-def main(argv: list[str] | None = None) -> int:
-    """Run a model's pipeline under mpirun; rank 0 writes gradients and timings."""
-    from mpi4py import MPI
-
-    from crossover.pipeline import plan_for, schedule_for
-    from crossover.pipeline.models import build
-
-    ap = argparse.ArgumentParser(prog="python -m crossover.pipeline.runner")
-    ap.add_argument("--model", default="uno")
-    ap.add_argument("--small", action="store_true")
-    ap.add_argument("--dtype", default="float64", choices=["float32", "float64"])
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--micro", type=int, default=4, help="micro-batches per iteration")
-    ap.add_argument("--partitioner", default="graph", choices=["graph", "sequential"])
-    ap.add_argument("--plan", help="a plan as JSON: [[op, ...], ...] per stage (overrides)")
-    ap.add_argument("--replicas", help="data-parallel replicas per stage, e.g. 2,1 (stage "
-                    "order of --plan, else of the planned stages; default 1 each): the "
-                    "launch needs their sum of ranks")
-    ap.add_argument("--replicate", action="store_true", help="let the partitioner choose "
-                    "data-parallel replicas of stages over the -np ranks (without --plan)")
-    ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
-    ap.add_argument("--iters", type=int, default=1)
-    ap.add_argument("--slots", action="store_true", help="take the crossover device slot")
-    ap.add_argument("--timeout", type=float, default=60.0)
-    ap.add_argument("--out", help="rank 0 writes gradients (.pt) or timings (.json) here")
-    args = ap.parse_args(argv)
-    torch.set_num_threads(1)
-    comm = MPI.COMM_WORLD
-    rank, size = comm.Get_rank(), comm.Get_size()
-    spec = build(args.model, getattr(torch, args.dtype), small=args.small)
-    graph = Graph.from_fx(spec.module)
-    b = args.batch // args.micro
-    if args.plan:
-        ops = json.loads(args.plan)
-        reps = parse_replicas(args.replicas, len(ops)) or [1] * len(ops)
-        stages = [Stage(tuple(o), r) for o, r in zip(ops, reps, strict=True)]
-        plan = make_plan(graph, stages, b, args.micro, args.partitioner)
-    else:
-        reps = parse_replicas(args.replicas)
-        stages_n = len(reps) if reps else size
-        plan = comm.bcast(plan_for(graph, stages_n, args.batch, args.micro, args.partitioner,
-                                   replicate=args.replicate and not reps)
-                          if rank == 0 else None, root=0)
-        if reps:
-            plan = with_replicas(plan, reps)
-    # every rank checks before the first message, so a wrong -np fails at once, no hang
-    try:
-        check_ranks(plan, size)
-    except ValueError as exc:
-        print(f"rank {rank}: {exc}", file=sys.stderr, flush=True)
-        return 2
-    stage, _replica = stage_of_rank(plan, rank)
-    sched = schedule_for(plan, args.schedule)
-    feeds_all, target_all = spec.make_batch(args.batch, 1)
-    micro = {m: {k: v[m * b:(m + 1) * b] for k, v in feeds_all.items()}
-             for m in range(args.micro)}
-    shapes = output_shapes(graph, micro[0])
-    client = None
-    if args.slots:
-        from crossover.client import RankInfo, SlotClient
-        client = SlotClient(f"pipeline-{args.model}", RankInfo(rank, size, rank, size))
-    times, loss = [], 0.0
-    runner = StageRunner(graph, plan, sched, stage, comm, shapes, client, args.timeout)
-    for _ in range(args.iters):
-        for p in graph.parameters().values():
-            p.grad = None
-        comm.Barrier()
-        t0 = time.perf_counter()
-        try:
-            loss = runner.run(micro.__getitem__,
-                              lambda m: target_all[m * b:(m + 1) * b], spec.loss)
-        except (TimeoutError, ScheduleError) as exc:
-            print(f"rank {rank}: {exc}", file=sys.stderr, flush=True)
-            comm.Abort(3)
-        comm.Barrier()
-        times.append(time.perf_counter() - t0)
-    grads = gather_grads(graph, comm, plan=plan)
-    # each rank's own stage gradients, so a test can see the replicas agree
-    own = {k: p.grad.detach().numpy().copy() for k, p in runner.params.items()
-           if p.grad is not None}
-    rank_grads = comm.gather(own, root=0)
-    losses = comm.gather(loss, root=0)
-    if client is not None:
-        client.close()
-    if rank == 0 and args.out:
-        if args.out.endswith(".json"):
-            with open(args.out, "w") as f:
-                json.dump({"times": times, "median_s": statistics.median(times),
-                           "plan": plan.describe(), "loss": sum(losses)}, f)
-        else:
-            with open(args.out, "wb") as f:
-                pickle.dump({"grads": {k: v.numpy() for k, v in grads.items()},
-                             "loss": sum(losses), "plan": [list(s.ops) for s in plan.stages],
-                             "replicas": [s.replicas for s in plan.stages],
-                             "devices": [plan.devices_of(i) for i in range(len(plan.stages))],
-                             "rank_grads": rank_grads, "kind": plan.kind}, f)
-    return 0
-
-
-if __name__ == "__main__":
-    os.environ.setdefault("PYTHONWARNINGS", "ignore")
-    sys.exit(main())

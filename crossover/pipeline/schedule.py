@@ -15,10 +15,34 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import Enum
 
-F, B = "F", "B"
-SEND_F, RECV_F, SEND_B, RECV_B = "SF", "RF", "SB", "RB"
-ACQ, REL = "ACQ", "REL"
+from crossover.pipeline.plan import Plan
+
+
+class ActionKind(str, Enum):
+    """What a schedule step does; prints as its short code (`1F0` is stage 1's forward
+    of micro-batch 0)."""
+
+    F = "F"  # forward of a micro-batch
+    B = "B"  # backward of a micro-batch
+    SEND_F = "SF"  # send activations to a successor stage
+    RECV_F = "RF"  # receive activations from a predecessor stage
+    SEND_B = "SB"  # send gradients back to a predecessor stage
+    RECV_B = "RB"  # receive gradients from a successor stage
+    ACQ = "ACQ"  # take the device slot
+    REL = "REL"  # give the device slot back
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__  # f"{kind}" is the code too, on every Python
+
+
+F, B = ActionKind.F, ActionKind.B
+SEND_F, RECV_F = ActionKind.SEND_F, ActionKind.RECV_F
+SEND_B, RECV_B = ActionKind.SEND_B, ActionKind.RECV_B
+ACQ, REL = ActionKind.ACQ, ActionKind.REL
 COMPUTE = (F, B)
 
 
@@ -38,7 +62,7 @@ class Action:
         peer: the other stage of a send/recv.
     """
 
-    kind: str
+    kind: ActionKind
     stage: int
     micro: int
     peer: int | None = None
@@ -291,3 +315,29 @@ def peak_in_flight(schedule: Schedule) -> list[int]:
             peak = max(peak, cur)
         out.append(peak)
     return out
+
+
+def schedule_for(plan: Plan, kind: str = "1f1b", slots: bool = True) -> Schedule:
+    """The lowered schedule for a plan.
+
+    Args:
+        plan: the partition (its edges give the stage graph; a sequential plan's is a chain).
+        kind: "1f1b" (GraphPipe's on a DAG, classic on a chain) or "gpipe".
+        slots: include slot acquire/release around compute.
+
+    Returns:
+        The validated, lowered schedule.
+
+    Raises:
+        ValueError: unknown kind.
+    """
+    succs = [plan.succs(s) for s in range(len(plan.stages))]
+    if kind == "1f1b":
+        sched = one_f_one_b(succs, plan.num_micro)
+    elif kind == "gpipe":
+        sched = gpipe(succs, plan.num_micro)
+    else:
+        raise ValueError(f"schedule kind must be '1f1b' or 'gpipe', not {kind!r}")
+    low = lower(sched, slots)
+    validate(low)
+    return low

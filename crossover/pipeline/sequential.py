@@ -13,15 +13,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from crossover.pipeline.graph import Graph
-from crossover.pipeline.partition import (
-    PartitionError,
-    Plan,
-    Stage,
-    _no_fit,
-    _replica_counts,
-    make_plan,
-    micro_batch_sizes,
-)
+from crossover.pipeline.plan import PartitionError, Plan, Stage, make_plan
+from crossover.pipeline.pricing import micro_batch_sizes, no_fit, replica_counts
 from crossover.pipeline.profile import Costs
 
 
@@ -63,7 +56,7 @@ def sequential_partition(graph: Graph, costs: Costs, devices: int, batch: int,
     best: tuple[float, int, int, list] | None = None
     for b in micro_batches or micro_batch_sizes(batch):
         m = batch // b
-        rs = _replica_counts(devices, b, replicate)
+        rs = replica_counts(devices, b, replicate)
         inf = math.inf
         # S[h][d][i]: best (bottleneck, critical) for suffix i on d devices in h stages
         bn = np.full((devices + 1, devices + 1, n + 1), inf)
@@ -109,7 +102,7 @@ def sequential_partition(graph: Graph, costs: Costs, devices: int, batch: int,
                         i, hh, dd = int(j), hh - 1, dd - int(r)
                     best = (est, b, m, stages)
     if best is None:
-        raise PartitionError(_no_fit(costs, devices, batch))
+        raise PartitionError(no_fit(costs, devices, batch))
     est, b, m, stages = best
     plan = make_plan(graph, [Stage(ops, r) for ops, r in stages], b, m, "sequential")
     plan.estimate, plan.search_s = est, time.perf_counter() - t0

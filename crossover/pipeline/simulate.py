@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from crossover.pipeline.graph import Graph
-from crossover.pipeline.partition import Plan, StagePricer
+from crossover.pipeline.plan import Plan
+from crossover.pipeline.pricing import StagePricer
 from crossover.pipeline.profile import Costs
 from crossover.pipeline.schedule import (
     ACQ,

@@ -1,0 +1,137 @@
+"""What a candidate stage costs (seconds per micro-batch, bytes of memory), shared by
+both partitioners, the simulator and the brute-force tests, and the shapes a stage may
+take (micro-batch sizes, replica counts).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from crossover.pipeline.graph import Graph
+from crossover.pipeline.plan import Plan
+from crossover.pipeline.profile import Costs
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    """Batch-size-free sums over a candidate stage's ops."""
+
+    fixed: float          # fwd + bwd seconds per call
+    per_sample: float     # fwd + bwd seconds per sample
+    messages: int         # boundary tensors (each a message per micro-batch)
+    comm_per_sample: float  # boundary bytes per sample
+    act_per_sample: float   # activation bytes kept per sample and micro-batch in flight
+    param_bytes: float
+
+
+class StagePricer:
+    """Time and memory of a stage, shared by both partitioners and the brute-force tests.
+
+    Args:
+        graph: the graph.
+        costs: the op costs, link and memory limit.
+    """
+
+    def __init__(self, graph: Graph, costs: Costs) -> None:
+        self.graph, self.costs = graph, costs
+
+    def info(self, ops: Iterable[str]) -> StageInfo:
+        ops = set(ops)
+        g, c = self.graph, self.costs
+        fixed = per = act = params = comm = 0.0
+        msgs = 0
+        for n in ops:
+            oc = c.of(n)
+            fixed += oc.fwd + oc.bwd
+            per += oc.fwd_per_sample + oc.bwd_per_sample
+            act += oc.act_per_sample
+            params += oc.param_bytes
+            if any(s not in ops for s in g.succ[n]):  # sent forward, its gradient comes back
+                msgs += 1
+                comm += oc.act_per_sample
+        # received tensors: kept for backward, their gradients sent back
+        for src in {s for n in ops for s in g.ops[n].inputs} - ops:
+            msgs += 1
+            comm += c.of(src).act_per_sample
+            act += c.of(src).act_per_sample
+        return StageInfo(fixed, per, msgs, comm, act, params)
+
+    def time(self, info: StageInfo, replicas: int, b: int, num_micro: int) -> float:
+        """Seconds per micro-batch: compute, sends (sender pays), amortised allreduce."""
+        link = self.costs.link
+        share = b / replicas
+        return (info.fixed + info.per_sample * share
+                + info.messages * link.latency + info.comm_per_sample * share / link.bandwidth
+                + link.allreduce(info.param_bytes, replicas) / num_micro)
+
+    def memory(self, info: StageInfo, replicas: int, b: int, inflight: int) -> float:
+        return (info.param_bytes * self.costs.param_factor
+                + inflight * info.act_per_sample * b / replicas)
+
+    def price(self, info: StageInfo, replicas: int, b: int, num_micro: int,
+              inflight: int) -> float | None:
+        """Stage time, or None if it does not fit in memory or cannot split the batch."""
+        if b % replicas:
+            return None
+        if self.memory(info, replicas, b, min(inflight, num_micro)) > self.costs.memory:
+            return None
+        return self.time(info, replicas, b, num_micro)
+
+
+def evaluate(graph: Graph, costs: Costs, plan: Plan) -> tuple[float, float]:
+    """(bottleneck, critical path) of a plan under the pricer, or (inf, inf) if a stage
+    does not fit. In-flight micro-batches per stage: its depth to the sink."""
+    pricer = StagePricer(graph, costs)
+    depth = plan.depth_to_sink() if plan.kind == "graph" else \
+        [len(plan.stages) - i for i in range(len(plan.stages))]
+    times = []
+    for i, st in enumerate(plan.stages):
+        info = pricer.info(st.ops) if plan.kind == "graph" else _chain_info(pricer, plan, i)
+        t = pricer.price(info, st.replicas, plan.micro_batch, plan.num_micro, depth[i])
+        if t is None:
+            return math.inf, math.inf
+        times.append(t)
+    crit = [0.0] * len(times)
+    for s in reversed(range(len(times))):
+        crit[s] = times[s] + max((crit[t] for t in plan.succs(s)), default=0.0)
+    return max(times), max(crit)
+
+
+def _chain_info(pricer: StagePricer, plan: Plan, i: int) -> StageInfo:
+    """A sequential stage also receives and forwards the tensors passing through it."""
+    base = pricer.info(plan.stages[i].ops)
+    c = pricer.costs
+    inb = plan.edges.get((i - 1, i), ())
+    out = plan.edges.get((i, i + 1), ())
+    comm = sum(c.of(n).act_per_sample for n in inb) + sum(c.of(n).act_per_sample for n in out)
+    act = base.act_per_sample - sum(c.of(n).act_per_sample
+                                    for n in {s for o in plan.stages[i].ops
+                                              for s in pricer.graph.ops[o].inputs}
+                                    - set(plan.stages[i].ops))
+    act += sum(c.of(n).act_per_sample for n in inb)
+    return StageInfo(base.fixed, base.per_sample, int(bool(inb)) + int(bool(out)), comm, act,
+                     base.param_bytes)
+
+
+def micro_batch_sizes(batch: int, limit: int = 6) -> list[int]:
+    """Candidate micro-batch sizes: powers of two dividing `batch` (largest `limit`),
+    with at least two micro-batches unless the batch is 1."""
+    sizes = [b for b in (2 ** i for i in range(20)) if b <= max(batch // 2, 1) and batch % b == 0]
+    return sizes[-limit:]
+
+
+def replica_counts(d: int, b: int, replicate: bool) -> list[int]:
+    """Replica counts a stage may run on: any count up to `d` that splits the micro-batch
+    into equal shards (ascending)."""
+    if not replicate:
+        return [1]
+    return [r for r in range(1, d + 1) if b % r == 0]
+
+
+def no_fit(costs: Costs, devices: int, batch: int) -> str:
+    """The message when no plan fits: what to relax."""
+    return (f"no partition of the model over {devices} devices fits {costs.memory:.3g} bytes "
+            f"per device at batch {batch}: raise the memory limit, add devices, or use "
+            f"smaller micro-batches")

@@ -1,0 +1,131 @@
+"""The pipeline training API: pipelined training equals one process, step by step."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from crossover.pipeline.models import build
+from tests.conftest import PY, Proc, mpirun
+
+pytestmark = pytest.mark.mpi
+
+# Every rank builds the same model and batches; each feeds only what its stage needs.
+JOB = """
+import json, sys
+import torch
+from crossover.pipeline.models import build
+from crossover.pipeline.train import PipelineTrainer
+
+name, steps, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+resume = (sys.argv[4] if len(sys.argv) > 4 else "") or None
+momentum = float(sys.argv[5]) if len(sys.argv) > 5 else 0.0
+torch.set_num_threads(1)
+spec = build(name, torch.float64, small=True)
+batches = [spec.make_batch(8, 100 + s) for s in range(steps)]
+t = PipelineTrainer(spec.module, spec.loss, batch=8, num_micro=4, example=batches[0][0],
+                    timeout=60)
+if resume:
+    t.load_state_dict(torch.load(resume))
+opt = torch.optim.SGD(t.parameters(), lr=0.05, momentum=momentum)
+losses = []
+first = int(resume is not None) * 3
+for x, y in batches[first:]:
+    opt.zero_grad()
+    losses.append(t.step(x if t.needs_inputs else None, y if t.needs_target else None))
+    opt.step()
+state = t.state_dict()
+if t.comm.Get_rank() == 0:
+    torch.save(state, out + ".pt")
+    json.dump({"losses": losses, "stages": len(t.plan.stages)}, open(out + ".json", "w"))
+"""
+
+
+def one_process(name: str, steps: int, momentum: float = 0.0):
+    spec = build(name, torch.float64, small=True)
+    opt = torch.optim.SGD(spec.module.parameters(), lr=0.05, momentum=momentum)
+    losses = []
+    for s in range(steps):
+        x, y = spec.make_batch(8, 100 + s)
+        opt.zero_grad()
+        loss = spec.loss(spec.module(**x), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses, spec.module
+
+
+def train(tmp_path, cluster, name, np_, steps, *extra, tag="run"):
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    out = tmp_path / tag
+    env = dict(cluster.env, CROSSOVER_ENABLE="0")
+    proc = Proc(mpirun(np_, PY, str(script), name, str(steps), str(out), *extra), env,
+                tmp_path / f"{tag}.log")
+    cluster.procs.append(proc)  # killed at teardown whatever happens
+    proc.wait(180)
+    return json.loads(out.with_suffix(".json").read_text()), torch.load(out.with_suffix(".pt"))
+
+
+def assert_close(state, module, rel=1e-12):
+    ref = module.state_dict()
+    assert state.keys() == ref.keys()
+    for k, v in ref.items():
+        err = (state[k] - v).abs().max() / max(v.abs().max(), 1e-300)
+        assert err <= rel, f"{k}: relative error {float(err)}"
+
+
+@pytest.mark.parametrize("name, np_", [("chain", 2), ("two_tower", 3)])
+def test_pipelined_training_equals_one_process_step_by_step(tmp_path, cluster, name, np_):
+    got, state = train(tmp_path, cluster, name, np_, 5, "", "0.9")
+    losses, module = one_process(name, 5, momentum=0.9)
+    assert got["stages"] == np_
+    assert got["losses"] == pytest.approx(losses, rel=1e-12)
+    assert_close(state, module)  # the gathered checkpoint loads into the plain model
+    module.load_state_dict(state)
+
+
+def test_a_checkpoint_resumes_training(tmp_path, cluster):
+    train(tmp_path, cluster, "chain", 2, 3, tag="first")
+    got, state = train(tmp_path, cluster, "chain", 2, 5, str(tmp_path / "first.pt"),
+                       tag="second")
+    losses, module = one_process("chain", 5)
+    assert got["losses"] == pytest.approx(losses[3:], rel=1e-12)
+    assert_close(state, module)
+
+
+def test_the_digits_example_learns(tmp_path, cluster):
+    png = tmp_path / "digits.png"
+    proc = Proc(mpirun(2, PY, "examples/pipeline_digits.py", "--epochs", "5", "--plot",
+                       str(png)), dict(cluster.env, CROSSOVER_ENABLE="0"),
+                tmp_path / "digits.log")
+    cluster.procs.append(proc)
+    out = proc.wait(240)
+    acc = float(out.split("final test accuracy ")[1].split(";")[0])
+    assert acc > 0.85, out[-2000:]
+    assert png.stat().st_size > 10_000
+
+
+def test_a_planning_error_on_rank_0_reaches_every_rank(tmp_path, cluster):
+    """Rank 0 plans; if it fails (here: inputs named unlike the model's forward), every
+    rank raises the reason instead of waiting for a plan that never comes."""
+    script = tmp_path / "bad.py"
+    script.write_text(
+        "import sys, torch\n"
+        "from crossover.pipeline.models import build\n"
+        "from crossover.pipeline.train import PipelineTrainer\n"
+        "spec = build('chain', torch.float64, small=True)\n"
+        "x, y = spec.make_batch(8, 1)\n"
+        "try:\n"
+        "    PipelineTrainer(spec.module, spec.loss, batch=8, example={'pixels': x['x']})\n"
+        "except ValueError as exc:\n"
+        "    print('refused:', exc, flush=True)\n")
+    proc = Proc(mpirun(2, PY, str(script)), dict(cluster.env, CROSSOVER_ENABLE="0"),
+                tmp_path / "bad.log")
+    cluster.procs.append(proc)
+    out = proc.wait(120)
+    assert out.count("planning on rank 0 failed: the inputs are named ['pixels'] but the "
+                     "model's traced forward takes ['x']: name them so") == 2, out
+
