@@ -141,7 +141,6 @@ class SlotClient:
         self.policy: str | None = None
         self.label: str | None = None  # node/device, for traces
         self._cores: list[int] = []
-        self._pin = False  # set once the daemon has named the device's cores
         self._phase: str | None = None
         self._phase_start = time.time()
         self._seq = 0
@@ -162,6 +161,7 @@ class SlotClient:
         self._last_report = 0.0
         self._wait_s = wait_s
         self._pin_cpu = pin_cpu
+        self._pin = False  # set once the daemon has named the device's cores
         self._unpinned = os.sched_getaffinity(0)  # where the launcher put us
         self._heal: Backoff | None = None  # reconnection attempts, while uncoordinated
         self._next_heal = 0.0
@@ -351,12 +351,14 @@ class SlotClient:
         """Pin to the device's cores in antiphase, as a GPU rank is bound to its GPU.
         Concurrent grants are plain co-location, placement included: pinned there, a
         rank waiting on its allreduce and a rank computing share one core, and the
-        kernel cannot move either to the other core when it idles."""
+        kernel cannot move either to the other core when it idles. An uncoordinated
+        rank is co-located too: pinned and uncoordinated, two jobs once ran 100x slower
+        after their daemon died."""
         if not self._pin:
             return
+        pinned = self._mode == Mode.ANTIPHASE and self._sock is not None
         try:
-            os.sched_setaffinity(0, self._cores if self._mode == Mode.ANTIPHASE
-                                 else self._unpinned)
+            os.sched_setaffinity(0, self._cores if pinned else self._unpinned)
         except OSError as exc:  # the launcher's cpuset changed under us: train on
             self._warn(f"cannot set CPU affinity ({exc})")
 
@@ -419,6 +421,7 @@ class SlotClient:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+            self._place()
         then = "; it reconnects when the daemon is back" if heal else ""
         self._warn(f"{why}; job {self.job!r} rank {self.info.rank} trains on "
                    f"uncoordinated{then}")

@@ -58,6 +58,9 @@ def main() -> int:
     ap.add_argument("--micro", type=int, default=5, help="micro-batches per batch")
     ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument("--slots", action="store_true", help="share devices via the daemon")
+    ap.add_argument("--freeze-every", type=int, default=None, metavar="N",
+                    help="freeze front layers whose gradients stopped changing, judged "
+                         "every N steps (default: no freezing)")
     ap.add_argument("--plot", default="pipeline_digits.png", help="rank 0 writes it here")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -67,7 +70,7 @@ def main() -> int:
     xs, ys, xt, yt = digits()
     trainer = PipelineTrainer(model, nn.functional.cross_entropy, batch=args.batch,
                               num_micro=args.micro, example={"pixels": xs[:args.batch]},
-                              slots=args.slots)
+                              slots=args.slots, freeze_every=args.freeze_every)
     rank = trainer.comm.Get_rank()
     if rank == 0:
         print(trainer.plan.describe(), flush=True)
@@ -92,7 +95,9 @@ def main() -> int:
             with torch.no_grad():
                 acc = float((reference(xt).argmax(1) == yt).float().mean())
             history.append((total / steps, acc))
-            print(f"  test accuracy {acc:.3f}", flush=True)
+            frozen = [n for d in trainer.freeze_log for n in d.layers]
+            print(f"  test accuracy {acc:.3f}" + (f"; frozen: {', '.join(frozen)}"
+                                                  if frozen else ""), flush=True)
     if rank == 0:
         plot(history, args.plot)
         print(f"final test accuracy {history[-1][1]:.3f}; plot: {args.plot}", flush=True)

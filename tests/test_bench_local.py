@@ -34,7 +34,12 @@ def test_local_gloo_jobs_train_the_same_weights_alone_and_under_crossover(tmp_pa
     solo_b = run_jobs(launch, ["soloB"], WORKLOAD, 4, plain, tmp_path, 120, first_seed=2)[0]
     assert solo_a["weights_sha256"] != solo_b["weights_sha256"]  # the digest sees the seed
     traces = tmp_path / "traces"
-    with DaemonProcess(tmp_path / "run", log=tmp_path / "daemon.log") as daemon:
+    # Always antiphase: the no-overlap check below is its property. Under the default
+    # policy, auto, jobs on one host's CPU are served concurrently, and their holds
+    # overlap by design (this check once passed there only when the jobs' holds missed
+    # each other).
+    with DaemonProcess(tmp_path / "run", policy="crossover",
+                       log=tmp_path / "daemon.log") as daemon:
         both = run_jobs(launch, ["xA", "xB"], WORKLOAD, 4,
                         {"CROSSOVER_RUNTIME_DIR": str(daemon.runtime_dir),
                          "CROSSOVER_TRACE": str(traces)}, tmp_path, 120)

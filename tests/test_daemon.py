@@ -393,3 +393,32 @@ def test_launchers_wait_for_the_socket_the_daemon_names(tmp_path, monkeypatch):
     finally:
         pid = int((rdir / "daemon.pid").read_text())
         os.killpg(pid, signal.SIGTERM)
+
+
+PINNED = """
+import os, sys
+from crossover.client import RankInfo, SlotClient
+c = SlotClient("pinned", RankInfo(0, 1, 0, 1), runtime_dir=sys.argv[1], pin_cpu=True)
+c.acquire()
+print("pinned", sorted(os.sched_getaffinity(0)), flush=True)
+sys.stdin.readline()  # the test kills the daemon meanwhile
+c.release()
+c.acquire()  # finds the daemon gone: fails open
+print("after", sorted(os.sched_getaffinity(0)), c.coordinated, flush=True)
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs 2 cores")
+def test_a_rank_that_loses_its_daemon_is_unpinned(cluster: Cluster):
+    """Uncoordinated, a rank is plain co-located: pinned to one core with the other
+    job's rank and spinning in its allreduce, two jobs once ran 100x slower after their
+    daemon died."""
+    with cluster.daemon(policy="crossover") as daemon:
+        proc = subprocess.Popen([PY, "-c", PINNED, str(cluster.runtime)], cwd=REPO,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        first = proc.stdout.readline().split(" ", 1)
+        daemon.kill(signal.SIGKILL)
+        out, _ = proc.communicate("\n", timeout=30)
+    everywhere = sorted(os.sched_getaffinity(0))
+    assert first[0] == "pinned" and json.loads(first[1]) != everywhere
+    assert out.strip() == f"after {everywhere} False"

@@ -129,3 +129,75 @@ def test_a_planning_error_on_rank_0_reaches_every_rank(tmp_path, cluster):
     assert out.count("planning on rank 0 failed: the inputs are named ['pixels'] but the "
                      "model's traced forward takes ['x']: name them so") == 2, out
 
+
+FREEZE_JOB = """
+import json, sys
+import torch
+from crossover.pipeline.models import build
+from crossover.pipeline.train import PipelineTrainer
+
+name, steps, out, replicas = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+torch.set_num_threads(1)
+spec = build(name, torch.float64, small=True)
+x, y = spec.make_batch(8, 7)  # one batch again and again: gradients settle
+t = PipelineTrainer(spec.module, spec.loss, batch=8, num_micro=4, example=x,
+                    replicas=[int(r) for r in replicas.split(",")] if replicas else None,
+                    freeze_every=2, freeze_threshold=0.3, freeze_patience=1)
+opt = torch.optim.SGD(t.parameters(), lr=0.05, momentum=0.9)
+losses = []
+for _ in range(steps):
+    opt.zero_grad()
+    losses.append(t.step(x if t.needs_inputs else None, y if t.needs_target else None))
+    opt.step()
+state = t.state_dict()
+rank = t.comm.Get_rank()
+log = [[d.step, list(d.layers)] for d in t.freeze_log]
+json.dump({"log": log, "losses": losses}, open(f"{out}.rank{rank}.json", "w"))
+if rank == 0:
+    torch.save(state, out + ".pt")
+"""
+
+
+def one_process_with_freezing(name: str, steps: int, log: list):
+    """The same training in one process, freezing the same layers after the same steps."""
+    from crossover.pipeline.graph import Graph
+
+    spec = build(name, torch.float64, small=True)
+    graph = Graph.from_fx(spec.module)
+    opt = torch.optim.SGD(spec.module.parameters(), lr=0.05, momentum=0.9)
+    x, y = spec.make_batch(8, 7)
+    freezes = {step: layers for step, layers in log}
+    losses = []
+    for s in range(steps):
+        opt.zero_grad()
+        loss = spec.loss(spec.module(**x), y)
+        loss.backward()
+        for layer in freezes.get(s, []):
+            for p in graph.ops[layer].params.values():
+                p.requires_grad_(False)
+                p.grad = None
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses, spec.module
+
+
+@pytest.mark.parametrize("np_, replicas", [(2, ""), (3, "2,1")])
+def test_training_with_freezing_equals_one_process_with_the_same_freezes(
+        tmp_path, cluster, np_, replicas):
+    """Freezing decisions are the same on every rank (with stage 0 on 2 replicas, its
+    ranks see different halves of each micro-batch), and the pipelined run equals one
+    process that freezes the same layers after the same steps, to 1e-12."""
+    script = tmp_path / "freeze.py"
+    script.write_text(FREEZE_JOB)
+    out = tmp_path / "f"
+    proc = Proc(mpirun(np_, PY, str(script), "chain", "16", str(out), replicas),
+                dict(cluster.env, CROSSOVER_ENABLE="0"), tmp_path / "freeze.log")
+    cluster.procs.append(proc)
+    proc.wait(180)
+    runs = [json.loads((tmp_path / f"f.rank{r}.json").read_text()) for r in range(np_)]
+    log = runs[0]["log"]
+    assert log, "nothing froze: the test would prove nothing"
+    assert all(run["log"] == log for run in runs), [run["log"] for run in runs]
+    losses, module = one_process_with_freezing("chain", 16, log)
+    assert runs[0]["losses"] == pytest.approx(losses, rel=1e-12)
+    assert_close(torch.load(out.with_suffix(".pt")), module)

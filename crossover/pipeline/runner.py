@@ -266,7 +266,7 @@ class StageRunner:
         """
         import horovod.torch as hvd
 
-        names = sorted(self.params)
+        names = sorted(n for n, p in self.params.items() if p.requires_grad)  # not frozen
         for n in names:
             p = self.params[n]
             if p.grad is None:

@@ -29,9 +29,10 @@ import torch
 from torch import nn
 
 from crossover import session
+from crossover.freeze import FreezeCriterion, FreezeDecision, GradientTracker, LayerChange
 from crossover.pipeline.graph import Graph
 from crossover.pipeline.partition import plan_for
-from crossover.pipeline.placement import check_ranks, stage_of_rank
+from crossover.pipeline.placement import check_ranks, stage_of_rank, with_replicas
 from crossover.pipeline.profile import Costs
 from crossover.pipeline.runner import StageRunner, output_shapes
 from crossover.pipeline.schedule import schedule_for
@@ -53,6 +54,12 @@ class PipelineTrainer:
         costs: op costs for the partitioner (default: proportional to parameter counts).
         slots: take the crossover device slot around every compute (the job's name and
             trace come from CROSSOVER_JOB / CROSSOVER_TRACE, as for any job).
+        replicas: data-parallel replicas per stage (the plan then has len(replicas)
+            stages over their sum of ranks); default one rank per stage.
+        freeze_every: evaluate the freezing criterion every this many steps (None: never
+            freeze); freeze_threshold, freeze_patience: see `FreezeCriterion`. Frozen
+            layers get no gradient, so the optimizer leaves them alone; decisions are
+            the same on every rank (`freeze_log`).
         timeout: longest wait for any message between stages, seconds.
         leaf_modules: module types torch.fx keeps whole.
 
@@ -67,7 +74,9 @@ class PipelineTrainer:
                  example: Mapping[str, torch.Tensor] | None = None, comm: Any = None,
                  partitioner: str = "graph", schedule: str = "1f1b",
                  costs: Costs | None = None, slots: bool = False, timeout: float = 60.0,
-                 leaf_modules: Sequence[type[nn.Module]] = ()) -> None:
+                 leaf_modules: Sequence[type[nn.Module]] = (),
+                 replicas: Sequence[int] | None = None, freeze_every: int | None = None,
+                 freeze_threshold: float = 0.05, freeze_patience: int = 2) -> None:
         if comm is None:
             from mpi4py import MPI
 
@@ -76,6 +85,7 @@ class PipelineTrainer:
             raise ValueError(f"{num_micro} micro-batches do not divide the batch of {batch}")
         self.model, self.loss_fn, self.comm = model, loss_fn, comm
         self.batch = batch
+        self.replicas = list(replicas) if replicas else None
         self.graph = Graph.from_fx(model, leaf_modules=tuple(leaf_modules))
         rank = comm.Get_rank()
         planned: Any = None
@@ -96,6 +106,16 @@ class PipelineTrainer:
         client = session.init() if slots else None
         self.runner = StageRunner(self.graph, self.plan, schedule_for(self.plan, schedule),
                                   self.stage, comm, shapes, client, timeout)
+        # front to back: the graph's ops are in topological order
+        layers = {n: list(op.params.values()) for n, op in self.graph.ops.items() if op.params}
+        self.freeze_every = freeze_every
+        self.freeze_log: list[FreezeDecision] = []
+        self.steps = 0
+        if freeze_every is not None:
+            if freeze_every < 1:
+                raise ValueError(f"freeze_every={freeze_every}: give 1 or more steps")
+            self.criterion = FreezeCriterion(list(layers), freeze_threshold, freeze_patience)
+            self.tracker = GradientTracker({n: ps for n, ps in layers.items() if n in ops})
 
     def _plan(self, example: Mapping[str, torch.Tensor] | None, num_micro: int,
               partitioner: str, costs: Costs | None) -> tuple:
@@ -104,8 +124,10 @@ class PipelineTrainer:
             raise ValueError("rank 0 needs `example` (one batch of inputs) to size the "
                              "tensors that travel between stages")
         self._check_inputs(example)
-        plan = plan_for(self.graph, self.comm.Get_size(), self.batch, num_micro, partitioner,
-                        costs)
+        stages = len(self.replicas) if self.replicas else self.comm.Get_size()
+        plan = plan_for(self.graph, stages, self.batch, num_micro, partitioner, costs)
+        if self.replicas:
+            plan = with_replicas(plan, self.replicas)
         micro = {k: v[: self.batch // num_micro] for k, v in example.items()}
         return plan, output_shapes(self.graph, micro)
 
@@ -153,7 +175,30 @@ class PipelineTrainer:
 
         loss = self.runner.run(feeds, lambda m: target[m * m_rows:(m + 1) * m_rows],
                                self.loss_fn)
+        self.steps += 1
+        if self.freeze_every is not None:
+            self._maybe_freeze()
         return self.comm.allreduce(loss)
+
+    def _maybe_freeze(self) -> None:
+        """After a step's backward: track gradients; at an interval's end, decide from
+        every stage's figures (gathered, so every rank decides alike) and freeze."""
+        self.tracker.accumulate()
+        if self.steps % self.freeze_every:
+            return
+        local = self.tracker.changes()
+        merged: dict[str, LayerChange] = {}
+        for part in self.comm.allgather(local if self.replica == 0 else {}):
+            merged.update(part)  # a stage's replicas hold the same (summed) gradients
+        decision = self.criterion.evaluate(self.steps - 1, merged)
+        if decision is None:
+            return
+        for name in decision.layers:
+            for p in self.graph.ops[name].params.values():
+                p.requires_grad_(False)
+                p.grad = None  # the optimizer skips it from this step on
+        self.tracker.forget(decision.layers)
+        self.freeze_log.append(decision)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state on every rank: each parameter from the first replica

@@ -20,13 +20,28 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 
 from crossover.protocol import Mode, Phase
 from crossover.scheduler.policies import Policy
 
-# Rank states on its device.
-NEW, WAITING, HOLDING, BUSY, IDLE, SKIPPED = "new", "waiting", "holding", "busy", "idle", "skipped"
-# BUSY: released to communicate (or at a step boundary) and expected back soon.
+
+class RankState(str, Enum):
+    """Where a rank stands on its device (shown by `crossover status`)."""
+
+    NEW = "new"  # registered, has not asked yet
+    WAITING = "waiting"  # asked for the device
+    HOLDING = "holding"  # holds it
+    BUSY = "busy"  # released to communicate (or at a step boundary), back soon
+    IDLE = "idle"  # released for a while (crossover.step() ended)
+    SKIPPED = "skipped"  # passed over after --patience; rejoins at the present turn
+
+    def __str__(self) -> str:
+        return self.value
+
+
+NEW, WAITING, HOLDING = RankState.NEW, RankState.WAITING, RankState.HOLDING
+BUSY, IDLE, SKIPPED = RankState.BUSY, RankState.IDLE, RankState.SKIPPED
 _ACTIVE = (NEW, WAITING, BUSY)
 
 
@@ -46,7 +61,7 @@ class _Rank:
     order: int
     weight: float
     turn: int  # the key of this rank's next request
-    state: str = NEW
+    state: RankState = NEW
     since: float = 0.0  # when the rank entered `state`
     deadline: float | None = None  # lease end while holding
     joined: float = 0.0
@@ -295,7 +310,7 @@ class SlotScheduler:
     def _key(self, r: _Rank) -> tuple:
         return (*self.policy.key(r.turn, r.order, r.weight), r.rank)
 
-    def _set(self, r: _Rank, state: str) -> None:
+    def _set(self, r: _Rank, state: RankState) -> None:
         r.state, r.since = state, self.clock()
 
     def _next_in_line(self, dev: _Device) -> _Rank | None:

@@ -1,0 +1,144 @@
+"""When a layer has stopped learning: the freezing criterion (FreezePipe, AutoFreeze).
+
+Every `interval` steps each layer's gradient, averaged over the interval, is compared
+with the previous interval's: the relative change `|G_k - G_(k-1)| / |G_(k-1)|`. A layer
+whose change stays under `threshold` for `patience` evaluations in a row is stable.
+Layers freeze front first: the longest run of stable layers right after the frozen
+prefix freezes, and a stable layer behind an unstable one waits, so backward can always
+stop at the end of the frozen prefix (PipeTransformer's rule).
+
+Two parts, so that every rank decides the same: a `GradientTracker` on each rank
+accumulates the gradients of the layers its stage trains and turns them into two
+numbers per layer and interval; those numbers are gathered to every rank, and the pure
+`FreezeCriterion` turns the same numbers into the same decision everywhere.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class LayerChange:
+    """One layer's gradient change over one interval: |G_k - G_(k-1)| and |G_(k-1)|."""
+
+    diff_norm: float
+    prev_norm: float
+
+    @property
+    def relative(self) -> float:
+        return self.diff_norm / self.prev_norm if self.prev_norm > 0 else math.inf
+
+
+@dataclass(frozen=True)
+class FreezeDecision:
+    """Freeze `layers` (in order, right after the frozen prefix) after step `step`."""
+
+    step: int
+    layers: tuple[str, ...]
+    reason: str
+
+
+@dataclass
+class FreezeCriterion:
+    """Pure: layer changes in, freeze decisions out.
+
+    Args:
+        layers: every trainable layer, front to back (the graph's topological order).
+        threshold: a layer is stable while its relative gradient change is below this.
+        patience: evaluations in a row a layer must be stable before it freezes.
+        keep_last: layers at the back that never freeze (the head keeps adapting).
+
+    Raises:
+        ValueError: a setting out of range, naming it.
+    """
+
+    layers: Sequence[str]
+    threshold: float = 0.05
+    patience: int = 2
+    keep_last: int = 1
+    frozen: list[str] = field(default_factory=list)
+    _stable: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.threshold > 0:
+            raise ValueError(f"freeze threshold {self.threshold!r}: give a change > 0")
+        if self.patience < 1:
+            raise ValueError(f"freeze patience {self.patience!r}: give 1 or more evaluations")
+        if self.keep_last < 0:
+            raise ValueError(f"keep_last {self.keep_last!r}: give 0 or more layers")
+
+    def evaluate(self, step: int, changes: Mapping[str, LayerChange]) -> FreezeDecision | None:
+        """One evaluation: the layers to freeze now, or None.
+
+        Args:
+            step: the training step just finished.
+            changes: the interval's change for every trainable layer not yet frozen
+                (a missing layer counts as unstable).
+        """
+        for name in self.layers:
+            ch = changes.get(name)
+            stable = ch is not None and ch.relative < self.threshold
+            self._stable[name] = self._stable.get(name, 0) + 1 if stable else 0
+        candidates = list(self.layers[len(self.frozen):len(self.layers) - self.keep_last])
+        newly = []
+        for name in candidates:
+            if self._stable[name] < self.patience:
+                break
+            newly.append(name)
+        if not newly:
+            return None
+        self.frozen += newly
+        worst = max(changes[n].relative for n in newly)
+        return FreezeDecision(step, tuple(newly),
+                              f"gradient change under {self.threshold:g} for {self.patience} "
+                              f"evaluations (at most {worst:.3g})")
+
+
+class GradientTracker:
+    """One rank's view: sums its layers' gradients over an interval and reports how much
+    the interval's mean gradient moved from the previous interval's.
+
+    Args:
+        params: layer -> its parameters (only the layers this rank trains).
+    """
+
+    def __init__(self, params: Mapping[str, Sequence[torch.nn.Parameter]]) -> None:
+        self.params = {k: list(v) for k, v in params.items()}
+        self._sum: dict[str, torch.Tensor] = {}
+        self._prev: dict[str, torch.Tensor] = {}
+        self._steps = 0
+
+    def accumulate(self) -> None:
+        """After a step's backward: add each layer's current gradient."""
+        self._steps += 1
+        for name, ps in self.params.items():
+            grads = [p.grad.reshape(-1) for p in ps if p.grad is not None]
+            if not grads:
+                continue
+            flat = torch.cat(grads).detach().double()
+            acc = self._sum.get(name)
+            self._sum[name] = flat.clone() if acc is None else acc.add_(flat)
+
+    def changes(self) -> dict[str, LayerChange]:
+        """Close the interval: each layer's change against the previous interval (a
+        layer in its first interval reports nothing yet)."""
+        out = {}
+        for name, total in self._sum.items():
+            mean = total / max(self._steps, 1)
+            prev = self._prev.get(name)
+            if prev is not None:
+                out[name] = LayerChange(float((mean - prev).norm()), float(prev.norm()))
+            self._prev[name] = mean
+        self._sum, self._steps = {}, 0
+        return out
+
+    def forget(self, layers: Sequence[str]) -> None:
+        """Stop tracking frozen layers."""
+        for name in layers:
+            self._prev.pop(name, None)
+            self.params.pop(name, None)

@@ -1,0 +1,90 @@
+"""The freezing criterion as tables of gradient changes -> decisions (pure)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from crossover.freeze import FreezeCriterion, FreezeDecision, GradientTracker, LayerChange
+
+LAYERS = ["l0", "l1", "l2", "l3"]
+
+
+def changes(*relative: float | None) -> dict[str, LayerChange]:
+    """Per layer a relative change (None: the layer reported nothing)."""
+    return {n: LayerChange(r, 1.0) for n, r in zip(LAYERS, relative, strict=False)
+            if r is not None}
+
+
+@pytest.mark.parametrize("rows, expected", [
+    # every layer stable twice: all but the head freeze, front first, at the 2nd evaluation
+    ([(0.01, 0.01, 0.01, 0.01), (0.01, 0.01, 0.01, 0.01)],
+     [None, ("l0", "l1", "l2")]),
+    # l1 still learns: l0 freezes alone, l2 waits behind l1 however stable it is
+    ([(0.01, 0.5, 0.01, 0.01), (0.01, 0.5, 0.01, 0.01), (0.01, 0.5, 0.01, 0.01)],
+     [None, ("l0",), None]),
+    # a spike resets the count: l0 needs two stable evaluations in a row
+    ([(0.01, 0.9, 0.9, 0.9), (0.2, 0.9, 0.9, 0.9), (0.01, 0.9, 0.9, 0.9),
+      (0.01, 0.9, 0.9, 0.9)],
+     [None, None, None, ("l0",)]),
+    # later layers freeze after the prefix, in a later decision
+    ([(0.01, 0.5, 0.5, 0.5), (0.01, 0.5, 0.5, 0.5), (None, 0.01, 0.01, 0.5),
+      (None, 0.01, 0.01, 0.5)],
+     [None, ("l0",), None, ("l1", "l2")]),
+    # a layer that reports nothing (its first interval) is not stable
+    ([(None, 0.01, 0.01, 0.01), (0.01, 0.01, 0.01, 0.01), (0.01, 0.01, 0.01, 0.01)],
+     [None, None, ("l0", "l1", "l2")]),
+    # at the threshold is not under it
+    ([(0.05, 0.01, 0.01, 0.01), (0.05, 0.01, 0.01, 0.01)], [None, None]),
+])
+def test_decisions(rows, expected):
+    crit = FreezeCriterion(LAYERS, threshold=0.05, patience=2, keep_last=1)
+    got = []
+    for step, row in enumerate(rows):
+        d = crit.evaluate(step, changes(*row))
+        got.append(d.layers if d else None)
+    assert got == expected
+
+
+def test_decision_names_the_step_and_why():
+    crit = FreezeCriterion(LAYERS, threshold=0.1, patience=1, keep_last=2)
+    d = crit.evaluate(40, changes(0.02, 0.03, 0.0, 0.0))
+    assert d == FreezeDecision(40, ("l0", "l1"), "gradient change under 0.1 for 1 "
+                                                 "evaluations (at most 0.03)")
+    assert crit.frozen == ["l0", "l1"]
+    assert crit.evaluate(41, changes(None, None, 0.0, 0.0)) is None  # the head stays
+
+
+def test_a_zero_gradient_is_never_stable():
+    assert LayerChange(0.0, 0.0).relative == math.inf
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"threshold": 0}, "threshold 0"),
+    ({"patience": 0}, "patience 0"),
+    ({"keep_last": -1}, "keep_last -1"),
+])
+def test_bad_settings_are_named(kw, words):
+    with pytest.raises(ValueError, match=words):
+        FreezeCriterion(LAYERS, **kw)
+
+
+def test_tracker_compares_interval_means():
+    a = torch.nn.Parameter(torch.zeros(2))
+    b = torch.nn.Parameter(torch.zeros(1))
+    tracker = GradientTracker({"A": [a], "B": [b]})
+    for ga, gb in [([1.0, 0.0], [2.0]), ([3.0, 0.0], [2.0])]:  # interval 1 means: (2,0), 2
+        a.grad, b.grad = torch.tensor(ga), torch.tensor(gb)
+        tracker.accumulate()
+    assert tracker.changes() == {}  # nothing to compare with yet
+    for ga, gb in [([2.0, 1.0], [1.0])]:  # interval 2 means: (2,1), 1
+        a.grad, b.grad = torch.tensor(ga), torch.tensor(gb)
+        tracker.accumulate()
+    got = tracker.changes()
+    assert got["A"] == LayerChange(1.0, 2.0) and got["B"] == LayerChange(1.0, 2.0)
+    tracker.forget(["A"])
+    b.grad = torch.tensor([1.0])
+    tracker.accumulate()
+    assert set(tracker.changes()) == {"B"}
