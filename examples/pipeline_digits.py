@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import sys
+import time
 
 import torch
 from torch import nn
@@ -61,7 +63,13 @@ def main() -> int:
     ap.add_argument("--freeze-every", type=int, default=None, metavar="N",
                     help="freeze front layers whose gradients stopped changing, judged "
                          "every N steps (default: no freezing)")
+    ap.add_argument("--freeze-threshold", type=float, default=0.05,
+                    help="a layer is stable while its mean gradient moves less than this "
+                         "(relative) from one N-step interval to the next")
     ap.add_argument("--plot", default="pipeline_digits.png", help="rank 0 writes it here")
+    ap.add_argument("--partitioner", default="graph", choices=["graph", "sequential"])
+    ap.add_argument("--history", default=None, help="rank 0 writes per-epoch JSON here "
+                    "(seconds of training so far, loss, test accuracy, frozen layers)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)  # the same initial model on every rank
@@ -70,14 +78,18 @@ def main() -> int:
     xs, ys, xt, yt = digits()
     trainer = PipelineTrainer(model, nn.functional.cross_entropy, batch=args.batch,
                               num_micro=args.micro, example={"pixels": xs[:args.batch]},
-                              slots=args.slots, freeze_every=args.freeze_every)
+                              slots=args.slots, freeze_every=args.freeze_every,
+                              freeze_threshold=args.freeze_threshold,
+                              partitioner=args.partitioner)
     rank = trainer.comm.Get_rank()
     if rank == 0:
         print(trainer.plan.describe(), flush=True)
     opt = torch.optim.SGD(trainer.parameters(), lr=args.lr, momentum=0.9)
     steps = len(xs) // args.batch
-    history = []
+    history, rows, trained_s = [], [], 0.0
     for epoch in range(args.epochs):
+        trainer.comm.Barrier()
+        started = time.perf_counter()
         order = torch.randperm(len(xs), generator=torch.Generator().manual_seed(epoch))
         total = 0.0
         for s in range(steps):
@@ -89,6 +101,8 @@ def main() -> int:
             total += loss
             if rank == 0:
                 progress(epoch, args.epochs, s + 1, steps, total / (s + 1))
+        trainer.comm.Barrier()
+        trained_s += time.perf_counter() - started  # evaluation is not training time
         state = trainer.state_dict()  # collective
         if rank == 0:
             reference.load_state_dict(state)
@@ -96,9 +110,14 @@ def main() -> int:
                 acc = float((reference(xt).argmax(1) == yt).float().mean())
             history.append((total / steps, acc))
             frozen = [n for d in trainer.freeze_log for n in d.layers]
+            rows.append({"epoch": epoch + 1, "seconds": trained_s, "loss": total / steps,
+                         "accuracy": acc, "frozen": frozen})
             print(f"  test accuracy {acc:.3f}" + (f"; frozen: {', '.join(frozen)}"
                                                   if frozen else ""), flush=True)
     if rank == 0:
+        if args.history:
+            with open(args.history, "w") as f:
+                json.dump(rows, f)
         plot(history, args.plot)
         print(f"final test accuracy {history[-1][1]:.3f}; plot: {args.plot}", flush=True)
     return 0

@@ -71,19 +71,20 @@ def test_bad_settings_are_named(kw, words):
         FreezeCriterion(LAYERS, **kw)
 
 
-def test_tracker_compares_interval_means():
+def test_tracker_compares_interval_mean_norms():
     a = torch.nn.Parameter(torch.zeros(2))
     b = torch.nn.Parameter(torch.zeros(1))
     tracker = GradientTracker({"A": [a], "B": [b]})
-    for ga, gb in [([1.0, 0.0], [2.0]), ([3.0, 0.0], [2.0])]:  # interval 1 means: (2,0), 2
+    # interval 1: A's norms 1 and 3 (mean 2), B's 2 and 2 (mean 2)
+    for ga, gb in [([1.0, 0.0], [2.0]), ([0.0, -3.0], [-2.0])]:
         a.grad, b.grad = torch.tensor(ga), torch.tensor(gb)
         tracker.accumulate()
     assert tracker.changes() == {}  # nothing to compare with yet
-    for ga, gb in [([2.0, 1.0], [1.0])]:  # interval 2 means: (2,1), 1
+    for ga, gb in [([3.0, 4.0], [1.0])]:  # interval 2: A's norm 5, B's 1
         a.grad, b.grad = torch.tensor(ga), torch.tensor(gb)
         tracker.accumulate()
     got = tracker.changes()
-    assert got["A"] == LayerChange(1.0, 2.0) and got["B"] == LayerChange(1.0, 2.0)
+    assert got["A"] == LayerChange(3.0, 2.0) and got["B"] == LayerChange(1.0, 2.0)
     tracker.forget(["A"])
     b.grad = torch.tensor([1.0])
     tracker.accumulate()

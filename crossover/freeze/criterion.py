@@ -1,8 +1,12 @@
 """When a layer has stopped learning: the freezing criterion (FreezePipe, AutoFreeze).
 
-Every `interval` steps each layer's gradient, averaged over the interval, is compared
-with the previous interval's: the relative change `|G_k - G_(k-1)| / |G_(k-1)|`. A layer
-whose change stays under `threshold` for `patience` evaluations in a row is stable.
+Every `interval` steps each layer's gradient norm, averaged over the interval's steps,
+is compared with the previous interval's: the relative change `|n_k - n_(k-1)| /
+n_(k-1)` (AutoFreeze's and PipeTransformer's measure). A layer whose change stays under
+`threshold` for `patience` evaluations in a row is stable. (The change of the mean
+gradient vector, FreezePipe's wording, never settles under minibatch noise: as the
+mean gradient shrinks toward zero its relative change grows; on the digits example it
+froze nothing at any threshold up to 0.6.)
 Layers freeze front first: the longest run of stable layers right after the frozen
 prefix freezes, and a stable layer behind an unstable one waits, so backward can always
 stop at the end of the frozen prefix (PipeTransformer's rule).
@@ -24,7 +28,8 @@ import torch
 
 @dataclass(frozen=True)
 class LayerChange:
-    """One layer's gradient change over one interval: |G_k - G_(k-1)| and |G_(k-1)|."""
+    """One layer's gradient change over one interval: |n_k - n_(k-1)| and n_(k-1), where
+    n is the interval's mean gradient norm."""
 
     diff_norm: float
     prev_norm: float
@@ -100,8 +105,8 @@ class FreezeCriterion:
 
 
 class GradientTracker:
-    """One rank's view: sums its layers' gradients over an interval and reports how much
-    the interval's mean gradient moved from the previous interval's.
+    """One rank's view: sums its layers' gradient norms over an interval and reports how
+    much the interval's mean norm moved from the previous interval's.
 
     Args:
         params: layer -> its parameters (only the layers this rank trains).
@@ -109,20 +114,17 @@ class GradientTracker:
 
     def __init__(self, params: Mapping[str, Sequence[torch.nn.Parameter]]) -> None:
         self.params = {k: list(v) for k, v in params.items()}
-        self._sum: dict[str, torch.Tensor] = {}
-        self._prev: dict[str, torch.Tensor] = {}
+        self._sum: dict[str, float] = {}
+        self._prev: dict[str, float] = {}
         self._steps = 0
 
     def accumulate(self) -> None:
-        """After a step's backward: add each layer's current gradient."""
+        """After a step's backward: add each layer's current gradient norm."""
         self._steps += 1
         for name, ps in self.params.items():
-            grads = [p.grad.reshape(-1) for p in ps if p.grad is not None]
-            if not grads:
-                continue
-            flat = torch.cat(grads).detach().double()
-            acc = self._sum.get(name)
-            self._sum[name] = flat.clone() if acc is None else acc.add_(flat)
+            grads = [p.grad.detach().double().reshape(-1) for p in ps if p.grad is not None]
+            if grads:
+                self._sum[name] = self._sum.get(name, 0.0) + float(torch.cat(grads).norm())
 
     def changes(self) -> dict[str, LayerChange]:
         """Close the interval: each layer's change against the previous interval (a
@@ -132,7 +134,7 @@ class GradientTracker:
             mean = total / max(self._steps, 1)
             prev = self._prev.get(name)
             if prev is not None:
-                out[name] = LayerChange(float((mean - prev).norm()), float(prev.norm()))
+                out[name] = LayerChange(abs(mean - prev), prev)
             self._prev[name] = mean
         self._sum, self._steps = {}, 0
         return out
