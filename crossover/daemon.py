@@ -25,13 +25,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from crossover import environment as E
 from crossover import protocol as P
-from crossover.procstats import RankUsage, daemon_figures, process_state
-from crossover.protocol import Mode, Phase
+from crossover.daemon_world import DaemonWorld, default_comm, node_identity
+from crossover.procstats import RankUsage, process_state
+from crossover.protocol import Phase
 from crossover.scheduler import (
     ModeController,
-    ModeSwitch,
     SchedulerError,
     SlotGrant,
     SlotScheduler,
@@ -44,35 +43,6 @@ log = logging.getLogger("crossover.daemon")
 #: The longest frame a rank may send (a hello is about 200 bytes): a bigger length prefix
 #: is refused before anything is buffered, so a client cannot make the daemon grow.
 MAX_REQUEST = 1 << 16
-
-class _SoloComm:
-    """A one-process stand-in for an MPI communicator: a daemon run without mpirun
-    does not initialise MPI at all."""
-
-    def Get_rank(self) -> int:  # noqa: N802 - mirrors mpi4py
-        return 0
-
-    def Get_size(self) -> int:  # noqa: N802
-        return 1
-
-
-def default_comm() -> Any:
-    """COMM_WORLD when launched by mpirun, else a one-process stand-in."""
-    if "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ:
-        from mpi4py import MPI
-
-        return MPI.COMM_WORLD
-    return _SoloComm()
-
-
-def node_identity(comm: Any) -> tuple[str, list[int]]:
-    """This daemon's node name and the CPU cores its devices are made of."""
-    cores = sorted(os.sched_getaffinity(0))
-    if os.environ.get(E.NODE) or not E.fake_nodes():
-        return E.node_name(), cores
-    r, fake = comm.Get_rank(), E.fake_nodes()  # fake node r gets every N-th core
-    return E.node_name(r), cores[r % len(cores) :: fake] or cores
-
 
 @dataclass(eq=False)
 class _Conn:
@@ -89,7 +59,7 @@ class _Conn:
         return (self.hello.job, self.hello.rank) if self.hello else None
 
 
-class Daemon:
+class Daemon(DaemonWorld):
     """One node's coordinator.
 
     Args:
@@ -182,7 +152,11 @@ class Daemon:
                  self.sched.policy.name, [self._cpu_device(i)[0] for i in range(self.cpu_devices)])
         try:
             while not self._stop:
-                for key, _ in self._sel.select(self._timeout()):
+                events = self._sel.select(self._timeout())
+                # registered ranks first: a flood of new or hostile connections waits
+                # behind the jobs' grants, not in front of them
+                events.sort(key=lambda ev: not getattr(ev[0].data, "registered", False))
+                for key, _ in events:
                     if key.data == "listen":
                         self._accept(listener)
                     elif key.data == "wake":
@@ -433,12 +407,6 @@ class Daemon:
                 conn.told = told
                 self._reply(conn, P.Company(*told, self._mode_reason))
 
-    def _apply_modes(self, switches: list[ModeSwitch]) -> None:
-        """Leader: announce the mode decisions to every daemon (itself included)."""
-        for switch in switches:
-            log.info("mode %s: %s", switch.mode.value, switch.reason)
-            self.peers.broadcast(("mode", switch.mode.value, switch.reason))
-
     def _cpu_device(self, index: int) -> tuple[str, list[int]]:
         # Device i is every cpu_devices-th core from core i: one core each by default.
         return f"cpu{index}", self.cores[index :: self.cpu_devices]
@@ -459,99 +427,3 @@ class Daemon:
             log.warning("job %s rank %d held %s past its %.0f s lease: slot revoked (its "
                         "process is %s)", job, rank, device, self.sched.lease_s, state)
         self._deliver(grants)
-
-    # --- the daemons' world: membership, order, status, shutdown ------------------------
-    def _handle_peers(self) -> None:
-        while not self.peers.inbox.empty():
-            source, msg = self.peers.inbox.get_nowait()
-            kind = msg[0]
-            if kind == "join":  # leader: a job's first rank arrived on `source`
-                job = msg[1]
-                if job not in self._members:
-                    self._members[job] = set()
-                    self._decided[job] = self._next_order
-                    self._next_order += 1
-                    self.peers.broadcast(("order", job, self._decided[job]))
-                else:
-                    # Not self._orders: the leader's own "order" message may still be
-                    # queued behind this second join (two nodes joined at once).
-                    self.peers.send(source, ("order", job, self._decided[job]))
-                self._members[job].add(source)
-            elif kind == "leave":  # leader
-                members = self._members.get(msg[1], set())
-                members.discard(source)
-                if not members:
-                    self._members.pop(msg[1], None)
-                    self._decided.pop(msg[1], None)
-                    self.peers.broadcast(("forget", msg[1]))
-                    if self.modes is not None:
-                        self._apply_modes(self.modes.leave(msg[1]))
-            elif kind == "progress":  # leader: a job's step count, for the mode decision
-                if self.modes is not None and msg[1] in self._members:
-                    self._apply_modes(self.modes.progress(msg[1], msg[2], msg[3]))
-            elif kind == "mode":
-                self._mode_reason = msg[2]
-                self._deliver(self.sched.set_mode(Mode(msg[1])))
-                self._tell_company()
-            elif kind == "order":
-                self._orders[msg[1]] = msg[2]
-                for conn in self._pending.pop(msg[1], []):
-                    self._admit(conn)
-            elif kind == "forget":
-                if not any(j == msg[1] for j, _ in self._conns) and msg[1] not in self._pending:
-                    self._orders.pop(msg[1], None)
-                    self._steps.pop(msg[1], None)
-            elif kind == "status?":
-                snap = self.sched.snapshot()
-                snap["mode_reason"] = self._mode_reason
-                if self.modes is not None and self.peers.rank == 0:
-                    snap["mode_decision"] = self.modes.snapshot()
-                snap["devices_cores"] = {self._cpu_device(i)[0]: self._cpu_device(i)[1]
-                                         for i in range(self.cpu_devices)}
-                snap["daemon"] = {**daemon_figures(self._started),
-                                  "connections": len(self._sel.get_map()) - 2}
-                pids: dict[str, list[int]] = {}
-                for (job, _), conn in self._conns.items():
-                    pids.setdefault(job, []).append(conn.hello.pid)
-                snap["job_usage"] = self._usage.job_usage(pids)
-                self.peers.send(source, ("status!", msg[1], self.node, snap))
-            elif kind == "status!":
-                wait = self._status_waits.get(msg[1])
-                if wait is not None:
-                    wait[1][msg[2]] = msg[3]
-            elif kind == "shutdown":
-                self.stop()
-
-    def _start_status(self, conn: _Conn) -> None:
-        self._status_token += 1
-        self._status_waits[self._status_token] = (conn, {}, self.clock() + 2.0)
-        self.peers.broadcast(("status?", self._status_token))
-
-    def _finish_status_waits(self) -> None:
-        now = self.clock()
-        for token, (conn, nodes, deadline) in list(self._status_waits.items()):
-            if len(nodes) == self.peers.size or now >= deadline:
-                del self._status_waits[token]
-                if conn.sock.fileno() < 0:
-                    continue  # the asker left
-                # A report of many nodes may outgrow the socket's buffer: give the asker
-                # a second to read it (status is rare and never on the grant path).
-                conn.sock.settimeout(1.0)
-                self._reply(conn, P.StatusReport(nodes))
-                if conn.sock.fileno() >= 0:
-                    conn.sock.setblocking(False)
-
-    def _check_idle(self) -> None:
-        if self.idle_shutdown_s is None or self.peers.rank != 0:
-            return
-        busy = bool(self._members) or bool(self._pending) or bool(self._conns)
-        now = self.clock()
-        if busy:
-            self._idle_since = None
-        elif self._idle_since is None:
-            self._idle_since = now
-        elif now - self._idle_since >= self.idle_shutdown_s and not self._stop:
-            log.info("no job for %.0f s: shutting down", self.idle_shutdown_s)
-            self._idle_since = now  # once: the broadcast reaches this daemon too
-            self.peers.broadcast(("shutdown",))
-
