@@ -152,7 +152,8 @@ for _ in range(steps):
 state = t.state_dict()
 rank = t.comm.Get_rank()
 log = [[d.step, list(d.layers)] for d in t.freeze_log]
-json.dump({"log": log, "losses": losses}, open(f"{out}.rank{rank}.json", "w"))
+json.dump({"log": log, "losses": losses, "frozen_stages": sorted(t.runner.frozen_stages())},
+          open(f"{out}.rank{rank}.json", "w"))
 if rank == 0:
     torch.save(state, out + ".pt")
 """
@@ -198,6 +199,9 @@ def test_training_with_freezing_equals_one_process_with_the_same_freezes(
     log = runs[0]["log"]
     assert log, "nothing froze: the test would prove nothing"
     assert all(run["log"] == log for run in runs), [run["log"] for run in runs]
+    # the first stage froze whole: from then on it ran no backward and was sent no
+    # gradients, and the numbers did not change
+    assert all(run["frozen_stages"] == [0] for run in runs), [r["frozen_stages"] for r in runs]
     losses, module = one_process_with_freezing("chain", 16, log)
     assert runs[0]["losses"] == pytest.approx(losses, rel=1e-12)
     assert_close(torch.load(out.with_suffix(".pt")), module)

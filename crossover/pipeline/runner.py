@@ -197,13 +197,18 @@ class StageRunner:
         grads: dict[int, dict[str, torch.Tensor]] = {}
         pending: list = []
         total = 0.0
-        for a in self.sched.actions[self.s]:
+        frozen = self.frozen_stages()
+        live_preds = [p for p in self.sched.preds[self.s] if p not in frozen]
+        last_succ = self.sched.succs[self.s][-1] if self.sched.succs[self.s] else None
+        for a in self._actions(frozen):
             m = a.micro
             if a.kind == RECV_F:
                 env = envs.setdefault(m, {})
                 for name in self.plan.edges[(a.peer, self.s)]:
                     t = self._recv(name, a.peer, m, False)
-                    env[name] = t.requires_grad_() if t.is_floating_point() else t
+                    # no gradient is owed to a frozen stage: do not compute one
+                    needs_grad = t.is_floating_point() and a.peer not in frozen
+                    env[name] = t.requires_grad_() if needs_grad else t
             elif a.kind == F:
                 t0 = time.perf_counter()
                 env = envs.setdefault(m, {})
@@ -220,6 +225,8 @@ class StageRunner:
             elif a.kind == SEND_F:
                 for name in self.plan.edges[(self.s, a.peer)]:
                     self._send(envs[m][name], a.peer, name, m, False, pending)
+                if self.s in frozen and a.peer == last_succ:  # no backward will need m
+                    envs.pop(m)
             elif a.kind == RECV_B:
                 acc = grads.setdefault(m, {})
                 for name in self.plan.edges[(self.s, a.peer)]:
@@ -230,7 +237,7 @@ class StageRunner:
                 t0 = time.perf_counter()
                 self._backward(envs[m], grads.pop(m, {}), losses.pop(m, None))
                 self.compute_s += time.perf_counter() - t0
-                if not self.sched.preds[self.s]:  # no gradient to send back: done with m
+                if not live_preds:  # no gradient to send back: done with m
                     envs.pop(m)
             elif a.kind == SEND_B:
                 for name in self.plan.edges[(a.peer, self.s)]:
@@ -238,7 +245,7 @@ class StageRunner:
                     if t.is_floating_point():
                         gr = t.grad if t.grad is not None else torch.zeros_like(t)
                         self._send(gr, a.peer, name, m, True, pending)
-                if self._last_send_b(m, a.peer):
+                if a.peer == live_preds[-1]:
                     envs.pop(m)
             elif a.kind == ACQ:
                 if self.client is not None:
@@ -284,8 +291,38 @@ class StageRunner:
                 f"schedule?")
         hvd.synchronize(handle)
 
-    def _last_send_b(self, m: int, peer: int) -> bool:
-        return peer == self.sched.preds[self.s][-1]
+    def frozen_stages(self) -> set[int]:
+        """Stages whose backward would do nothing: every parameter frozen and every
+        predecessor such a stage too (no gradient is owed upstream); never the stage
+        with the loss. Every rank computes the same set (freezing is decided alike)."""
+        out: set[int] = set()
+        for s, st in enumerate(self.plan.stages):  # stages are in topological order
+            if self.g.output in st.ops:
+                continue
+            params = [p for o in st.ops for p in self.g.ops[o].params.values()]
+            if all(not p.requires_grad for p in params) and \
+                    all(p in out for p in self.sched.preds[s]):
+                out.add(s)
+        return out
+
+    def _actions(self, frozen: set[int]) -> list:
+        """This stage's row without the backward work freezing made useless: a frozen
+        stage's backward and gradient messages, and gradients sent to a frozen stage
+        (with the slot acquire/release that wrapped a dropped backward)."""
+        row = self.sched.actions[self.s]
+        mine = self.s in frozen
+
+        def dropped(a) -> bool:
+            return (mine and a.kind in (B, RECV_B, SEND_B)) or \
+                (a.kind == SEND_B and a.peer in frozen)
+
+        out = []
+        for i, a in enumerate(row):
+            if dropped(a) or (a.kind == ACQ and i + 1 < len(row) and dropped(row[i + 1])) \
+                    or (a.kind == REL and i > 0 and dropped(row[i - 1])):
+                continue
+            out.append(a)
+        return out
 
     def _backward(self, env: dict[str, Any], grads: dict[str, torch.Tensor],
                   loss: torch.Tensor | None) -> None:
