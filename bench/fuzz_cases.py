@@ -53,6 +53,8 @@ def exchange(path: str, data: bytes, opening: bytes = b"",
                 replies.append(recv_msg(sock))
             sock.sendall(data)
             sock.shutdown(socket.SHUT_WR)
+        except TimeoutError:  # an OSError too, but silence is not a disconnect
+            raise TimeoutError(f"no answer within {timeout} s to {opening[:80]!r}") from None
         except OSError:
             return replies  # dropped mid-send: a disconnect
         while True:
