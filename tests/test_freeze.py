@@ -89,3 +89,22 @@ def test_tracker_compares_interval_mean_norms():
     b.grad = torch.tensor([1.0])
     tracker.accumulate()
     assert set(tracker.changes()) == {"B"}
+
+
+def test_a_layer_handed_to_another_tracker_mid_interval_reports_the_same_change():
+    """After a re-partition the new owner adopts the old owner's figures: the change it
+    reports equals what the old owner would have reported."""
+    a = torch.nn.Parameter(torch.zeros(2))
+    old, stay = GradientTracker({"A": [a]}), GradientTracker({"A": [a]})
+    for g in ([1.0, 0.0], [0.0, 2.0], [3.0, 4.0]):  # interval 1: two steps; then one
+        a.grad = torch.tensor(g)
+        for t in (old, stay):
+            t.accumulate()
+        if old.steps == 2:
+            assert old.changes() == stay.changes() == {}
+    new = GradientTracker({"A": [a], "B": []})
+    new.adopt(old.export(), old.steps)
+    a.grad = torch.tensor([0.0, 5.0])
+    for t in (new, stay):
+        t.accumulate()
+    assert new.changes() == stay.changes() == {"A": LayerChange(3.5, 1.5)}

@@ -144,3 +144,31 @@ class GradientTracker:
         for name in layers:
             self._prev.pop(name, None)
             self.params.pop(name, None)
+
+    def export(self) -> dict[str, tuple[float | None, float | None]]:
+        """Each tracked layer's figures so far: (this interval's sum of norms, the
+        previous interval's mean), what a new owner needs to go on judging the layer
+        after a re-partition without losing an interval."""
+        return {n: (self._sum.get(n), self._prev.get(n)) for n in self.params}
+
+    def adopt(self, figures: Mapping[str, tuple[float | None, float | None]],
+              steps: int) -> None:
+        """Take over figures from layers' previous owners (`export` on those ranks).
+
+        Args:
+            figures: layer -> (interval sum, previous mean); layers this tracker does
+                not track are ignored.
+            steps: steps into the current interval (the same on every rank).
+        """
+        self._steps = steps
+        for name, (total, prev) in figures.items():
+            if name in self.params:
+                if total is not None:
+                    self._sum[name] = total
+                if prev is not None:
+                    self._prev[name] = prev
+
+    @property
+    def steps(self) -> int:
+        """Steps accumulated in the current interval."""
+        return self._steps

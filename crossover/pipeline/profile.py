@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -98,6 +98,34 @@ class Costs:
                                              bwd=c.bwd * factor,
                                              bwd_per_sample=c.bwd_per_sample * factor)
                                   for n, c in self.ops.items()})
+
+    def frozen(self, ops: Iterable[str], factor: float = 1 / 6) -> Costs:
+        """The same costs with `ops` frozen: no backward, no gradient, no optimizer state.
+
+        A frozen op's forward-plus-backward time becomes `factor` of it, all of it
+        forward (PipeTransformer measures a frozen layer at about 1/6 of an active one:
+        besides backward, it skips the gradient's allreduce and the optimizer), and it
+        keeps one copy of its parameters instead of `param_factor`.
+
+        Args:
+            ops: the frozen ops (the ones whose output needs no gradient).
+            factor: a frozen op's time as a fraction of its active time.
+
+        Returns:
+            New costs; these are unchanged.
+
+        Raises:
+            ValueError: `factor` outside (0, 1].
+        """
+        if not 0 < factor <= 1:
+            raise ValueError(f"frozen cost factor {factor!r}: give a fraction in (0, 1]")
+        names = set(ops)
+        return replace(self, ops={
+            n: replace(c, fwd=(c.fwd + c.bwd) * factor,
+                       fwd_per_sample=(c.fwd_per_sample + c.bwd_per_sample) * factor,
+                       bwd=0.0, bwd_per_sample=0.0,
+                       param_bytes=c.param_bytes / max(self.param_factor, 1.0))
+            if n in names else c for n, c in self.ops.items()})
 
 
 _ZERO = OpCost()
