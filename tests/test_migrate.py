@@ -1,6 +1,9 @@
-"""Live re-partitioning: parameters and optimizer state move between ranks bit-exactly."""
+"""Live re-partitioning: parameters and optimizer state move between ranks bit-exactly,
+and training across a re-partition equals one process that freezes the same layers."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -15,6 +18,8 @@ from crossover.freeze.migrate import (
 from crossover.pipeline.graph import Graph
 from crossover.pipeline.models import build
 from crossover.pipeline.partition import parameter_costs
+from tests.conftest import PY, Proc, mpirun
+from tests.test_pipeline_train import assert_close
 
 PARAM_OPS = {"body_0", "body_2", "body_4", "body_6", "head"}  # the small chain's Linears
 OPTIMIZERS = {
@@ -109,3 +114,151 @@ def test_a_frozen_op_costs_a_sixth_and_keeps_one_copy_of_its_weights():
     assert frozen.of("body_2") == costs.of("body_2")
     with pytest.raises(ValueError, match="frozen cost factor 0"):
         costs.frozen(["body_0"], 0)
+
+
+# --- under mpirun -------------------------------------------------------------------
+
+# mode "migrate": train, force a re-partition to a given cut, hash the gathered state
+# before and after, train on. mode "freeze": freeze and re-partition automatically.
+JOB = """
+import json, sys
+import torch
+from crossover.freeze import state_hash
+from crossover.pipeline.models import build
+from crossover.pipeline.plan import Stage, make_plan
+from crossover.pipeline.train import PipelineTrainer
+from tests.test_migrate import OPTIMIZERS
+
+mode, opt_name, steps, out, replicas, arg = sys.argv[1], sys.argv[2], int(sys.argv[3]), \\
+    sys.argv[4], sys.argv[5], sys.argv[6]
+torch.set_num_threads(1)
+spec = build("chain", torch.float64, small=True)
+x, y = spec.make_batch(8, 7)  # one batch again and again: gradients settle
+reps = [int(r) for r in replicas.split(",")] if replicas else None
+freeze = {}
+if mode == "freeze":  # arg: every,threshold
+    every, threshold = arg.split(",")
+    freeze = dict(freeze_every=int(every), freeze_threshold=float(threshold),
+                  freeze_patience=1, repartition=True)
+t = PipelineTrainer(spec.module, spec.loss, batch=8, num_micro=4, example=x,
+                    replicas=reps, optimizer=OPTIMIZERS[opt_name], **freeze)
+rank = t.comm.Get_rank()
+losses, hashes = [], []
+stages = [list(t.plan.stages[t.stage].ops)]  # this rank's stage after each step
+
+def train(n):
+    for _ in range(n):
+        losses.append(t.step(x if t.needs_inputs else None, y if t.needs_target else None))
+        stages.append(list(t.plan.stages[t.stage].ops))
+
+def gathered_hash():
+    return state_hash(t.state_dict(), t.optimizer_state())
+
+train(steps // 2)
+if mode == "migrate":  # arg: the cuts of the forced plan
+    cuts = [int(c) for c in arg.split(",")]
+    ops = list(t.graph.ops)
+    bounds = [0, *cuts, len(ops)]
+    forced = make_plan(t.graph, [Stage(tuple(ops[a:b]), r) for a, b, r in
+                                 zip(bounds, bounds[1:], reps or [1] * len(bounds))],
+                       t.plan.micro_batch, t.plan.num_micro)
+    hashes.append(gathered_hash())
+    moved = t.repartition(forced)
+    hashes.append(gathered_hash())
+    assert moved
+    stages.append(list(t.plan.stages[t.stage].ops))
+train(steps - steps // 2)
+state = t.state_dict()
+json.dump({"log": [[d.step, list(d.layers)] for d in t.freeze_log], "losses": losses,
+           "hashes": hashes, "stages": stages, "repartitions": t.repartitions,
+           "frozen_stages": sorted(t.runner.frozen_stages())},
+          open(f"{out}.rank{rank}.json", "w"))
+if rank == 0:
+    torch.save(state, out + ".pt")
+"""
+
+
+def run_job(tmp_path, cluster, np_, *args, timeout=240):
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    out = tmp_path / "run"
+    proc = Proc(mpirun(np_, PY, str(script), args[0], args[1], args[2], str(out), *args[3:]),
+                dict(cluster.env, CROSSOVER_ENABLE="0"), tmp_path / "job.log")
+    cluster.procs.append(proc)  # killed at teardown whatever happens
+    proc.wait(timeout)
+    runs = [json.loads((tmp_path / f"run.rank{r}.json").read_text()) for r in range(np_)]
+    return runs, torch.load(out.with_suffix(".pt"))
+
+
+def one_process(opt_name: str, steps: int, log: list):
+    """The same training in one process, freezing the same layers after the same steps
+    (a frozen layer's gradient is dropped before that step's update)."""
+    spec = build("chain", torch.float64, small=True)
+    graph = Graph.from_fx(spec.module)
+    opt = OPTIMIZERS[opt_name](list(spec.module.parameters()))
+    x, y = spec.make_batch(8, 7)
+    freezes = {step: layers for step, layers in log}
+    losses = []
+    for s in range(steps):
+        opt.zero_grad()
+        loss = spec.loss(spec.module(**x), y)
+        loss.backward()
+        for layer in freezes.get(s, []):
+            for p in graph.ops[layer].params.values():
+                p.requires_grad_(False)
+                p.grad = None
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses, spec.module
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("opt_name, np_, replicas, cuts", [
+    ("adam", 2, "", "3"),   # planned x..body_3 | body_4..head: body_2 goes to rank 1
+    ("sgd", 3, "", "3,7"),  # x..body_2 | body_3 | body_4..head: body_2 and body_4 to rank 1
+])
+def test_a_migration_moves_parameters_and_optimizer_state_bit_exactly(
+        tmp_path, cluster, opt_name, np_, replicas, cuts):
+    """The whole model's parameters and optimizer state (gathered from their owners)
+    hash the same before and after the stages moved, every rank agrees, and training
+    goes on to the weights of one uninterrupted process."""
+    runs, state = run_job(tmp_path, cluster, np_, "migrate", opt_name, "6", replicas, cuts)
+    before, after = runs[0]["hashes"]
+    assert before == after
+    assert all(r["hashes"] == [before, after] for r in runs)
+    half = 3  # after the first 3 steps, before and after the forced move
+    assert any(r["stages"][half] != r["stages"][half + 1] for r in runs), "nothing moved"
+    losses, module = one_process(opt_name, 6, [])
+    assert runs[0]["losses"] == pytest.approx(losses, rel=1e-12)
+    assert_close(state, module)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("opt_name, np_, replicas, every_threshold", [
+    ("sgd", 2, "", "2,0.02"),       # freezes body_0, then body_2, then body_4 + body_6
+    ("adam", 3, "2,1", "3,0.3"),    # on this data: body_0, body_2 + body_4, body_6
+])
+def test_training_across_a_repartition_equals_one_process_with_the_same_freezes(
+        tmp_path, cluster, opt_name, np_, replicas, every_threshold):
+    """Freeze decisions and re-plans are the same on every rank (with stage 0 on two
+    replicas, its ranks see different halves of each micro-batch); a re-plan moves a
+    layer that still trains (so its optimizer state moves); and the weights equal one
+    process that froze the same layers after the same steps."""
+    steps = 20
+    runs, state = run_job(tmp_path, cluster, np_, "freeze", opt_name, str(steps), replicas,
+                          every_threshold)
+    log, replans = runs[0]["log"], runs[0]["repartitions"]
+    assert len(log) >= 2, f"froze in fewer than two decisions, {log}: too little to prove"
+    assert replans, "no re-partition happened: the test would prove nothing"
+    assert all(r["log"] == log and r["repartitions"] == replans for r in runs), \
+        [(r["log"], r["repartitions"]) for r in runs]
+    moved_training = []
+    for k, _plan in replans:  # re-planned at the end of step k (1-based)
+        frozen = {n for step, layers in log if step <= k - 1 for n in layers}
+        for r in runs:
+            came = set(r["stages"][k]) - set(r["stages"][k - 1])
+            moved_training += [n for n in came if n in PARAM_OPS and n not in frozen]
+    assert moved_training, "no re-plan moved a layer that still trains"
+    losses, module = one_process(opt_name, steps, log)
+    assert runs[0]["losses"] == pytest.approx(losses, rel=1e-12)
+    assert_close(state, module)

@@ -18,6 +18,16 @@ stages do. Only the stages that hold input ops need the inputs and only the stag
 holds the output needs the target, so data can be loaded where it is used. The loss
 comes back to every rank. Scheduling never changes the math: in float64 a pipelined
 step equals a one-process step of the same model on the same batch.
+
+With `optimizer=` (a factory: parameters -> optimizer) the trainer owns the optimizer,
+`step` is a whole training step, and stages can move between ranks in flight after
+layers freeze (`repartition`, or `repartition=True` after every freeze decision):
+
+    trainer = PipelineTrainer(model, loss, batch=64, example={"x": x[:64]}, freeze_every=50,
+                              optimizer=lambda ps: torch.optim.Adam(ps), repartition=True)
+    for x, y in batches:  # needs_inputs / needs_target may change after a re-plan
+        loss = trainer.step({"x": x} if trainer.needs_inputs else None,
+                            y if trainer.needs_target else None)
 """
 
 from __future__ import annotations
@@ -30,12 +40,21 @@ from torch import nn
 
 from crossover import session
 from crossover.freeze import FreezeCriterion, FreezeDecision, GradientTracker, LayerChange
+from crossover.freeze.migrate import State, load_optimizer_state, migrate, optimizer_state
 from crossover.pipeline.graph import Graph
-from crossover.pipeline.partition import plan_for
-from crossover.pipeline.placement import check_ranks, stage_of_rank, with_replicas
+from crossover.pipeline.partition import parameter_costs, plan_for
+from crossover.pipeline.placement import (
+    check_ranks,
+    replica_process_sets,
+    stage_of_rank,
+    with_replicas,
+)
+from crossover.pipeline.plan import Plan
 from crossover.pipeline.profile import Costs
 from crossover.pipeline.runner import StageRunner, output_shapes
 from crossover.pipeline.schedule import schedule_for
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
 class PipelineTrainer:
@@ -62,10 +81,21 @@ class PipelineTrainer:
             the same on every rank (`freeze_log`).
         timeout: longest wait for any message between stages, seconds.
         leaf_modules: module types torch.fx keeps whole.
+        optimizer: a factory, list of parameters -> torch.optim optimizer, called with
+            this stage's trainable parameters (again after each re-partition, with the
+            moved state loaded: hold on to `trainer.optimizer`, not to a copy; an LR
+            scheduler must be re-attached after `repartitions` grows). With it `step`
+            also zeroes the gradients and steps the optimizer; a stage with nothing to
+            train has `optimizer` None. Without it the caller steps their own optimizer
+            on `parameters()` and cannot re-partition.
+        repartition: re-plan and migrate after every freeze decision (needs `optimizer`
+            and `freeze_every`).
+        frozen_cost: a frozen op's time as a fraction of an active op's, for re-plans.
 
     Raises:
-        ValueError: `num_micro` does not divide `batch`, no example on rank 0, or the
-            plan needs another number of ranks (the message says how many).
+        ValueError: `num_micro` does not divide `batch`, no example on rank 0, the
+            plan needs another number of ranks (the message says how many), or
+            `repartition` without `optimizer` and `freeze_every`.
     """
 
     def __init__(self, model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor],
@@ -76,46 +106,63 @@ class PipelineTrainer:
                  costs: Costs | None = None, slots: bool = False, timeout: float = 60.0,
                  leaf_modules: Sequence[type[nn.Module]] = (),
                  replicas: Sequence[int] | None = None, freeze_every: int | None = None,
-                 freeze_threshold: float = 0.05, freeze_patience: int = 2) -> None:
+                 freeze_threshold: float = 0.05, freeze_patience: int = 2,
+                 optimizer: OptimizerFactory | None = None, repartition: bool = False,
+                 frozen_cost: float = 1 / 6) -> None:
         if comm is None:
             from mpi4py import MPI
 
             comm = MPI.COMM_WORLD
         if batch % num_micro:
             raise ValueError(f"{num_micro} micro-batches do not divide the batch of {batch}")
+        if repartition and (optimizer is None or freeze_every is None):
+            raise ValueError("repartition=True needs optimizer=<factory> (the trainer "
+                             "rebuilds the optimizer over each new stage) and freeze_every")
         self.model, self.loss_fn, self.comm = model, loss_fn, comm
-        self.batch = batch
+        self.batch, self.num_micro, self.timeout = batch, num_micro, timeout
+        self.partitioner, self.schedule, self.costs = partitioner, schedule, costs
+        self.make_optimizer, self.auto_repartition = optimizer, repartition
+        self.frozen_cost = frozen_cost
         self.replicas = list(replicas) if replicas else None
         self.graph = Graph.from_fx(model, leaf_modules=tuple(leaf_modules))
-        rank = comm.Get_rank()
-        planned: Any = None
-        if rank == 0:
-            try:
-                planned = self._plan(example, num_micro, partitioner, costs)
-            except (ValueError, KeyError, RuntimeError) as exc:
-                planned = exc  # every rank raises it: none waits for a plan forever
-        planned = comm.bcast(planned, root=0)
-        if isinstance(planned, Exception):
-            raise ValueError(f"planning on rank 0 failed: {planned}") from None
-        self.plan, shapes = planned
-        check_ranks(self.plan, comm.Get_size())
-        self.stage, self.replica = stage_of_rank(self.plan, rank)
-        ops = self.plan.stages[self.stage].ops
-        self.needs_inputs = any(self.graph.ops[o].is_input for o in ops)
-        self.needs_target = self.graph.output in ops
-        client = session.init() if slots else None
-        self.runner = StageRunner(self.graph, self.plan, schedule_for(self.plan, schedule),
-                                  self.stage, comm, shapes, client, timeout)
-        # front to back: the graph's ops are in topological order
-        layers = {n: list(op.params.values()) for n, op in self.graph.ops.items() if op.params}
+        plan, self.shapes = _from_rank_0(
+            comm, "planning", lambda: self._plan(example, num_micro, partitioner, costs))
+        check_ranks(plan, comm.Get_size())
+        self.client = session.init() if slots else None
+        # re-plans keep each stage's replica count, so these sets stay right (Horovod
+        # could not add the same sets again without dynamic process sets)
+        self.process_sets = replica_process_sets(plan, comm)
         self.freeze_every = freeze_every
         self.freeze_log: list[FreezeDecision] = []
+        self.repartitions: list[tuple[int, str]] = []  # (after step, new plan)
         self.steps = 0
+        # front to back: the graph's ops are in topological order
+        layers = [n for n, op in self.graph.ops.items() if op.params]
         if freeze_every is not None:
             if freeze_every < 1:
                 raise ValueError(f"freeze_every={freeze_every}: give 1 or more steps")
-            self.criterion = FreezeCriterion(list(layers), freeze_threshold, freeze_patience)
-            self.tracker = GradientTracker({n: ps for n, ps in layers.items() if n in ops})
+            self.criterion = FreezeCriterion(layers, freeze_threshold, freeze_patience)
+        self._build(plan)
+
+    def _build(self, plan: Plan) -> None:
+        """This rank's stage of `plan`: runner, gradient tracker, optimizer."""
+        self.plan = plan
+        self.stage, self.replica = stage_of_rank(plan, self.comm.Get_rank())
+        ops = plan.stages[self.stage].ops
+        self.needs_inputs = any(self.graph.ops[o].is_input for o in ops)
+        self.needs_target = self.graph.output in ops
+        self.runner = StageRunner(self.graph, plan, schedule_for(plan, self.schedule),
+                                  self.stage, self.comm, self.shapes, self.client,
+                                  self.timeout, self.process_sets)
+        if self.freeze_every is not None:
+            frozen = set(self.criterion.frozen)
+            self.tracker = GradientTracker({o: list(self.graph.ops[o].params.values())
+                                            for o in ops if self.graph.ops[o].params
+                                            and o not in frozen})
+        # frozen parameters get no optimizer (and so no optimizer state)
+        trainable = [p for p in self.runner.params.values() if p.requires_grad]
+        self.optimizer: torch.optim.Optimizer | None = \
+            self.make_optimizer(trainable) if self.make_optimizer and trainable else None
 
     def _plan(self, example: Mapping[str, torch.Tensor] | None, num_micro: int,
               partitioner: str, costs: Costs | None) -> tuple:
@@ -138,7 +185,8 @@ class PipelineTrainer:
         _check_rows(inputs, self.batch)
 
     def parameters(self) -> Iterator[nn.Parameter]:
-        """This rank's stage's parameters: give them to the optimizer."""
+        """This rank's stage's parameters: give them to the optimizer (they change when
+        the trainer re-partitions)."""
         return iter(self.runner.params.values())
 
     def step(self, inputs: Mapping[str, torch.Tensor] | None,
@@ -150,6 +198,11 @@ class PipelineTrainer:
             inputs: the batch's inputs by forward-argument name (None where
                 `needs_inputs` is False).
             target: the batch's target (None where `needs_target` is False).
+
+        With an optimizer factory this is the whole training step: gradients are
+        zeroed first and the optimizer steps after the freeze decision (frozen layers
+        are skipped); with `repartition=True` a freeze decision is then followed by a
+        re-partition (`repartition`), before this returns.
 
         Returns:
             The batch's loss, on every rank.
@@ -173,32 +226,131 @@ class PipelineTrainer:
                 return {}
             return {k: v[m * m_rows:(m + 1) * m_rows] for k, v in inputs.items()}
 
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
         loss = self.runner.run(feeds, lambda m: target[m * m_rows:(m + 1) * m_rows],
                                self.loss_fn)
         self.steps += 1
-        if self.freeze_every is not None:
-            self._maybe_freeze()
+        decision = self._maybe_freeze() if self.freeze_every is not None else None
+        if self.optimizer is not None:
+            self.optimizer.step()
+        if decision is not None and self.auto_repartition:
+            self.repartition()
         return self.comm.allreduce(loss)
 
-    def _maybe_freeze(self) -> None:
+    def _maybe_freeze(self) -> FreezeDecision | None:
         """After a step's backward: track gradients; at an interval's end, decide from
         every stage's figures (gathered, so every rank decides alike) and freeze."""
         self.tracker.accumulate()
         if self.steps % self.freeze_every:
-            return
+            return None
         local = self.tracker.changes()
         merged: dict[str, LayerChange] = {}
         for part in self.comm.allgather(local if self.replica == 0 else {}):
             merged.update(part)  # a stage's replicas hold the same (summed) gradients
         decision = self.criterion.evaluate(self.steps - 1, merged)
         if decision is None:
-            return
+            return None
         for name in decision.layers:
             for p in self.graph.ops[name].params.values():
                 p.requires_grad_(False)
                 p.grad = None  # the optimizer skips it from this step on
         self.tracker.forget(decision.layers)
         self.freeze_log.append(decision)
+        return decision
+
+    def frozen_ops(self) -> list[str]:
+        """Ops whose output needs no gradient (no trainable parameter on them or before
+        them): they run forward only, which is what a re-plan prices them as."""
+        needs: set[str] = set()
+        for name, op in self.graph.ops.items():
+            if any(p.requires_grad for p in op.params.values()) or \
+                    any(i in needs for i in op.inputs):
+                needs.add(name)
+        return [n for n, op in self.graph.ops.items() if n not in needs and not op.is_input]
+
+    def repartition(self, plan: Plan | None = None) -> bool:
+        """Re-plan with the frozen layers' lower cost and move the stages, in flight.
+
+        Rank 0 plans (rank 0's `plan` if given) with the same stage and replica counts,
+        pricing `frozen_ops()` at `frozen_cost`; every rank gets its plan. If the cuts
+        moved, parameters and optimizer state go to their new owners over MPI
+        (`crossover.freeze.migrate`, bit-exactly), each rank builds its new stage, and
+        the factory builds a new optimizer (with its own hyperparameters) over the
+        stage's trainable parameters with the moved state. Gradient-tracker figures
+        move with their layers, so freezing loses no interval. Every rank keeps a
+        stage: plans use every rank (a frozen stage's rank runs forwards); turning
+        ranks a cheaper plan would not need into replicas of the bottleneck stage is
+        not built. Collective: every rank calls it, between steps.
+
+        Args:
+            plan: the new plan (default: re-planned by the trainer's partitioner).
+
+        Returns:
+            True if the plan changed (and stages moved), False if it stayed.
+
+        Raises:
+            ValueError: no optimizer factory (the message says to pass one), or
+                re-planning on rank 0 failed (every rank raises the reason).
+            TimeoutError: a migration message did not arrive in time.
+        """
+        if self.make_optimizer is None:
+            raise ValueError("re-partitioning moves optimizer state into a new optimizer: "
+                             "pass optimizer=<factory>, e.g. lambda ps: torch.optim.SGD("
+                             "ps, lr=0.1), instead of stepping your own")
+        planned = _from_rank_0(self.comm, "re-planning", lambda: self._replan(plan))
+        if [s.ops for s in planned.stages] == [s.ops for s in self.plan.stages]:
+            return False
+        params = self.graph.parameters()
+        state = optimizer_state(self.optimizer, params)
+        figures: dict = {}
+        if self.freeze_every is not None:
+            mine = self.tracker.export() if self.replica == 0 else {}
+            for part in self.comm.allgather(mine):
+                figures.update(part)
+            steps = self.tracker.steps
+        kept = migrate(params, state, _owners(self.graph, self.plan),
+                       _owners(self.graph, planned), self.comm, self.timeout)
+        for p in params.values():
+            p.grad = None  # consumed by the last step; stale ones would mislead gather_grads
+        self._build(planned)
+        load_optimizer_state(self.optimizer, params,
+                             {n: s for n, s in kept.items() if params[n].requires_grad})
+        if self.freeze_every is not None:
+            self.tracker.adopt(figures, steps)
+        self.repartitions.append((self.steps, planned.describe()))
+        return True
+
+    def _replan(self, plan: Plan | None) -> Plan:
+        """Rank 0: `plan` checked, or the plan for the current frozen set on the same
+        stages and replicas."""
+        if plan is None:
+            costs = (self.costs or parameter_costs(self.graph)).frozen(self.frozen_ops(),
+                                                                         self.frozen_cost)
+            stages = len(self.replicas) if self.replicas else self.comm.Get_size()
+            plan = plan_for(self.graph, stages, self.batch, self.num_micro,
+                            self.partitioner, costs)
+            plan = with_replicas(plan, self.replicas) if self.replicas else plan
+        check_ranks(plan, self.comm.Get_size())
+        counts = [s.replicas for s in self.plan.stages]
+        if [s.replicas for s in plan.stages] != counts:
+            raise ValueError(f"a new plan must keep every stage's replica count ({counts}): "
+                             f"the replicas' Horovod process sets are fixed at start")
+        return plan
+
+    def optimizer_state(self) -> State:
+        """The whole model's optimizer state by parameter name, on every rank (each
+        from the first replica of the stage that trains it; copies). Collective."""
+        mine: State = {}
+        if self.replica == 0:
+            mine = {n: {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                        for k, v in s.items()}
+                    for n, s in optimizer_state(self.optimizer,
+                                                self.graph.parameters()).items()}
+        out: State = {}
+        for part in self.comm.allgather(mine):
+            out.update(part)
+        return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state on every rank: each parameter from the first replica
@@ -217,6 +369,27 @@ class PipelineTrainer:
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Restore the whole model (as `state_dict` or the unpipelined model gave it)."""
         self.model.load_state_dict(state)
+
+
+def _from_rank_0(comm: Any, what: str, make: Callable[[], Any]) -> Any:
+    """`make()` on rank 0, broadcast; if it fails, every rank raises the reason (none
+    waits forever for a result that never comes)."""
+    value: Any = None
+    if comm.Get_rank() == 0:
+        try:
+            value = make()
+        except (ValueError, KeyError, RuntimeError) as exc:
+            value = exc
+    value = comm.bcast(value, root=0)
+    if isinstance(value, Exception):
+        raise ValueError(f"{what} on rank 0 failed: {value}") from None
+    return value
+
+
+def _owners(graph: Graph, plan: Plan) -> dict[str, list[int]]:
+    """Parameter name -> the ranks that hold it under `plan` (its stage's replicas)."""
+    return {name: plan.devices_of(s) for s, st in enumerate(plan.stages) for o in st.ops
+            for name in graph.ops[o].params}
 
 
 def _check_rows(tensors: Mapping[str, torch.Tensor], batch: int) -> None:
