@@ -3,9 +3,11 @@
     mpirun -np 2 python examples/pipeline_digits.py [--epochs 20] [--slots]
 
 The model is cut into as many stages as there are ranks (the partitioner plans it);
-each rank trains its stage with its own SGD. The digits (1797 8x8 images) ship inside
-scikit-learn: nothing is downloaded. Rank 0 shows a progress bar, checks test accuracy
-after every epoch on the gathered model, and writes a loss/accuracy plot.
+each rank trains its stage with SGD, which the trainer builds from a factory (so that,
+with --repartition, it can rebuild it when stages move between ranks). The digits
+(1797 8x8 images) ship inside scikit-learn: nothing is downloaded. Rank 0 shows a
+progress bar, checks test accuracy after every epoch on the gathered model, and writes
+a loss/accuracy plot.
 """
 
 from __future__ import annotations
@@ -66,6 +68,9 @@ def main() -> int:
     ap.add_argument("--freeze-threshold", type=float, default=0.05,
                     help="a layer is stable while its mean gradient moves less than this "
                          "(relative) from one N-step interval to the next")
+    ap.add_argument("--repartition", action="store_true",
+                    help="after every freeze decision, re-plan with the frozen layers' "
+                         "lower cost and move stages between ranks (needs --freeze-every)")
     ap.add_argument("--plot", default="pipeline_digits.png", help="rank 0 writes it here")
     ap.add_argument("--partitioner", default="graph", choices=["graph", "sequential"])
     ap.add_argument("--history", default=None, help="rank 0 writes per-epoch JSON here "
@@ -80,13 +85,15 @@ def main() -> int:
                               num_micro=args.micro, example={"pixels": xs[:args.batch]},
                               slots=args.slots, freeze_every=args.freeze_every,
                               freeze_threshold=args.freeze_threshold,
-                              partitioner=args.partitioner)
+                              partitioner=args.partitioner,
+                              optimizer=lambda ps: torch.optim.SGD(ps, lr=args.lr,
+                                                                   momentum=0.9),
+                              repartition=args.repartition)
     rank = trainer.comm.Get_rank()
     if rank == 0:
         print(trainer.plan.describe(), flush=True)
-    opt = torch.optim.SGD(trainer.parameters(), lr=args.lr, momentum=0.9)
     steps = len(xs) // args.batch
-    history, rows, trained_s = [], [], 0.0
+    history, rows, trained_s, shown = [], [], 0.0, 0
     for epoch in range(args.epochs):
         trainer.comm.Barrier()
         started = time.perf_counter()
@@ -94,10 +101,10 @@ def main() -> int:
         total = 0.0
         for s in range(steps):
             idx = order[s * args.batch:(s + 1) * args.batch]
-            opt.zero_grad()
+            # a whole step (the trainer zeroes and steps its optimizer); which data this
+            # rank needs can change when the trainer re-partitions
             loss = trainer.step({"pixels": xs[idx]} if trainer.needs_inputs else None,
                                 ys[idx] if trainer.needs_target else None)
-            opt.step()
             total += loss
             if rank == 0:
                 progress(epoch, args.epochs, s + 1, steps, total / (s + 1))
@@ -111,9 +118,13 @@ def main() -> int:
             history.append((total / steps, acc))
             frozen = [n for d in trainer.freeze_log for n in d.layers]
             rows.append({"epoch": epoch + 1, "seconds": trained_s, "loss": total / steps,
-                         "accuracy": acc, "frozen": frozen})
+                         "accuracy": acc, "frozen": frozen,
+                         "repartitions": len(trainer.repartitions)})
             print(f"  test accuracy {acc:.3f}" + (f"; frozen: {', '.join(frozen)}"
                                                   if frozen else ""), flush=True)
+            for step, plan in trainer.repartitions[shown:]:
+                print(f"  re-partitioned after step {step}: {plan}", flush=True)
+            shown = len(trainer.repartitions)
     if rank == 0:
         if args.history:
             with open(args.history, "w") as f:
