@@ -4,6 +4,7 @@ and training across a re-partition equals one process that freezes the same laye
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +21,8 @@ from crossover.pipeline.models import build
 from crossover.pipeline.partition import parameter_costs
 from tests.conftest import PY, Proc, mpirun
 from tests.test_pipeline_train import assert_close
+
+REPO = Path(__file__).resolve().parents[1]
 
 PARAM_OPS = {"body_0", "body_2", "body_4", "body_6", "head"}  # the small chain's Linears
 OPTIMIZERS = {
@@ -183,7 +186,9 @@ def run_job(tmp_path, cluster, np_, *args, timeout=240):
     script.write_text(JOB)
     out = tmp_path / "run"
     proc = Proc(mpirun(np_, PY, str(script), args[0], args[1], args[2], str(out), *args[3:]),
-                dict(cluster.env, CROSSOVER_ENABLE="0"), tmp_path / "job.log")
+                # the job imports this file's optimizers: the repository on its path
+                dict(cluster.env, CROSSOVER_ENABLE="0", PYTHONPATH=str(REPO)),
+                tmp_path / "job.log")
     cluster.procs.append(proc)  # killed at teardown whatever happens
     proc.wait(timeout)
     runs = [json.loads((tmp_path / f"run.rank{r}.json").read_text()) for r in range(np_)]
