@@ -140,6 +140,11 @@ def status_table(nodes: dict) -> str:
             rows.append(f"{node:<10} daemon pid {d['pid']}: {d['fds']} fds, "
                         f"{d['rss_mb']:.0f} MiB, {d['connections']} connections"
                         + (f"; {jobs}" if jobs else ""))
+        if "fast_path" in snap:
+            fast = snap["fast_path"]
+            rows.append(f"{node:<10} fast path: " + (
+                "off (socket path)" if fast is None else
+                ", ".join(f"{dev} {n} grants" for dev, n in fast.items()) or "on"))
     reasons = {snap.get("mode_reason") for snap in nodes.values()} - {None}
     rows += [f"mode: {reason}" for reason in sorted(reasons)]
     return "\n".join(rows)

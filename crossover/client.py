@@ -21,6 +21,7 @@ from pathlib import Path
 from crossover import environment as E
 from crossover import protocol as P
 from crossover.backoff import Backoff
+from crossover.fastpath import RankPath
 from crossover.protocol import Mode, Phase
 from crossover.trace import TraceRecorder
 from crossover.transport import recv_msg, send_msg, socket_path
@@ -108,7 +109,8 @@ class RankInfo:
 
 
 class SlotClient:
-    """A rank's handle on the device slot.
+    """A rank's handle on the device slot: through the node's slot table (the native fast
+    path) when the daemon has one, else over its socket.
 
     Args:
         job: the job's name, the same on all its ranks and unique among running jobs.
@@ -122,6 +124,8 @@ class SlotClient:
             (default: twice the daemon's lease, so a hung holder is revoked first).
         trace: a recorder for slot-wait/hold/communicate events, or None.
     """
+
+    _said_socket_path = False  # the process said once why it uses the socket path
 
     def __init__(
         self,
@@ -145,6 +149,7 @@ class SlotClient:
         self._phase_start = time.time()
         self._seq = 0
         self._sock: socket.socket | None = None
+        self._fast: RankPath | None = None  # the node's slot table, when mapped
         self._warned = False
         self._last_renew = 0.0
         self._lease_s = 30.0
@@ -220,9 +225,26 @@ class SlotClient:
         if self._wait_s is None:
             self._wait_s = 2 * reply.lease_s + 5.0
         self._sock = sock
+        self._fast = self._attach(reply, sock)
         self._alone, self._mode = False, Mode.ANTIPHASE  # until the daemon's notice
         self._pin = self._pin_cpu and bool(self._cores)
         self._place()
+
+    def _attach(self, welcome: P.Welcome, sock: socket.socket) -> RankPath | None:
+        """Map the node's slot table if the daemon named one, and tell it whether that
+        worked: the native fast path, or the socket path (said once)."""
+        if not welcome.table:
+            return None
+        try:
+            fast = RankPath(welcome.table, welcome.table_device, welcome.slot, sock)
+        except (RuntimeError, OSError, ValueError) as exc:
+            if not SlotClient._said_socket_path:
+                SlotClient._said_socket_path = True
+                print(f"crossover: native fast path off ({exc}); using the socket path",
+                      file=sys.stderr, flush=True)
+            fast = None
+        send_msg(sock, P.Attached(fast is not None))
+        return fast
 
     def _try_heal(self) -> None:
         """Uncoordinated: reconnect if an attempt is due (see HEAL_FIRST_S)."""
@@ -277,7 +299,7 @@ class SlotClient:
             return
         if self.holding and not (phase != Phase.IDLE and self._keep_alone()):
             self._enter(phase.value)
-            self._send(P.Release(phase.value))
+            self._give_up(phase)
 
     def renew(self) -> None:
         """Keep a long hold alive; cheap to call often (sends at most every lease/3)."""
@@ -378,7 +400,13 @@ class SlotClient:
         if self._sock is None:
             self._try_heal()
             release_first = False  # a new daemon has granted us nothing to give back
-        if self._sock is not None:
+        settled = False
+        if self._sock is not None and self._fast is not None:
+            if release_first:
+                self._give_up(Phase.COMPUTE)
+                release_first = False
+            settled = self._await_fast_grant()
+        if self._sock is not None and not settled:
             self._seq += 1
             self._send(P.Acquire(self._seq, release_first))
             self._await_grant()
@@ -408,6 +436,36 @@ class SlotClient:
                 return
             self._on_notice(reply)  # a Company notice, or a grant for an abandoned wait
 
+    def _give_up(self, phase: Phase) -> None:
+        """Tell the daemon the rank gave the device up: through the table when mapped."""
+        try:
+            if self._fast is not None and self._fast.release(phase):
+                return
+        except OSError as exc:
+            self._fail_open(f"lost the crossover daemon ({exc})")
+            return
+        self._send(P.Release(phase.value))  # on the socket, the daemon orders it itself
+
+    def _await_fast_grant(self) -> bool:
+        """Ask through the table. Returns False if the table refused the request (the
+        socket takes it then), True otherwise (granted, timed out, or uncoordinated)."""
+        try:
+            granted = self._fast.acquire(self._wait_s, self._daemon_alive)
+        except OSError as exc:
+            self._fail_open(f"lost the crossover daemon ({exc})")
+            return True
+        if granted is None:
+            return False
+        if not granted and self._sock is not None:
+            self._warn(f"no grant for {self.device} within {self._wait_s:.0f} s; "
+                       f"this step runs uncoordinated")
+        return True
+
+    def _daemon_alive(self) -> bool:
+        """While waiting in the table: read the daemon's notices; False once it is gone."""
+        self._keep_alone()  # reads pending notices, and fails open on a closed socket
+        return self._sock is not None
+
     def _send(self, msg: P.Message) -> None:
         if self._sock is None:
             return
@@ -421,6 +479,7 @@ class SlotClient:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+            self._fast = None
             self._place()
         then = "; it reconnects when the daemon is back" if heal else ""
         self._warn(f"{why}; job {self.job!r} rank {self.info.rank} trains on "

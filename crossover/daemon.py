@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from crossover import environment as E
+from crossover import fastpath
 from crossover import protocol as P
 from crossover.daemon_world import DaemonWorld, default_comm, node_identity
 from crossover.procstats import RankUsage, process_state
@@ -53,6 +55,7 @@ class _Conn:
     registered: bool = False
     seq: int = 0  # the rank's outstanding Acquire
     told: tuple[int, str] | None = None  # (other jobs on its device, mode), as last told
+    device: str | None = None  # where the scheduler placed the rank
 
     @property
     def key(self) -> tuple[str, int] | None:
@@ -138,11 +141,16 @@ class Daemon(DaemonWorld):
         self._steps: dict[str, int] = {}  # job -> most steps a local rank reported
         self._started = time.monotonic()
         self._usage = RankUsage()
+        # The native fast path (see `fastpath`): its table, and the devices whose events
+        # wait to be applied or whose plan is to be published again.
+        self.fast: fastpath.TablePlane | None = None
+        self._replan: set[str] = set()
 
     # --- life cycle -------------------------------------------------------------------
     def serve(self) -> None:
         """Listen and serve until stopped (SIGTERM/SIGINT, idle shutdown or `stop`)."""
         listener = self._listen()
+        self._open_table()
         self._sel.register(listener, selectors.EVENT_READ, "listen")
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -168,10 +176,13 @@ class Daemon(DaemonWorld):
                 self._expire()
                 self._check_idle()
                 self._finish_status_waits()
+                self._publish_plans()
         finally:
             self._sel.close()
             listener.close()
             self.path.unlink(missing_ok=True)
+            if self.fast is not None:
+                self.fast.path.unlink(missing_ok=True)
             self.peers.close()
             log.info("daemon for node %s stopped", self.node)
 
@@ -203,8 +214,48 @@ class Daemon(DaemonWorld):
         sock.setblocking(False)
         return sock
 
+    def _open_table(self) -> None:
+        """Create the node's slot table (replacing a killed daemon's), or say once why the
+        ranks here use the socket path."""
+        why = fastpath.UNAVAILABLE or ("" if E.flag(E.NATIVE) else f"{E.NATIVE}=0")
+        if why:
+            log.info("native fast path off (%s); ranks use the socket path", why)
+            return
+        try:
+            self.fast = fastpath.TablePlane(fastpath.table_path(self.path))
+        except (OSError, RuntimeError, ValueError) as exc:
+            log.warning("native fast path off: %s; ranks use the socket path", exc)
+
+    def _before_change(self, device: str | None = None) -> None:
+        """About to change the scheduler for another reason than a table event: withdraw
+        the plan of `device` (None: every device) and apply the events before it, so the
+        table's ring and the scheduler keep one order."""
+        if self.fast is None:
+            return
+        for name in [device] if device is not None else self.fast.devices():
+            if name in self.fast.devices():
+                self._drain(name, invalidate=True)
+
+    def _drain(self, device: str, invalidate: bool) -> int | None:
+        # A busy mutex (a rank stopped inside it) is tried again on the next loop.
+        self._replan.add(device)
+        got = self.fast.drain(self.sched, device, invalidate)
+        if got is None:
+            return None
+        self._deliver(got[0])
+        return got[1]
+
+    def _publish_plans(self) -> None:
+        """Apply the events that came and publish each touched device's next plan."""
+        for device in list(self._replan):
+            for _ in range(3):  # events keep coming: they ring again, so stop trying soon
+                seq = self._drain(device, invalidate=False)
+                if seq is not None and self.fast.publish(self.sched, device, seq):
+                    self._replan.discard(device)
+                    break
+
     def _timeout(self) -> float:
-        t = 0.5
+        t = 0.5 if not self._replan else 0.01
         deadlines = [self.sched.next_deadline()]
         if self.modes is not None and self.peers.rank == 0:
             deadlines.append(self.modes.next_deadline())
@@ -303,7 +354,10 @@ class Daemon(DaemonWorld):
             del self._conns[key]
             log.info("job %s rank %d left node %s (%s)", key[0], key[1], self.node, why)
             device = self.sched.device_of(*key)
+            self._before_change(device)
             self._deliver(self.sched.unregister(*key))
+            if self.fast is not None:
+                self.fast.leave(key)
             if device is not None:
                 self._tell_company(device)
             if not any(j == key[0] for j, _ in self._conns):
@@ -320,7 +374,16 @@ class Daemon(DaemonWorld):
         if not conn.registered:
             raise P.ProtocolError(f"{msg.kind} before a completed hello")
         job, rank = conn.key
-        if isinstance(msg, P.Acquire):
+        if isinstance(msg, P.Ring):
+            self._replan.add(conn.device)  # applied at the end of this loop
+        elif isinstance(msg, P.Attached):
+            if self.fast is not None:
+                self.fast.attach(conn.key, msg.ok)
+                self._replan.add(conn.device)
+        elif isinstance(msg, P.Acquire):
+            self._before_change(conn.device)
+            if self.fast is not None:
+                self.fast.asked_by_socket(conn.key)
             conn.seq = msg.seq
             grants = self.sched.release(job, rank, Phase.COMPUTE) if msg.release_first else []
             self._deliver(grants + self.sched.request(job, rank))
@@ -329,6 +392,7 @@ class Daemon(DaemonWorld):
                 phase = Phase(msg.phase)
             except ValueError:
                 raise P.ProtocolError(f"unknown phase {msg.phase!r}") from None
+            self._before_change(conn.device)
             self._deliver(self.sched.release(job, rank, phase))
         elif isinstance(msg, P.Renew):
             self.sched.renew(job, rank)
@@ -383,8 +447,11 @@ class Daemon(DaemonWorld):
         else:
             device, cores = self._cpu_device(hello.local_rank % self.cpu_devices)
         order = self._orders[hello.job]
+        self._before_change(device)
         self.sched.register(hello.job, hello.rank, device, order, hello.weight)
-        conn.registered = True
+        conn.registered, conn.device = True, device
+        place = self.fast.reserve(conn.key, device, hello.pid) if self.fast else None
+        table, slot, index = (str(self.fast.path), *place) if place else ("", -1, -1)
         self._conns[conn.key] = conn
         self._idle_since = None
         log.info("job %s rank %d on node %s -> %s (order %d)",
@@ -392,7 +459,7 @@ class Daemon(DaemonWorld):
         policy = self.sched.policy
         self._reply(conn, P.Welcome(device, cores, self.node, order, policy.name,
                                     self.sched.lease_s, policy.release_on_communicate,
-                                    policy.yield_on_step))
+                                    policy.yield_on_step, table, slot, index))
         self._tell_company(device)
 
     def _tell_company(self, device: str | None = None) -> None:
@@ -413,6 +480,8 @@ class Daemon(DaemonWorld):
 
     def _deliver(self, grants: list[SlotGrant]) -> None:
         for g in grants:
+            if self.fast is not None and self.fast.grant((g.job, g.rank)):
+                continue
             conn = self._conns.get((g.job, g.rank))
             if conn is not None:
                 self._reply(conn, P.Grant(conn.seq))
@@ -420,6 +489,10 @@ class Daemon(DaemonWorld):
     def _expire(self) -> None:
         if self.modes is not None and self.peers.rank == 0:
             self._apply_modes(self.modes.tick())
+        due = self.sched.next_deadline()
+        if due is None or due > self.clock():
+            return
+        self._before_change()
         revoked, grants = self.sched.expire()
         for job, rank, device in revoked:
             conn = self._conns.get((job, rank))

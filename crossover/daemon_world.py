@@ -94,6 +94,7 @@ class DaemonWorld:
                     self._apply_modes(self.modes.progress(msg[1], msg[2], msg[3]))
             elif kind == "mode":
                 self._mode_reason = msg[2]
+                self._before_change()
                 self._deliver(self.sched.set_mode(Mode(msg[1])))
                 self._tell_company()
             elif kind == "order":
@@ -117,6 +118,9 @@ class DaemonWorld:
                 for (job, _), conn in self._conns.items():
                     pids.setdefault(job, []).append(conn.hello.pid)
                 snap["job_usage"] = self._usage.job_usage(pids)
+                # the native fast path: on or off, and the grants it made per device
+                snap["fast_path"] = self.fast.fast_grants() if self.fast is not None \
+                    else None
                 self.peers.send(source, ("status!", msg[1], self.node, snap))
             elif kind == "status!":
                 wait = self._status_waits.get(msg[1])

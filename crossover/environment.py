@@ -10,6 +10,9 @@ Job side (crossoverrun sets them; all optional):
     CROSSOVER_PIN_CPU          "0" leaves CPU affinity alone.
     CROSSOVER_KEEP_WHEN_ALONE  "0": release at every phase even when the device could be
                                kept (alone, or concurrent mode), to trace every phase.
+Daemon side:
+    CROSSOVER_NATIVE           "0": no slot table; every rank uses the socket path (for
+                               comparison runs; the native fast path is on by default).
 Both sides:
     CROSSOVER_NODE             this process's node name (emulated hosts share a hostname).
     CROSSOVER_FAKE_NODES       fake N nodes on one machine (tests): daemon rank r is node
@@ -28,6 +31,7 @@ PRIORITY = "CROSSOVER_PRIORITY"
 TRACE = "CROSSOVER_TRACE"
 PIN_CPU = "CROSSOVER_PIN_CPU"
 KEEP_WHEN_ALONE = "CROSSOVER_KEEP_WHEN_ALONE"
+NATIVE = "CROSSOVER_NATIVE"
 NODE = "CROSSOVER_NODE"
 FAKE_NODES = "CROSSOVER_FAKE_NODES"
 

@@ -2,8 +2,8 @@
 
 Every message is one JSON object in a length-prefixed frame (see `transport`), with the
 protocol version and a `kind`. Requests from a rank and the daemon's replies mirror each
-other: Hello -> Welcome, Acquire -> Grant, Status -> StatusReport; Release and Renew are
-one-way, and so are Progress reports. The daemon sends Company unasked. Any request may
+other: Hello -> Welcome (-> Attached), Acquire -> Grant, Status -> StatusReport; Release,
+Renew, Progress and Ring are one-way. The daemon sends Company unasked. Any request may
 be answered with Error, which carries a machine-readable code and the daemon's message.
 """
 
@@ -17,7 +17,7 @@ from enum import Enum
 from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
 
 #: Bumped on any incompatible change; a client and daemon that differ refuse each other.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 class ErrorCode(str, Enum):
@@ -84,6 +84,11 @@ class Welcome(Message):
     lease_s: float
     release_on_communicate: bool  # the policy frees the device while the rank communicates
     yield_on_step: bool  # the policy may hand the device over at a step boundary
+    # The node's slot table (the native fast path), the rank's slot in it and the device's
+    # index there; "" when the daemon runs without it. The rank answers with Attached.
+    table: str = ""
+    slot: int = -1
+    table_device: int = -1
 
 
 @dataclass
@@ -91,6 +96,23 @@ class Acquire(Message):
     kind: ClassVar[str] = "acquire"
     seq: int  # echoed in the Grant, so a late grant for an abandoned wait is recognised
     release_first: bool = False  # offer the device at a step boundary, then queue: a yield
+
+
+@dataclass
+class Attached(Message):
+    """Rank -> daemon, after a Welcome that named a slot table: whether the rank mapped it.
+    From then on its requests and releases go through the table, and its grants too."""
+
+    kind: ClassVar[str] = "attached"
+    ok: bool
+
+
+@dataclass
+class Ring(Message):
+    """Rank -> daemon, one-way: events wait in the slot table (a doorbell; the table's
+    ring holds the events and their order)."""
+
+    kind: ClassVar[str] = "ring"
 
 
 @dataclass
@@ -152,8 +174,8 @@ class Error(Message):
 
 KINDS: dict[str, type[Message]] = {
     cls.kind: cls
-    for cls in (Hello, Welcome, Acquire, Grant, Company, Progress, Release, Renew, Status,
-                StatusReport, Error)
+    for cls in (Hello, Welcome, Acquire, Attached, Ring, Grant, Company, Progress, Release,
+                Renew, Status, StatusReport, Error)
 }
 
 

@@ -54,10 +54,15 @@ def socket_path(node: str, directory: str | os.PathLike | None = None,
     return runtime_dir(directory, create) / f"node-{node}.sock"
 
 
+def frame(msg: Message) -> bytes:
+    """One message as the bytes of its frame (length prefix and JSON)."""
+    data = encode(msg)
+    return _HEADER.pack(len(data)) + data
+
+
 def send_msg(sock: socket.socket, msg: Message) -> None:
     """Write one framed message (blocking)."""
-    data = encode(msg)
-    sock.sendall(_HEADER.pack(len(data)) + data)
+    sock.sendall(frame(msg))
 
 
 def recv_msg(sock: socket.socket) -> Message:

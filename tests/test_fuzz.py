@@ -120,17 +120,18 @@ def test_hundreds_of_connections_leave_no_descriptors_behind(daemon):
 
 @pytest.mark.parametrize("body, words", [
     # each of these once raised inside the daemon's loop and stopped it
-    (b'{"v": 2, "kind": "hello", "job": "t", "rank": 0, "size": "2", "local_rank": 0, '
+    (b'{"v": VERSION, "kind": "hello", "job": "t", "rank": 0, "size": "2", "local_rank": 0, '
      b'"local_size": 1, "pid": 1}', "field size is str"),
-    (b'{"v": 2, "kind": "hello", "job": "t", "rank": 0, "size": 1, "local_rank": 0, '
+    (b'{"v": VERSION, "kind": "hello", "job": "t", "rank": 0, "size": 1, "local_rank": 0, '
      b'"local_size": 1, "pid": 1, "weight": NaN}', "invalid weight"),
-    (b'{"v": 2, "kind": "hello", "job": ["t"], "rank": 0, "size": 1, "local_rank": 0, '
+    (b'{"v": VERSION, "kind": "hello", "job": ["t"], "rank": 0, "size": 1, "local_rank": 0, '
      b'"local_size": 1, "pid": 1}', "field job is list"),
-    (b'{"v": 2, "kind": "hello", "job": "t", "rank": true, "size": 2, "local_rank": 0, '
+    (b'{"v": VERSION, "kind": "hello", "job": "t", "rank": true, "size": 2, "local_rank": 0, '
      b'"local_size": 1, "pid": 1}', "field rank is bool"),
 ])
 def test_wrong_types_and_values_are_refused_by_name(daemon, body, words):
     c, proc = daemon
+    body = body.replace(b"VERSION", str(P.PROTOCOL_VERSION).encode())  # raw JSON, this version
     (reply,) = exchange(socket_of(c), frame(body))
     assert isinstance(reply, P.Error) and words in reply.message, reply
     assert reply.code == P.ErrorCode.PROTOCOL

@@ -1,0 +1,141 @@
+"""Release-to-grant latency of a device handoff: the socket path against the native one.
+
+    .venv/bin/python bench/handoff_bench.py [--cycles 3000] [--reps 3]
+
+Two one-rank jobs share one device under the crossover policy and hand it back and
+forth: each holds it for `--hold-us` of busy compute, stamps the time and releases for
+communication, then asks again. A handoff's latency is the time from one job's release
+call to the other's `acquire()` returning: the full client path a training step pays,
+Python included. Measured with the daemon offering its slot table (native) and without
+(CROSSOVER_NATIVE=0: socket), with the other core idle and with both cores busy (two
+spinning processes), in alternating repetitions; medians over repetitions of each run's
+p50 and p99. Writes bench/results/handoff.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_result  # noqa: E402
+
+from crossover.launch.local import DaemonProcess  # noqa: E402
+
+WARMUP = 200  # handoffs dropped at the start (the jobs meet, the daemon learns them)
+
+
+def worker(job: str, runtime: str, cycles: int, hold_us: float, out: str) -> None:
+    """One job's loop: acquire, hold (spin), release; writes its grant/release times."""
+    from crossover.client import RankInfo, SlotClient
+    from crossover.protocol import Phase
+
+    client = SlotClient(job, RankInfo(0, 1, 0, 1), runtime_dir=runtime, pin_cpu=False)
+    assert client.coordinated, "no daemon"
+    deadline = time.monotonic() + 30
+    # Wait for the other job: alone, a rank keeps its device and hands nothing over.
+    client.acquire()
+    while client.keeps_device() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    grants, releases = [], []
+    for _ in range(cycles):
+        client.acquire()
+        grants.append(time.monotonic())
+        end = time.perf_counter() + hold_us * 1e-6
+        while time.perf_counter() < end:
+            pass
+        releases.append(time.monotonic())
+        client.release(Phase.COMMUNICATE)
+    client.close()
+    Path(out).write_text(json.dumps({"grants": grants, "releases": releases,
+                                     "fast": client._fast is not None}))
+
+
+def latencies(a: dict, b: dict) -> list[float]:
+    """Each grant's wait since the other job's latest release before it, in us."""
+    events = sorted([(t, "grant", "a") for t in a["grants"]] +
+                    [(t, "release", "a") for t in a["releases"]] +
+                    [(t, "grant", "b") for t in b["grants"]] +
+                    [(t, "release", "b") for t in b["releases"]])
+    last: dict[str, float] = {}
+    out = []
+    for t, kind, who in events:
+        other = "b" if who == "a" else "a"
+        if kind == "release":
+            last[who] = t
+        elif other in last:
+            out.append((t - last.pop(other)) * 1e6)
+    return out[WARMUP:]
+
+
+def run(native: bool, busy: bool, cycles: int, hold_us: float) -> dict:
+    env = {**os.environ, "CROSSOVER_NATIVE": "1" if native else "0"}
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in range(2 if busy else 0)]
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            runtime = Path(tmp) / "run"
+            os.environ["CROSSOVER_NATIVE"] = env["CROSSOVER_NATIVE"]
+            with DaemonProcess(runtime, policy="crossover"):
+                procs = [subprocess.Popen([sys.executable, __file__, "--worker", job,
+                                           str(runtime), str(cycles), str(hold_us),
+                                           str(Path(tmp) / f"{job}.json")], env=env)
+                         for job in ("a", "b")]
+                for p in procs:
+                    if p.wait(timeout=600) != 0:
+                        raise RuntimeError(f"worker exited with {p.returncode}")
+            a, b = (json.loads((Path(tmp) / f"{j}.json").read_text()) for j in ("a", "b"))
+    finally:
+        for s in spinners:
+            s.kill()
+            s.wait()
+    lat = sorted(latencies(a, b))
+    assert a["fast"] == native and b["fast"] == native, "the path asked for was not used"
+    return {"p50_us": lat[len(lat) // 2], "p99_us": lat[int(len(lat) * 0.99)],
+            "max_us": lat[-1], "handoffs": len(lat)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cycles", type=int, default=3000)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--hold-us", type=float, default=500.0)
+    parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        job, runtime, cycles, hold_us, out = args.worker
+        worker(job, runtime, int(cycles), float(hold_us), out)
+        return
+    runs: dict[str, list[dict]] = {}
+    for rep in range(args.reps):
+        for busy in (False, True):
+            for native in (False, True):
+                name = f"{'native' if native else 'socket'}_{'busy' if busy else 'idle'}"
+                r = run(native, busy, args.cycles, args.hold_us)
+                runs.setdefault(name, []).append(r)
+                print(f"rep {rep + 1}/{args.reps} {name}: p50 {r['p50_us']:.0f} us, "
+                      f"p99 {r['p99_us']:.0f} us ({r['handoffs']} handoffs)", flush=True)
+    summary = {name: {k: statistics.median(r[k] for r in rs) for k in ("p50_us", "p99_us",
+                                                                       "max_us")}
+               for name, rs in runs.items()}
+    out = write_result("handoff", {
+        "workload": f"2 one-rank jobs on one device, policy crossover, hold {args.hold_us:g}"
+                    f" us, {args.cycles} cycles each, first {WARMUP} handoffs dropped",
+        "runs": runs, **summary,
+        # the issue's keys: both cores busy
+        "socket": summary["socket_busy"], "native": summary["native_busy"],
+    })
+    for name, s in summary.items():
+        print(f"{name:12s} p50 {s['p50_us']:7.0f} us  p99 {s['p99_us']:7.0f} us")
+    print(f"-> {out}")
+
+
+if __name__ == "__main__":
+    main()

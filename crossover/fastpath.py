@@ -1,0 +1,252 @@
+"""The native fast path: a node's slot table, from the daemon's side and from a rank's.
+
+The daemon decides, the table executes (DESIGN.md, invariant 8; the design is in
+native/table.hpp). A rank appends its requests and releases to its device's ring in the
+table; when the daemon's published plan holds, the event's grants happen at once, a
+futex wake from rank to rank with no daemon on the path. The daemon applies every event
+to its scheduler in ring order, delivers the grants the plan did not make, and publishes
+the next plan (`crossover.scheduler.preview`). Without the compiled module
+(`crossover._native`) every rank uses the socket path, and the daemon says so once.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from crossover import protocol as P
+from crossover.protocol import Phase
+from crossover.scheduler import SlotGrant, SlotScheduler
+from crossover.scheduler.preview import PLANNED_PHASE, preview
+from crossover.transport import frame
+
+try:
+    from crossover import _native
+    UNAVAILABLE = ""
+except ImportError as exc:  # not built (no compiler or CMake at install time)
+    _native = None
+    UNAVAILABLE = f"crossover._native is not importable ({exc})"
+
+log = logging.getLogger("crossover.fastpath")
+
+Key = tuple[str, int]
+PHASES = list(Phase)  # a release's phase travels through the table as its index here
+#: Longest wait for a device's mutex: only a rank stopped inside its few instructions
+#: holds it longer; the caller then goes on as if the daemon were slow.
+LOCK_S = 0.5
+#: The daemon's wait for a mutex: short, it tries again on its next loop.
+DAEMON_LOCK_S = 0.02
+RING_FRAME = frame(P.Ring())
+
+
+def table_path(socket_file: Path) -> Path:
+    """Where the daemon listening on `socket_file` keeps its slot table."""
+    return socket_file.with_suffix(".slots")
+
+
+class TablePlane:
+    """The daemon's side: slots for ranks, events into the scheduler, plans out.
+
+    Args:
+        path: the table file to create (replacing a killed daemon's).
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.table = _native.Table.create(str(path), _native.MAX_DEVICES)
+        self._devices: dict[str, int] = {}  # device name -> index in the table
+        self._owner: dict[int, Key] = {}  # slot -> the rank it is reserved for
+        self._slot: dict[Key, int] = {}
+        self._attached: set[int] = set()  # slots whose rank mapped the table
+        self._gen: dict[int, int] = {}  # slot -> generation of its latest applied request
+        # slot -> whether its latest request came through the table (a rank may ask over
+        # its socket when the table refused it: then the grant goes there too)
+        self._by_table: dict[int, bool] = {}
+        self.mismatches = 0  # fast grants the scheduler did not make (must stay 0)
+
+    # --- membership ---------------------------------------------------------------------
+    def reserve(self, key: Key, device: str, pid: int) -> tuple[int, int] | None:
+        """A slot and device index for a newly registered rank, or None (table full)."""
+        dev = self._devices.get(device)
+        if dev is None:
+            if len(self._devices) >= _native.MAX_DEVICES:
+                return None
+            dev = self._devices[device] = len(self._devices)
+        free = next((s for s in range(_native.MAX_SLOTS) if s not in self._owner), None)
+        if free is None:
+            return None
+        self._owner[free], self._slot[key] = key, free
+        self._gen.pop(free, None)
+        self._by_table.pop(free, None)
+        self.table.bind(free, dev, pid)
+        return free, dev
+
+    def attach(self, key: Key, ok: bool) -> None:
+        """The rank said whether it mapped the table; without it, its slot goes back."""
+        slot = self._slot.get(key)
+        if slot is not None and ok:
+            self._attached.add(slot)
+        elif slot is not None:
+            self.leave(key)
+
+    def leave(self, key: Key) -> None:
+        """The rank left: its slot is free again (drain its device first)."""
+        slot = self._slot.pop(key, None)
+        if slot is not None:
+            del self._owner[slot]
+            self._attached.discard(slot)
+            self.table.unbind(slot)
+
+    def native(self, key: Key) -> bool:
+        """Whether the rank's requests, releases and grants go through the table."""
+        return self._slot.get(key) in self._attached
+
+    def devices(self) -> list[str]:
+        return list(self._devices)
+
+    # --- events in, grants and plans out ----------------------------------------------
+    def drain(self, sched: SlotScheduler, device: str, invalidate: bool
+              ) -> tuple[list[SlotGrant], int] | None:
+        """Apply the device's undrained events to `sched`, in ring order.
+
+        Args:
+            invalidate: withdraw the plan (before the daemon changes the scheduler itself).
+
+        Returns:
+            (grants, seq): the grants the events caused for ranks on the socket path (the
+            table's ranks are granted here, as each event is applied, the plan's grants
+            again: a grant is idempotent) and the ring position reached; None if the
+            mutex stayed busy.
+        """
+        got = self.table.drain(self._devices[device], invalidate, DAEMON_LOCK_S)
+        if got is None:
+            return None
+        seq, events = got
+        grants: list[SlotGrant] = []
+        clock = sched.clock
+        try:
+            for slot, kind, phase, gen, fast, when in events:
+                sched.clock = lambda when=when: when  # noqa: B023 - applied at its own time
+                grants += self._apply(sched, device, slot, kind, phase, gen, fast)
+        finally:
+            sched.clock = clock
+        return grants, seq
+
+    def _apply(self, sched: SlotScheduler, device: str, slot: int, kind: int, phase: int,
+               gen: int, fast: int) -> list[SlotGrant]:
+        """One event into the scheduler, at the time it happened: leases and patience
+        count from then, as if the daemon had seen it at once."""
+        key = self._owner.get(slot)
+        if key is None or sched.device_of(*key) != device or phase >= len(PHASES):
+            return []  # a rank that left, or a corrupt entry: nothing to apply
+        if kind == _native.REQUEST:
+            self._gen[slot], self._by_table[slot] = gen, True
+            made = sched.request(*key)
+        else:
+            made = sched.release(*key, PHASES[phase])
+        granted = {self._slot.get((g.job, g.rank)) for g in made}
+        extra = [s for s in range(_native.MAX_SLOTS) if fast >> s & 1 and s not in granted]
+        if extra:
+            self.mismatches += 1
+            log.error("the fast path granted slots %s on %s that the scheduler did not "
+                      "(event %s): a bug; please report it", extra, device, (slot, kind))
+        # Now, not after the drain: a grant answers the rank's request as of this event.
+        return [g for g in made if not self.grant((g.job, g.rank))]
+
+    def publish(self, sched: SlotScheduler, device: str, seq: int) -> bool:
+        """Publish the scheduler's plan made after event `seq`; False if events came since."""
+        plan = preview(sched, device)
+        on_request = [0] * _native.MAX_SLOTS
+        on_release = [0] * _native.MAX_SLOTS
+        for table, answers in ((on_request, plan.on_request), (on_release, plan.on_release)):
+            for key, granted in answers.items():
+                slot = self._slot.get(key)
+                if slot in self._attached:
+                    # Ranks on the socket path are left out: the daemon grants them.
+                    table[slot] = sum(1 << self._slot[g] for g in granted
+                                      if self._slot.get(g) in self._attached)
+        return self.table.publish(self._devices[device], seq, on_request, on_release,
+                                  plan.concurrent, DAEMON_LOCK_S)
+
+    def asked_by_socket(self, key: Key) -> None:
+        """The rank's latest request came over its socket: grant it there."""
+        slot = self._slot.get(key)
+        if slot is not None:
+            self._by_table[slot] = False
+
+    def grant(self, key: Key) -> bool:
+        """Deliver a grant through the table; False if it goes over the socket."""
+        # Not `_attached`: a rank's Attached may still be unread behind events the daemon
+        # drains early (another rank's arrival drains the device); a request in the ring
+        # proves the rank mapped the table, and it waits there.
+        slot = self._slot.get(key)
+        if slot is None or not self._by_table.get(slot):
+            return False
+        self.table.grant(slot, self._gen.get(slot, 0))
+        return True
+
+    def fast_grants(self) -> dict[str, int]:
+        """Grants made without the daemon so far, per device (for status)."""
+        return {d: self.table.fast_grants(i) for d, i in self._devices.items()}
+
+
+class RankPath:
+    """A rank's side: its slot in the node's table.
+
+    Args:
+        path: the table the daemon named in its welcome.
+        device, slot: the rank's device index and slot in it.
+        sock: the connection to the daemon, for the doorbell.
+
+    Raises:
+        RuntimeError: the table cannot be mapped (the message says why).
+    """
+
+    def __init__(self, path: str, device: int, slot: int, sock: socket.socket) -> None:
+        if _native is None:
+            raise RuntimeError(UNAVAILABLE)
+        self.table = _native.Table.attach(path)
+        self.device, self.slot, self.sock = device, slot, sock
+
+    def acquire(self, wait_s: float, alive: Callable[[], bool]) -> bool | None:
+        """Request the device and wait for the grant.
+
+        Args:
+            wait_s: the longest wait.
+            alive: polled while waiting (at most every 50 ms); False ends the wait.
+
+        Returns:
+            True once granted; False if the wait ended without a grant; None if the
+            table refused the request (its mutex or ring is stuck): ask over the socket.
+        """
+        flags, gen = self.table.request(self.device, self.slot, time.monotonic(), LOCK_S)
+        if flags < 0:
+            return None
+        self._ring(flags)
+        if flags & _native.GRANTED:
+            return True
+        waited = 0.0
+        while waited < wait_s:
+            step = min(0.05, wait_s - waited)
+            if self.table.wait_grant(self.slot, gen, step):
+                return True
+            waited += step
+            if not alive():
+                return False
+        return False
+
+    def release(self, phase: Phase) -> bool:
+        """Give the device up in `phase`; False if the table refused (use the socket)."""
+        flags = self.table.release(self.device, self.slot, PHASES.index(phase),
+                                   phase == PLANNED_PHASE, time.monotonic(), LOCK_S)
+        if flags < 0:
+            return False
+        self._ring(flags)
+        return True
+
+    def _ring(self, flags: int) -> None:
+        if flags & _native.RING_DAEMON:
+            self.sock.sendall(RING_FRAME)

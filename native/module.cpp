@@ -1,0 +1,80 @@
+// crossover._native: the slot table (table.hpp) for Python. Calls that may block release
+// the GIL, so a rank's other threads (Horovod's background loop) run while it waits.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "table.hpp"
+
+namespace py = pybind11;
+using crossover::Event;
+using crossover::Table;
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "Crossover's node-local slot table: the daemon's fast path (see native/table.hpp)";
+  m.attr("MAX_SLOTS") = crossover::kMaxSlots;
+  m.attr("MAX_DEVICES") = crossover::kMaxDevices;
+  m.attr("RING") = crossover::kRing;
+  m.attr("GRANTED") = crossover::kGranted;
+  m.attr("RING_DAEMON") = crossover::kRingDaemon;
+  m.attr("LOCK_TIMEOUT") = crossover::kLockTimeout;
+  m.attr("RING_FULL") = crossover::kRingFull;
+  m.attr("BAD_ARGUMENT") = crossover::kBadArgument;
+  m.attr("REQUEST") = static_cast<int>(crossover::kRequest);
+  m.attr("RELEASE") = static_cast<int>(crossover::kRelease);
+
+  py::class_<Table>(m, "Table")
+      .def_static("create", &Table::Create, py::arg("path"), py::arg("devices"),
+                  "Create (replacing) a table file, mode 0600 (the daemon).")
+      .def_static("attach", &Table::Attach, py::arg("path"), "Map an existing table (a rank).")
+      .def_property_readonly("devices", &Table::devices)
+      .def_property_readonly("daemon_pid", &Table::daemon_pid)
+      .def(
+          "request",
+          [](Table& t, int dev, int slot, double now, double lock_timeout_s) {
+            uint32_t gen = 0;
+            int flags;
+            {
+              py::gil_scoped_release nogil;
+              flags = t.Request(dev, slot, now, lock_timeout_s, &gen);
+            }
+            return py::make_tuple(flags, gen);
+          },
+          py::arg("dev"), py::arg("slot"), py::arg("now"), py::arg("lock_timeout_s"),
+          "Append a request made at `now`; returns (flags or error, generation).")
+      .def("release", &Table::Release, py::arg("dev"), py::arg("slot"), py::arg("phase"),
+           py::arg("use_plan"), py::arg("now"),
+           py::arg("lock_timeout_s"), py::call_guard<py::gil_scoped_release>(),
+           "Append a release; returns flags or an error.")
+      .def("wait_grant", &Table::WaitGrant, py::arg("slot"), py::arg("gen"),
+           py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>(),
+           "Wait until request `gen` of `slot` is granted; False on timeout.")
+      .def("granted", &Table::Granted, py::arg("slot"), py::arg("gen"))
+      .def(
+          "drain",
+          [](Table& t, int dev, bool invalidate, double lock_timeout_s) -> py::object {
+            std::vector<Event> events;
+            uint64_t seq = 0;
+            bool ok;
+            {
+              py::gil_scoped_release nogil;
+              ok = t.Drain(dev, &events, &seq, invalidate, lock_timeout_s);
+            }
+            if (!ok) return py::none();
+            py::list out;
+            for (const Event& e : events) {
+              out.append(py::make_tuple(e.slot, e.kind, e.phase, e.gen, e.fast, e.time));
+            }
+            return py::make_tuple(seq, out);
+          },
+          py::arg("dev"), py::arg("invalidate"), py::arg("lock_timeout_s"),
+          "Take the undrained events: (seq, [(slot, kind, phase, gen, fast, time)]), or None "
+          "if the device's mutex stayed busy.")
+      .def("publish", &Table::Publish, py::arg("dev"), py::arg("seq"), py::arg("on_request"),
+           py::arg("on_release"), py::arg("concurrent"), py::arg("lock_timeout_s"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Publish the plan made after event `seq`; False if events came since.")
+      .def("grant", &Table::Grant, py::arg("slot"), py::arg("gen"))
+      .def("bind", &Table::Bind, py::arg("slot"), py::arg("dev"), py::arg("pid"))
+      .def("unbind", &Table::Unbind, py::arg("slot"))
+      .def("fast_grants", &Table::FastGrants, py::arg("dev"));
+}

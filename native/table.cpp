@@ -1,0 +1,285 @@
+// The node-local slot table (see table.hpp for the design).
+#include "table.hpp"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <stdexcept>
+
+namespace crossover {
+namespace {
+
+std::runtime_error SysError(const std::string& what, const std::string& path) {
+  return std::runtime_error(what + " " + path + ": " + std::strerror(errno));
+}
+
+timespec Deadline(double seconds) {  // CLOCK_REALTIME, as pthread_mutex_timedlock wants
+  timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  auto ns = static_cast<long long>(seconds * 1e9) + ts.tv_nsec;
+  ts.tv_sec += ns / 1000000000LL;
+  ts.tv_nsec = ns % 1000000000LL;
+  return ts;
+}
+
+double Now() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+// Shared (not private) futexes: the waiters are other processes.
+long Futex(std::atomic<uint32_t>* addr, int op, uint32_t val, const timespec* timeout) {
+  return syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), op, val, timeout, nullptr, 0);
+}
+
+bool Reached(uint32_t value, uint32_t gen) {  // generations wrap: compare by difference
+  return static_cast<int32_t>(value - gen) >= 0;
+}
+
+constexpr uint64_t Bit(int slot) { return uint64_t{1} << slot; }
+
+}  // namespace
+
+Table Table::Create(const std::string& path, int devices) {
+  if (devices < 1 || devices > kMaxDevices) {
+    throw std::invalid_argument("a slot table holds 1 to " + std::to_string(kMaxDevices) +
+                                " devices, not " + std::to_string(devices));
+  }
+  // A new file replaces any old one: a killed daemon's table never carries over.
+  std::string tmp = path + ".new";
+  ::unlink(tmp.c_str());
+  int fd = ::open(tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) throw SysError("cannot create the slot table", tmp);
+  size_t size = sizeof(Header);
+  if (::ftruncate(fd, static_cast<off_t>(size)) != 0) {
+    ::close(fd);
+    throw SysError("cannot size the slot table", tmp);
+  }
+  void* base = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ::close(fd);
+  if (base == MAP_FAILED) throw SysError("cannot map the slot table", tmp);
+  auto* h = static_cast<Header*>(base);  // the file is zero-filled
+  h->version = kVersion;
+  h->devices = static_cast<uint32_t>(devices);
+  h->daemon_pid = ::getpid();
+  for (auto& s : h->slots) s.device.store(-1);
+  pthread_mutexattr_t attr;
+  pthread_mutexattr_init(&attr);
+  pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
+  pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
+  for (int i = 0; i < devices; ++i) pthread_mutex_init(&h->dev[i].mu, &attr);
+  pthread_mutexattr_destroy(&attr);
+  std::atomic_thread_fence(std::memory_order_release);
+  h->magic = kMagic;  // last: an attacher never sees a half-made table
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    ::munmap(base, size);
+    throw SysError("cannot publish the slot table", path);
+  }
+  return Table(base, size);
+}
+
+Table Table::Attach(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0) throw SysError("cannot open the slot table", path);
+  struct stat st;
+  if (::fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != sizeof(Header)) {
+    ::close(fd);
+    throw std::runtime_error("the slot table " + path + " has the wrong size (another "
+                             "crossover version?): restart the daemon");
+  }
+  void* base = ::mmap(nullptr, sizeof(Header), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ::close(fd);
+  if (base == MAP_FAILED) throw SysError("cannot map the slot table", path);
+  auto* h = static_cast<Header*>(base);
+  if (h->magic != kMagic || h->version != kVersion) {
+    ::munmap(base, sizeof(Header));
+    throw std::runtime_error("the slot table " + path + " is not a version " +
+                             std::to_string(kVersion) + " table: restart the daemon");
+  }
+  return Table(base, sizeof(Header));
+}
+
+Table::Table(Table&& other) noexcept : base_(other.base_), size_(other.size_), h_(other.h_) {
+  other.base_ = nullptr;
+  other.h_ = nullptr;
+}
+
+Table::~Table() {
+  if (base_ != nullptr) ::munmap(base_, size_);
+}
+
+bool Table::Lock(Device* d, double timeout_s) {
+  timespec deadline = Deadline(timeout_s);
+  int rc = pthread_mutex_timedlock(&d->mu, &deadline);
+  if (rc == EOWNERDEAD) {
+    // Its holder died inside. Every change under the mutex is committed by the tail's
+    // increment, after the event is whole, so the state is consistent as it is.
+    pthread_mutex_consistent(&d->mu);
+    return true;
+  }
+  return rc == 0;
+}
+
+void Table::Unlock(Device* d) { pthread_mutex_unlock(&d->mu); }
+
+uint64_t Table::Append(Device* d, Event ev, uint64_t plan_mask, bool use_plan) {
+  ev.fast = use_plan ? plan_mask : 0;
+  d->ring[d->tail % kRing] = ev;
+  d->tail += 1;  // committed: the daemon will apply it, whatever happens next
+  for (int s = 0; s < kMaxSlots; ++s) {
+    if (ev.fast & Bit(s)) {
+      // A waiting rank's latest request is the one the plan grants.
+      h_->slots[s].grant_gen.store(h_->slots[s].req_gen.load(std::memory_order_relaxed),
+                                   std::memory_order_release);
+    }
+  }
+  d->fast_grants += static_cast<uint64_t>(__builtin_popcountll(ev.fast));
+  return ev.fast;
+}
+
+void Table::Wake(uint64_t mask) {
+  for (int s = 0; s < kMaxSlots; ++s) {
+    if (mask & Bit(s)) Futex(&h_->slots[s].grant_gen, FUTEX_WAKE, INT32_MAX, nullptr);
+  }
+}
+
+int Table::Request(int dev, int slot, double now, double lock_timeout_s, uint32_t* gen) {
+  if (dev < 0 || dev >= devices() || slot < 0 || slot >= kMaxSlots) return kBadArgument;
+  Device* d = &h_->dev[dev];
+  if (!Lock(d, lock_timeout_s)) return kLockTimeout;
+  if (d->tail - d->head >= kRing) {
+    Unlock(d);
+    return kRingFull;
+  }
+  Slot& s = h_->slots[slot];
+  uint32_t g = s.req_gen.load(std::memory_order_relaxed) + 1;
+  s.req_gen.store(g, std::memory_order_relaxed);
+  *gen = g;
+  bool planned = d->plan_valid && d->plan_seq == d->tail;
+  uint64_t fast;
+  if (d->concurrent) {  // the scheduler grants every request at once in this mode
+    fast = Append(d, Event{uint32_t(slot), kRequest, 0, g, 0, now}, Bit(slot), true);
+  } else {
+    fast = Append(d, Event{uint32_t(slot), kRequest, 0, g, 0, now}, d->on_request[slot], planned);
+  }
+  int flags = (fast & Bit(slot)) ? kGranted : 0;
+  if (d->doorbell.exchange(1) == 0) flags |= kRingDaemon;
+  Unlock(d);
+  Wake(fast & ~Bit(slot));
+  return flags;
+}
+
+int Table::Release(int dev, int slot, uint32_t phase, bool use_plan, double now,
+                   double lock_timeout_s) {
+  if (dev < 0 || dev >= devices() || slot < 0 || slot >= kMaxSlots) return kBadArgument;
+  Device* d = &h_->dev[dev];
+  if (!Lock(d, lock_timeout_s)) return kLockTimeout;
+  if (d->tail - d->head >= kRing) {
+    Unlock(d);
+    return kRingFull;
+  }
+  // In concurrent mode nobody waits, so a release grants nothing. The plan is made for
+  // one phase (an idle rank, say, is not waited for: it changes who is in line).
+  bool planned = use_plan && !d->concurrent && d->plan_valid && d->plan_seq == d->tail;
+  uint64_t fast = Append(d, Event{uint32_t(slot), kRelease, phase, 0, 0, now},
+                         d->on_release[slot], planned);
+  // A release that handed the device on needs no decision now: the daemon applies it
+  // with the next event that rings (the releaser's next request, as a rule), so it is
+  // not woken to compete for a core with the rank just granted. The flag stays clear,
+  // so that next event does ring.
+  int flags = 0;
+  if (fast == 0 && d->doorbell.exchange(1) == 0) flags = kRingDaemon;
+  Unlock(d);
+  Wake(fast);
+  return flags;
+}
+
+bool Table::Granted(int slot, uint32_t gen) const {
+  if (slot < 0 || slot >= kMaxSlots) return false;
+  return Reached(h_->slots[slot].grant_gen.load(std::memory_order_acquire), gen);
+}
+
+bool Table::WaitGrant(int slot, uint32_t gen, double timeout_s) const {
+  if (slot < 0 || slot >= kMaxSlots) return false;
+  auto* word = &h_->slots[slot].grant_gen;
+  double end = Now() + timeout_s;
+  for (;;) {
+    uint32_t cur = word->load(std::memory_order_acquire);
+    if (Reached(cur, gen)) return true;
+    double left = end - Now();
+    if (left <= 0) return false;
+    timespec ts{static_cast<time_t>(left), static_cast<long>((left - (time_t)left) * 1e9)};
+    Futex(word, FUTEX_WAIT, cur, &ts);  // returns at once if the word moved already
+  }
+}
+
+bool Table::Drain(int dev, std::vector<Event>* out, uint64_t* seq, bool invalidate,
+                  double lock_timeout_s) {
+  if (dev < 0 || dev >= devices()) return false;
+  Device* d = &h_->dev[dev];
+  if (!Lock(d, lock_timeout_s)) return false;
+  d->doorbell.store(0);
+  for (uint64_t i = d->head; i < d->tail; ++i) out->push_back(d->ring[i % kRing]);
+  d->head = d->tail;
+  *seq = d->tail;
+  if (invalidate) {
+    d->plan_valid = 0;
+    d->concurrent = 0;
+  }
+  Unlock(d);
+  return true;
+}
+
+bool Table::Publish(int dev, uint64_t seq, const std::vector<uint64_t>& on_request,
+                    const std::vector<uint64_t>& on_release, bool concurrent,
+                    double lock_timeout_s) {
+  if (dev < 0 || dev >= devices() || on_request.size() != kMaxSlots ||
+      on_release.size() != kMaxSlots) {
+    return false;
+  }
+  Device* d = &h_->dev[dev];
+  if (!Lock(d, lock_timeout_s)) return false;
+  bool current = d->tail == seq;
+  if (current) {
+    std::memcpy(d->on_request, on_request.data(), sizeof(d->on_request));
+    std::memcpy(d->on_release, on_release.data(), sizeof(d->on_release));
+    d->plan_seq = seq;
+    d->plan_valid = 1;
+    d->concurrent = concurrent ? 1 : 0;
+  }
+  Unlock(d);
+  return current;
+}
+
+void Table::Grant(int slot, uint32_t gen) {
+  if (slot < 0 || slot >= kMaxSlots) return;
+  auto& word = h_->slots[slot].grant_gen;
+  uint32_t cur = word.load(std::memory_order_relaxed);
+  // Raise the word to `gen`, never lower it (a plan may have granted it already).
+  while (!Reached(cur, gen) &&
+         !word.compare_exchange_weak(cur, gen, std::memory_order_release)) {
+  }
+  Futex(&word, FUTEX_WAKE, INT32_MAX, nullptr);
+}
+
+void Table::Bind(int slot, int dev, int pid) {
+  if (slot < 0 || slot >= kMaxSlots) return;
+  h_->slots[slot].pid.store(pid);
+  h_->slots[slot].device.store(dev);
+}
+
+void Table::Unbind(int slot) {
+  if (slot < 0 || slot >= kMaxSlots) return;
+  h_->slots[slot].device.store(-1);
+  h_->slots[slot].pid.store(0);
+}
+
+}  // namespace crossover
