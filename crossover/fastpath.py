@@ -20,7 +20,7 @@ from pathlib import Path
 from crossover import protocol as P
 from crossover.protocol import Phase
 from crossover.scheduler import SlotGrant, SlotScheduler
-from crossover.scheduler.preview import PLANNED_PHASE, preview
+from crossover.scheduler.preview import PLANNED_PHASE, Step, preview
 from crossover.transport import frame
 
 try:
@@ -40,6 +40,8 @@ LOCK_S = 0.5
 #: The daemon's wait for a mutex: short, it tries again on its next loop.
 DAEMON_LOCK_S = 0.02
 RING_FRAME = frame(P.Ring())
+# the table's event kinds
+KINDS = {Step.REQUEST: _native.REQUEST, Step.RELEASE: _native.RELEASE} if _native else {}
 
 
 def table_path(socket_file: Path) -> Path:
@@ -163,13 +165,19 @@ class TablePlane:
         on_release = [0] * _native.MAX_SLOTS
         for table, answers in ((on_request, plan.on_request), (on_release, plan.on_release)):
             for key, granted in answers.items():
-                slot = self._slot.get(key)
-                if slot in self._attached:
-                    # Ranks on the socket path are left out: the daemon grants them.
-                    table[slot] = sum(1 << self._slot[g] for g in granted
-                                      if self._slot.get(g) in self._attached)
-        return self.table.publish(self._devices[device], seq, on_request, on_release,
+                if self._slot.get(key) in self._attached:
+                    table[self._slot[key]] = self._mask(granted)
+        chain = []
+        for key, kind, granted in plan.chain:
+            if self._slot.get(key) not in self._attached:
+                break  # a rank on the socket path: its event never comes through the table
+            chain.append((self._slot[key], KINDS[kind], self._mask(granted)))
+        return self.table.publish(self._devices[device], seq, on_request, on_release, chain,
                                   plan.concurrent, DAEMON_LOCK_S)
+
+    def _mask(self, granted: tuple[Key, ...]) -> int:
+        # Ranks on the socket path are left out: the daemon grants them.
+        return sum(1 << self._slot[g] for g in granted if self._slot.get(g) in self._attached)
 
     def asked_by_socket(self, key: Key) -> None:
         """The rank's latest request came over its socket: grant it there."""

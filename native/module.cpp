@@ -14,6 +14,7 @@ PYBIND11_MODULE(_native, m) {
   m.attr("MAX_SLOTS") = crossover::kMaxSlots;
   m.attr("MAX_DEVICES") = crossover::kMaxDevices;
   m.attr("RING") = crossover::kRing;
+  m.attr("CHAIN") = crossover::kChain;
   m.attr("GRANTED") = crossover::kGranted;
   m.attr("RING_DAEMON") = crossover::kRingDaemon;
   m.attr("LOCK_TIMEOUT") = crossover::kLockTimeout;
@@ -69,10 +70,22 @@ PYBIND11_MODULE(_native, m) {
           py::arg("dev"), py::arg("invalidate"), py::arg("lock_timeout_s"),
           "Take the undrained events: (seq, [(slot, kind, phase, gen, fast, time)]), or None "
           "if the device's mutex stayed busy.")
-      .def("publish", &Table::Publish, py::arg("dev"), py::arg("seq"), py::arg("on_request"),
-           py::arg("on_release"), py::arg("concurrent"), py::arg("lock_timeout_s"),
-           py::call_guard<py::gil_scoped_release>(),
-           "Publish the plan made after event `seq`; False if events came since.")
+      .def(
+          "publish",
+          [](Table& t, int dev, uint64_t seq, const std::vector<uint64_t>& on_request,
+             const std::vector<uint64_t>& on_release,
+             const std::vector<std::tuple<uint32_t, uint32_t, uint64_t>>& chain,
+             bool concurrent, double lock_timeout_s) {
+            std::vector<crossover::ChainStep> steps;
+            for (const auto& [slot, kind, grants] : chain) steps.push_back({slot, kind, grants});
+            py::gil_scoped_release nogil;
+            return t.Publish(dev, seq, on_request, on_release, steps, concurrent,
+                             lock_timeout_s);
+          },
+          py::arg("dev"), py::arg("seq"), py::arg("on_request"), py::arg("on_release"),
+          py::arg("chain"), py::arg("concurrent"), py::arg("lock_timeout_s"),
+          "Publish the plan made after event `seq` (chain: [(slot, kind, grants)]); False "
+          "if events came since.")
       .def("grant", &Table::Grant, py::arg("slot"), py::arg("gen"))
       .def("bind", &Table::Bind, py::arg("slot"), py::arg("dev"), py::arg("pid"))
       .def("unbind", &Table::Unbind, py::arg("slot"))

@@ -151,6 +151,34 @@ void Table::Wake(uint64_t mask) {
   }
 }
 
+bool Table::Planned(Device* d, uint32_t slot, uint32_t kind, bool use_plan,
+                    uint64_t* grants, uint32_t* left) {
+  *grants = 0;
+  *left = 0;
+  if (!d->plan_valid || d->tail < d->plan_seq) return false;
+  uint64_t pos = d->tail - d->plan_seq;
+  bool follows = use_plan && d->chain_ok && pos < d->chain_len &&
+                 d->chain[pos].slot == slot && d->chain[pos].kind == kind;
+  d->chain_ok = follows;  // once off the chain, stay off until the next plan
+  if (!use_plan) return false;
+  if (follows) *left = d->chain_len - uint32_t(pos) - 1;
+  if (pos == 0) {  // any slot's next event: its own answer
+    *grants = kind == kRequest ? d->on_request[slot] : d->on_release[slot];
+    return true;
+  }
+  if (follows) *grants = d->chain[pos].grants;
+  return follows;
+}
+
+bool Table::Ring(Device* d, bool planned, bool handed_on, uint32_t left) {
+  // A planned event needs no decision; the daemon is woken when the chain runs short
+  // (to plan the next one in time), but not by a release that handed the device on: the
+  // rank just granted should not compete with it for a core. The flag is set only when
+  // ringing, so the next event that wants the daemon rings.
+  bool want = !planned || (left <= kRefill && !handed_on);
+  return want && d->doorbell.exchange(1) == 0;
+}
+
 int Table::Request(int dev, int slot, double now, double lock_timeout_s, uint32_t* gen) {
   if (dev < 0 || dev >= devices() || slot < 0 || slot >= kMaxSlots) return kBadArgument;
   Device* d = &h_->dev[dev];
@@ -163,15 +191,13 @@ int Table::Request(int dev, int slot, double now, double lock_timeout_s, uint32_
   uint32_t g = s.req_gen.load(std::memory_order_relaxed) + 1;
   s.req_gen.store(g, std::memory_order_relaxed);
   *gen = g;
-  bool planned = d->plan_valid && d->plan_seq == d->tail;
-  uint64_t fast;
-  if (d->concurrent) {  // the scheduler grants every request at once in this mode
-    fast = Append(d, Event{uint32_t(slot), kRequest, 0, g, 0, now}, Bit(slot), true);
-  } else {
-    fast = Append(d, Event{uint32_t(slot), kRequest, 0, g, 0, now}, d->on_request[slot], planned);
-  }
+  uint64_t grants = Bit(slot);
+  uint32_t left = 0;
+  // The scheduler grants every request at once in concurrent mode.
+  bool planned = d->concurrent || Planned(d, uint32_t(slot), kRequest, true, &grants, &left);
+  uint64_t fast = Append(d, Event{uint32_t(slot), kRequest, 0, g, 0, now}, grants, planned);
   int flags = (fast & Bit(slot)) ? kGranted : 0;
-  if (d->doorbell.exchange(1) == 0) flags |= kRingDaemon;
+  if (Ring(d, planned, false, left)) flags |= kRingDaemon;
   Unlock(d);
   Wake(fast & ~Bit(slot));
   return flags;
@@ -188,15 +214,12 @@ int Table::Release(int dev, int slot, uint32_t phase, bool use_plan, double now,
   }
   // In concurrent mode nobody waits, so a release grants nothing. The plan is made for
   // one phase (an idle rank, say, is not waited for: it changes who is in line).
-  bool planned = use_plan && !d->concurrent && d->plan_valid && d->plan_seq == d->tail;
-  uint64_t fast = Append(d, Event{uint32_t(slot), kRelease, phase, 0, 0, now},
-                         d->on_release[slot], planned);
-  // A release that handed the device on needs no decision now: the daemon applies it
-  // with the next event that rings (the releaser's next request, as a rule), so it is
-  // not woken to compete for a core with the rank just granted. The flag stays clear,
-  // so that next event does ring.
-  int flags = 0;
-  if (fast == 0 && d->doorbell.exchange(1) == 0) flags = kRingDaemon;
+  uint64_t grants = 0;
+  uint32_t left = 0;
+  bool planned = d->concurrent ||
+                 Planned(d, uint32_t(slot), kRelease, use_plan, &grants, &left);
+  uint64_t fast = Append(d, Event{uint32_t(slot), kRelease, phase, 0, 0, now}, grants, planned);
+  int flags = Ring(d, planned, fast != 0, left) ? kRingDaemon : 0;
   Unlock(d);
   Wake(fast);
   return flags;
@@ -233,16 +256,18 @@ bool Table::Drain(int dev, std::vector<Event>* out, uint64_t* seq, bool invalida
   if (invalidate) {
     d->plan_valid = 0;
     d->concurrent = 0;
+    d->chain_ok = 0;
   }
   Unlock(d);
   return true;
 }
 
 bool Table::Publish(int dev, uint64_t seq, const std::vector<uint64_t>& on_request,
-                    const std::vector<uint64_t>& on_release, bool concurrent,
+                    const std::vector<uint64_t>& on_release,
+                    const std::vector<ChainStep>& chain, bool concurrent,
                     double lock_timeout_s) {
   if (dev < 0 || dev >= devices() || on_request.size() != kMaxSlots ||
-      on_release.size() != kMaxSlots) {
+      on_release.size() != kMaxSlots || chain.size() > kChain) {
     return false;
   }
   Device* d = &h_->dev[dev];
@@ -251,6 +276,10 @@ bool Table::Publish(int dev, uint64_t seq, const std::vector<uint64_t>& on_reque
   if (current) {
     std::memcpy(d->on_request, on_request.data(), sizeof(d->on_request));
     std::memcpy(d->on_release, on_release.data(), sizeof(d->on_release));
+    for (size_t i = 0; i < chain.size(); ++i) d->chain[i] = chain[i];
+    // (concurrent mode grants every request whatever came before: no chain needed)
+    d->chain_len = concurrent ? 0 : uint32_t(chain.size());
+    d->chain_ok = 1;
     d->plan_seq = seq;
     d->plan_valid = 1;
     d->concurrent = concurrent ? 1 : 0;

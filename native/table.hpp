@@ -8,12 +8,16 @@
 //    applies them to its pure scheduler in that order.
 //  * After the daemon has applied every event up to position `seq`, it publishes a plan:
 //    for each slot, the grants a request (or a release) of that slot would cause if it
-//    were the very next event. The plan is valid only while the ring's tail is `seq`.
-//  * A rank whose event finds a valid plan executes it: it wakes the granted ranks
-//    (futex on their grant word) and the plan is consumed. Any other event waits for the
-//    daemon, which grants through the same grant words. So every grant is the one the
-//    scheduler makes for the same sequence of events, and the daemon is off the path
-//    of the handoff that it planned.
+//    were the very next event; and a chain: the events it expects next, in order (the
+//    holder releases to communicate and asks again, the next holder does the same, ...)
+//    with the grants of each in that sequence.
+//  * An event at position `seq` executes its slot's answer; an event at `seq + i` that is
+//    the chain's i-th, all before it having followed the chain too, executes the chain's
+//    grants: it wakes the granted ranks (futex on their grant word). Any other event
+//    waits for the daemon, which grants through the same grant words. So every grant is
+//    the one the scheduler makes for the same sequence of events, and while the jobs
+//    follow the chain the daemon is off the path: it is woken once per chain, not per
+//    handoff.
 //
 // Crash safety: the mutexes are robust (a rank that dies inside one leaves it
 // recoverable), an event is committed (tail advanced) before its grants are written, and
@@ -36,6 +40,8 @@ constexpr uint32_t kVersion = 1;
 constexpr int kMaxSlots = 64;  // ranks per node on the fast path (a bit mask each)
 constexpr int kMaxDevices = 64;
 constexpr uint64_t kRing = 256;  // events per device the daemon has not drained yet
+constexpr uint32_t kChain = 16;  // events a plan looks ahead
+constexpr uint32_t kRefill = 4;  // wake the daemon when this few chain events are left
 
 enum EventKind : uint32_t { kRequest = 1, kRelease = 2 };
 
@@ -56,6 +62,12 @@ struct Event {
   double time;  // when it happened (the caller's monotonic clock): the daemon applies it then
 };
 
+struct ChainStep {  // an expected event and what it grants
+  uint32_t slot;
+  uint32_t kind;
+  uint64_t grants;
+};
+
 struct Slot {
   std::atomic<uint32_t> grant_gen;  // the generation of the latest granted request (futex)
   std::atomic<uint32_t> req_gen;  // the generation of the latest request
@@ -74,6 +86,9 @@ struct Device {
   uint32_t pad;
   uint64_t on_request[kMaxSlots];  // grants if this slot requests next
   uint64_t on_release[kMaxSlots];  // grants if this holder releases next (not to idle)
+  uint32_t chain_len;
+  uint32_t chain_ok;  // every event since plan_seq followed the chain
+  ChainStep chain[kChain];
   uint64_t fast_grants;  // statistics: grants made without the daemon
   Event ring[kRing];
 };
@@ -121,8 +136,8 @@ class Table {
              double lock_timeout_s);
   // Publishes a plan computed after every event up to `seq`; false if events came since.
   bool Publish(int dev, uint64_t seq, const std::vector<uint64_t>& on_request,
-               const std::vector<uint64_t>& on_release, bool concurrent,
-               double lock_timeout_s);
+               const std::vector<uint64_t>& on_release, const std::vector<ChainStep>& chain,
+               bool concurrent, double lock_timeout_s);
   // Grants request `gen` of `slot` (idempotent; never grants a later request).
   void Grant(int slot, uint32_t gen);
   void Bind(int slot, int dev, int pid);  // a rank takes the slot
@@ -133,8 +148,14 @@ class Table {
   Table(void* base, size_t size) : base_(base), size_(size), h_(static_cast<Header*>(base)) {}
   bool Lock(Device* d, double timeout_s);
   void Unlock(Device* d);
+  // The plan's answer to an event at the tail (mutex held): whether one holds, the
+  // grants, and how many chain events are left after it.
+  bool Planned(Device* d, uint32_t slot, uint32_t kind, bool use_plan, uint64_t* grants,
+               uint32_t* left);
   // Commits `ev` and runs the plan's grants if it holds (mutex held); returns the mask.
   uint64_t Append(Device* d, Event ev, uint64_t plan_mask, bool use_plan);
+  // Whether the event should wake the daemon; sets the pending flag if so (mutex held).
+  bool Ring(Device* d, bool planned, bool handed_on, uint32_t left);
   void Wake(uint64_t mask);
 
   void* base_;

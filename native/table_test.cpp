@@ -63,7 +63,7 @@ int main() {
   // The daemon grants slot 1; it plans: when slot 1 releases, grant slot 2.
   daemon.Grant(1, g1);
   CHECK(rank.Granted(1, g1));
-  CHECK(daemon.Publish(0, seq, Masks(-1, 0), Masks(1, uint64_t{1} << 2), false, 1.0));
+  CHECK(daemon.Publish(0, seq, Masks(-1, 0), Masks(1, uint64_t{1} << 2), {}, false, 1.0));
   std::thread waiter([&] { CHECK(rank.WaitGrant(2, g2, 5.0)); });
   std::this_thread::sleep_for(std::chrono::milliseconds(20));
   // A release that hands the device on does not wake the daemon (it applies the event
@@ -81,18 +81,18 @@ int main() {
   // A plan made before the latest event is refused.
   uint32_t g3 = 0;
   rank.Request(0, 1, 0.0, 1.0, &g3);
-  CHECK(!daemon.Publish(0, seq, Masks(1, 2), Masks(-1, 0), false, 1.0));
+  CHECK(!daemon.Publish(0, seq, Masks(1, 2), Masks(-1, 0), {}, false, 1.0));
   ev.clear();
   CHECK(daemon.Drain(0, &ev, &seq, false, 1.0));
   // A release in a phase the plan was not made for never runs it (an idle rank changes who is in line).
-  CHECK(daemon.Publish(0, seq, Masks(-1, 0), Masks(1, uint64_t{1} << 2), false, 1.0));
+  CHECK(daemon.Publish(0, seq, Masks(-1, 0), Masks(1, uint64_t{1} << 2), {}, false, 1.0));
   rank.Release(0, 1, 3, false, 0.0, 1.0);
   ev.clear();
   CHECK(daemon.Drain(0, &ev, &seq, false, 1.0));
   CHECK(ev.size() == 1 && ev[0].fast == 0);
 
   // Concurrent mode grants every request at once; grants are idempotent, never ahead.
-  CHECK(daemon.Publish(0, seq, Masks(-1, 0), Masks(-1, 0), true, 1.0));
+  CHECK(daemon.Publish(0, seq, Masks(-1, 0), Masks(-1, 0), {}, true, 1.0));
   uint32_t g4 = 0;
   CHECK(rank.Request(0, 3, 0.0, 1.0, &g4) & kGranted);
   daemon.Grant(3, g4 - 1);
@@ -104,6 +104,38 @@ int main() {
   uint32_t g5 = 0;
   CHECK((rank.Request(0, 3, 0.0, 1.0, &g5) & kGranted) == 0);
   CHECK(!rank.WaitGrant(3, g5, 0.01));  // a wait ends at its timeout
+
+  // A chain: slot 1 holds, slot 2 waits; each releases, asks again, and so on. While
+  // the events follow it, each handoff happens without the daemon; one step off it and
+  // the plan is gone.
+  ev.clear();
+  CHECK(daemon.Drain(0, &ev, &seq, true, 1.0));
+  uint32_t ga = 0, gb = 0;
+  daemon.Grant(1, 0);
+  std::vector<ChainStep> chain;
+  for (int i = 0; i < 8; ++i) {
+    uint32_t holder = i % 2 == 0 ? 1 : 2, next = i % 2 == 0 ? 2 : 1;
+    chain.push_back({holder, kRelease, uint64_t{1} << next});
+    chain.push_back({holder, kRequest, 0});
+  }
+  rank.Request(0, 2, 0.0, 1.0, &gb);  // slot 2 waits
+  ev.clear();
+  CHECK(daemon.Drain(0, &ev, &seq, false, 1.0));
+  CHECK(daemon.Publish(0, seq, Masks(-1, 0), Masks(1, uint64_t{1} << 2), chain, false, 1.0));
+  CHECK(rank.Release(0, 1, 7, true, 0.0, 1.0) == 0);  // hands on: no ring
+  CHECK(rank.Granted(2, gb));
+  CHECK(rank.Request(0, 1, 0.0, 1.0, &ga) == 0);  // on the chain, far from its end
+  CHECK(!rank.Granted(1, ga));
+  CHECK(rank.Release(0, 2, 7, true, 0.0, 1.0) == 0);
+  CHECK(rank.Granted(1, ga));
+  CHECK(rank.Request(0, 2, 0.0, 1.0, &gb) == 0);
+  CHECK(rank.Release(0, 1, 3, false, 0.0, 1.0) == kRingDaemon);  // off the chain: idle
+  CHECK(rank.Release(0, 2, 7, true, 0.0, 1.0) == 0);  // (rang already)
+  CHECK(!rank.Granted(2, gb + 1));
+  ev.clear();
+  CHECK(daemon.Drain(0, &ev, &seq, false, 1.0));
+  CHECK(ev.size() == 6 && ev[0].fast == (uint64_t{1} << 2) && ev[2].fast == (uint64_t{1} << 1));
+  CHECK(ev[4].fast == 0 && ev[5].fast == 0);
 
   // A full ring is refused, not overwritten.
   int full = 0;

@@ -223,25 +223,41 @@ def test_the_table_grants_what_the_scheduler_grants(tmp_path_factory, policy, la
         assert h.sched.waiting(dev) == h.ref.waiting(dev)
 
 
-def test_fast_grants_happen_when_the_daemon_keeps_up(tmp_path):
-    """The antiphase cycle of two jobs on one device runs every handoff through the
-    plan once the daemon has applied the request before it."""
+def test_chain():
+    sched, _ = build("crossover", {"A": ["d0"], "B": ["d0"], "C": ["d1"]})
+    sched.request("A", 0)
+    assert preview(sched, "d0").chain == ()  # nobody waits: the daemon decides
+    sched.request("B", 0)
+    steps = [(f"{j}:{r}", kind.value, [f"{a}:{b}" for a, b in granted])
+             for (j, r), kind, granted in preview(sched, "d0", depth=6).chain]
+    assert steps == [("A:0", "release", ["B:0"]), ("A:0", "request", []),
+                     ("B:0", "release", ["A:0"]), ("B:0", "request", []),
+                     ("A:0", "release", ["B:0"]), ("A:0", "request", [])]
+    sched.set_mode(Mode.CONCURRENT)
+    assert preview(sched, "d0").chain == ()
+
+
+def test_handoffs_on_the_chain_need_no_daemon(tmp_path):
+    """The antiphase cycle of two jobs on one device: after one plan, every handoff of
+    the chain happens through the table with the daemon never running; then the daemon
+    catches up, finds what its scheduler would have granted, and plans the next chain."""
     h = Harness(tmp_path, "crossover", {"A": ["d0"], "B": ["d0"]})
     a, b = ("A", 0), ("B", 0)
     h.request(a)
+    h.request(b)
     h.catch_up()
-    for _ in range(5):
-        h.request(b)
+    for _ in range(3):
+        for _round in range(fastpath._native.CHAIN // 4):  # two handoffs each
+            h.release(a, M)
+            assert h.table_holders() == {b}
+            h.request(a)
+            h.release(b, M)
+            assert h.table_holders() == {a}
+            h.request(b)
         h.catch_up()
-        h.release(a, M)  # B by the plan
-        assert h.table_holders() == {b}
-        h.request(a)
-        h.catch_up()
-        h.release(b, M)  # A by the plan
-        assert h.table_holders() == {a}
-    h.catch_up()
-    assert h.plane.fast_grants()["d0"] == 11  # the first request found the device free
+    assert h.plane.fast_grants()["d0"] == 1 + 3 * fastpath._native.CHAIN // 2
     assert h.plane.mismatches == 0
+    assert h.sched.holders("d0") == h.ref.holders("d0") == {a}
 
 
 def test_a_request_drained_before_the_ranks_attached_message_is_granted_in_the_table(

@@ -5,8 +5,11 @@ daemon has applied every event on a device, `preview` asks the scheduler, for ea
 "if this rank's request (or this holder's release) were the very next event, which
 ranks would be granted?", by running that event on a scratch copy of the device. The
 node's slot table holds the answers while no other event has happened; a rank whose
-event comes next executes the answer without waiting for the daemon. Because the answer
-is the scheduler's own, the fast path grants exactly the sequence the scheduler would.
+event comes next executes the answer without waiting for the daemon. It also asks for
+the chain of events the daemon expects next under antiphase (the holder releases to
+communicate and asks again, then the next holder, ...) and what each grants in that
+sequence: while the jobs follow it, handoffs need no daemon at all. Because every
+answer is the scheduler's own, the fast path grants exactly the sequence it would.
 
 Pure, like the scheduler: no I/O, time from the scheduler's injected clock.
 """
@@ -15,15 +18,23 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, replace
+from enum import Enum
 
 from crossover.protocol import Phase
-from crossover.scheduler.core import HOLDING, SlotScheduler, _Device
+from crossover.scheduler.core import HOLDING, SlotGrant, SlotScheduler, _Device
 
 Key = tuple[str, int]  # (job, rank)
 
 #: The release phase a plan is made for: the one a holder gives the device up in under
 #: crossover (the handoff that happens every step).
 PLANNED_PHASE = Phase.COMMUNICATE
+
+
+class Step(str, Enum):
+    """An expected event's kind in a chain."""
+
+    REQUEST = "request"
+    RELEASE = "release"
 
 
 @dataclass(frozen=True)
@@ -34,16 +45,21 @@ class Preview:
         on_request: rank -> the ranks granted if it asks for the device next (ranks
             that hold already are left out: they do not ask).
         on_release: holder -> the ranks granted if it releases in `PLANNED_PHASE` next.
+        chain: the expected events from now on, (rank, kind, ranks granted) in order.
         concurrent: every request is granted at once, whatever comes before it.
     """
 
     on_request: dict[Key, tuple[Key, ...]]
     on_release: dict[Key, tuple[Key, ...]]
+    chain: tuple[tuple[Key, Step, tuple[Key, ...]], ...]
     concurrent: bool
 
 
-def preview(sched: SlotScheduler, device: str) -> Preview:
+def preview(sched: SlotScheduler, device: str, depth: int = 16) -> Preview:
     """The plan for `device` in the scheduler's present state (the state is unchanged).
+
+    Args:
+        depth: the longest chain of expected events.
 
     Raises:
         KeyError: no rank was ever registered on `device`.
@@ -54,12 +70,34 @@ def preview(sched: SlotScheduler, device: str) -> Preview:
     for key, r in dev.ranks.items():
         scratch = _scratch(sched, device)
         if r.state == HOLDING:
-            grants = scratch.release(*key, PLANNED_PHASE)
-            on_release[key] = tuple((g.job, g.rank) for g in grants)
+            on_release[key] = _keys(scratch.release(*key, PLANNED_PHASE))
         else:
-            grants = scratch.request(*key)
-            on_request[key] = tuple((g.job, g.rank) for g in grants)
-    return Preview(on_request, on_release, concurrent=not sched.exclusive)
+            on_request[key] = _keys(scratch.request(*key))
+    return Preview(on_request, on_release, _chain(sched, device, depth),
+                   concurrent=not sched.exclusive)
+
+
+def _chain(sched: SlotScheduler, device: str, depth: int
+           ) -> tuple[tuple[Key, Step, tuple[Key, ...]], ...]:
+    """The antiphase handoffs expected next: while one rank holds and another waits, the
+    holder releases to communicate, then asks again. Anything else (a gang, nobody
+    waiting, a policy that keeps the device) ends the chain: the daemon decides there."""
+    if not (sched.exclusive and sched.policy.release_on_communicate):
+        return ()
+    scratch = _scratch(sched, device)
+    chain: list[tuple[Key, Step, tuple[Key, ...]]] = []
+    while len(chain) + 2 <= depth:
+        holders = scratch.holders(device)
+        if len(holders) != 1 or not scratch.waiting(device):
+            break
+        (holder,) = holders
+        chain.append((holder, Step.RELEASE, _keys(scratch.release(*holder, PLANNED_PHASE))))
+        chain.append((holder, Step.REQUEST, _keys(scratch.request(*holder))))
+    return tuple(chain)
+
+
+def _keys(grants: list[SlotGrant]) -> tuple[Key, ...]:
+    return tuple((g.job, g.rank) for g in grants)
 
 
 def _scratch(sched: SlotScheduler, device: str) -> SlotScheduler:
