@@ -9,7 +9,9 @@ call to the other's `acquire()` returning: the full client path a training step 
 Python included. Measured with the daemon offering its slot table (native) and without
 (CROSSOVER_NATIVE=0: socket), with the other core idle and with both cores busy (two
 spinning processes), in alternating repetitions; medians over repetitions of each run's
-p50 and p99. Writes bench/results/handoff.json.
+p50 and p99, and the daemon's CPU time per handoff. Beside them, the machine's floor: the
+same ping-pong between two C++ processes over one futex word (bench/handoff_floor.cpp,
+built here with g++), with no Python, table or daemon. Writes bench/results/handoff.json.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -25,9 +28,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import psutil  # noqa: E402
 from common import write_result  # noqa: E402
 
 from crossover.launch.local import DaemonProcess  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
 
 WARMUP = 200  # handoffs dropped at the start (the jobs meet, the daemon learns them)
 
@@ -83,7 +89,8 @@ def run(native: bool, busy: bool, cycles: int, hold_us: float) -> dict:
         with tempfile.TemporaryDirectory() as tmp:
             runtime = Path(tmp) / "run"
             os.environ["CROSSOVER_NATIVE"] = env["CROSSOVER_NATIVE"]
-            with DaemonProcess(runtime, policy="crossover"):
+            with DaemonProcess(runtime, policy="crossover") as daemon:
+                cpu = psutil.Process(daemon.proc.pid).cpu_times()
                 procs = [subprocess.Popen([sys.executable, __file__, "--worker", job,
                                            str(runtime), str(cycles), str(hold_us),
                                            str(Path(tmp) / f"{job}.json")], env=env)
@@ -91,6 +98,8 @@ def run(native: bool, busy: bool, cycles: int, hold_us: float) -> dict:
                 for p in procs:
                     if p.wait(timeout=600) != 0:
                         raise RuntimeError(f"worker exited with {p.returncode}")
+                end = psutil.Process(daemon.proc.pid).cpu_times()
+                daemon_s = end.user + end.system - cpu.user - cpu.system
             a, b = (json.loads((Path(tmp) / f"{j}.json").read_text()) for j in ("a", "b"))
     finally:
         for s in spinners:
@@ -99,7 +108,22 @@ def run(native: bool, busy: bool, cycles: int, hold_us: float) -> dict:
     lat = sorted(latencies(a, b))
     assert a["fast"] == native and b["fast"] == native, "the path asked for was not used"
     return {"p50_us": lat[len(lat) // 2], "p99_us": lat[int(len(lat) * 0.99)],
-            "max_us": lat[-1], "handoffs": len(lat)}
+            "max_us": lat[-1], "handoffs": len(lat),
+            "daemon_cpu_us_per_handoff": daemon_s / (2 * cycles) * 1e6}
+
+
+def floor(busy: bool, cycles: int, hold_us: float, binary: Path) -> dict:
+    """The C++ futex ping-pong under the same load."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in range(2 if busy else 0)]
+    try:
+        out = subprocess.run([str(binary), str(hold_us), str(2 * cycles)], check=True,
+                             capture_output=True, text=True, timeout=600).stdout
+    finally:
+        for s in spinners:
+            s.kill()
+            s.wait()
+    return json.loads(out)
 
 
 def main() -> None:
@@ -113,17 +137,24 @@ def main() -> None:
         job, runtime, cycles, hold_us, out = args.worker
         worker(job, runtime, int(cycles), float(hold_us), out)
         return
+    if shutil.which("g++") is None:
+        raise SystemExit("g++ is needed for the floor (make env installs it)")
     runs: dict[str, list[dict]] = {}
-    for rep in range(args.reps):
-        for busy in (False, True):
-            for native in (False, True):
-                name = f"{'native' if native else 'socket'}_{'busy' if busy else 'idle'}"
-                r = run(native, busy, args.cycles, args.hold_us)
-                runs.setdefault(name, []).append(r)
-                print(f"rep {rep + 1}/{args.reps} {name}: p50 {r['p50_us']:.0f} us, "
-                      f"p99 {r['p99_us']:.0f} us ({r['handoffs']} handoffs)", flush=True)
-    summary = {name: {k: statistics.median(r[k] for r in rs) for k in ("p50_us", "p99_us",
-                                                                       "max_us")}
+    with tempfile.TemporaryDirectory() as tmp:
+        binary = Path(tmp) / "handoff_floor"
+        subprocess.run(["g++", "-O2", "-o", str(binary), str(HERE / "handoff_floor.cpp")],
+                       check=True)
+        for rep in range(args.reps):
+            for busy in (False, True):
+                load = "busy" if busy else "idle"
+                for path in ("socket", "native", "floor"):
+                    r = floor(busy, args.cycles, args.hold_us, binary) if path == "floor" \
+                        else run(path == "native", busy, args.cycles, args.hold_us)
+                    runs.setdefault(f"{path}_{load}", []).append(r)
+                    print(f"rep {rep + 1}/{args.reps} {path}_{load}: p50 {r['p50_us']:.0f} us,"
+                          f" p99 {r['p99_us']:.0f} us", flush=True)
+    summary = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]
+                      if k != "handoffs"}
                for name, rs in runs.items()}
     out = write_result("handoff", {
         "workload": f"2 one-rank jobs on one device, policy crossover, hold {args.hold_us:g}"

@@ -20,7 +20,7 @@ from pathlib import Path
 from crossover import protocol as P
 from crossover.protocol import Phase
 from crossover.scheduler import SlotGrant, SlotScheduler
-from crossover.scheduler.preview import PLANNED_PHASE, Step, preview
+from crossover.scheduler.preview import PLANNED_PHASE, PlanCache, Step
 from crossover.transport import frame
 
 try:
@@ -68,6 +68,7 @@ class TablePlane:
         # its socket when the table refused it: then the grant goes there too)
         self._by_table: dict[int, bool] = {}
         self.mismatches = 0  # fast grants the scheduler did not make (must stay 0)
+        self.plans = PlanCache()
 
     # --- membership ---------------------------------------------------------------------
     def reserve(self, key: Key, device: str, pid: int) -> tuple[int, int] | None:
@@ -160,7 +161,7 @@ class TablePlane:
 
     def publish(self, sched: SlotScheduler, device: str, seq: int) -> bool:
         """Publish the scheduler's plan made after event `seq`; False if events came since."""
-        plan = preview(sched, device)
+        plan = self.plans.preview(sched, device, _native.CHAIN)
         on_request = [0] * _native.MAX_SLOTS
         on_release = [0] * _native.MAX_SLOTS
         for table, answers in ((on_request, plan.on_request), (on_release, plan.on_release)):

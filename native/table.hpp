@@ -40,7 +40,7 @@ constexpr uint32_t kVersion = 1;
 constexpr int kMaxSlots = 64;  // ranks per node on the fast path (a bit mask each)
 constexpr int kMaxDevices = 64;
 constexpr uint64_t kRing = 256;  // events per device the daemon has not drained yet
-constexpr uint32_t kChain = 16;  // events a plan looks ahead
+constexpr uint32_t kChain = 32;  // events a plan looks ahead
 constexpr uint32_t kRefill = 4;  // wake the daemon when this few chain events are left
 
 enum EventKind : uint32_t { kRequest = 1, kRelease = 2 };

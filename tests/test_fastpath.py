@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from crossover import _native, fastpath
 from crossover.protocol import Mode, Phase
 from crossover.scheduler import SlotScheduler, make_policy
-from crossover.scheduler.preview import preview
+from crossover.scheduler.preview import PlanCache, preview
 from tests.test_scheduler import FakeClock, build
 
 REPO = Path(__file__).resolve().parents[1]
@@ -225,16 +225,46 @@ def test_the_table_grants_what_the_scheduler_grants(tmp_path_factory, policy, la
 
 def test_chain():
     sched, _ = build("crossover", {"A": ["d0"], "B": ["d0"], "C": ["d1"]})
+    fmt = lambda chain: [(f"{j}:{r}", kind.value, [f"{a}:{b}" for a, b in granted])  # noqa: E731
+                         for (j, r), kind, granted in chain]
+    sched.request("C", 0)  # alone on d1: it gets its device back every time
+    assert fmt(preview(sched, "d1", depth=4).chain) == [
+        ("C:0", "release", []), ("C:0", "request", ["C:0"]),
+        ("C:0", "release", []), ("C:0", "request", ["C:0"])]
     sched.request("A", 0)
-    assert preview(sched, "d0").chain == ()  # nobody waits: the daemon decides
+    # B has not asked yet: after A's release the device waits for B, and the chain ends
+    assert fmt(preview(sched, "d0").chain) == [("A:0", "release", []), ("A:0", "request", [])]
     sched.request("B", 0)
-    steps = [(f"{j}:{r}", kind.value, [f"{a}:{b}" for a, b in granted])
-             for (j, r), kind, granted in preview(sched, "d0", depth=6).chain]
-    assert steps == [("A:0", "release", ["B:0"]), ("A:0", "request", []),
-                     ("B:0", "release", ["A:0"]), ("B:0", "request", []),
-                     ("A:0", "release", ["B:0"]), ("A:0", "request", [])]
+    assert fmt(preview(sched, "d0", depth=6).chain) == [
+        ("A:0", "release", ["B:0"]), ("A:0", "request", []),
+        ("B:0", "release", ["A:0"]), ("B:0", "request", []),
+        ("A:0", "release", ["B:0"]), ("A:0", "request", [])]
     sched.set_mode(Mode.CONCURRENT)
     assert preview(sched, "d0").chain == ()
+
+
+@settings(max_examples=200, deadline=None)
+@given(policy=st.sampled_from(["crossover", "auto", "priority", "round-robin", "off"]),
+       ops=st.lists(st.tuples(st.sampled_from(["req", "rel", "idle", "tick", "mode"]),
+                              st.integers(0, 3)), max_size=40))
+def test_a_cached_plan_is_the_plan(policy, ops):
+    # States that differ only by a shift of every turn share a plan: the cache must give
+    # exactly what planning afresh gives, state after state.
+    sched, clock = build(policy, {"A": ["d0", "d0"], "B": ["d0"], "C": ["d0"]})
+    cache = PlanCache(size=8)
+    keys = sorted(k for k in [("A", 0), ("A", 1), ("B", 0), ("C", 0)])
+    for op, pick in ops:
+        key = keys[pick]
+        if op == "req":
+            sched.request(*key)
+        elif op in ("rel", "idle"):
+            sched.release(*key, M if op == "rel" else Phase.IDLE)
+        elif op == "tick":
+            clock.now += 0.6
+            sched.expire()
+        elif sched.policy.exclusive:
+            sched.set_mode(Mode.CONCURRENT if sched.mode == Mode.ANTIPHASE else Mode.ANTIPHASE)
+        assert cache.preview(sched, "d0") == preview(sched, "d0")
 
 
 def test_handoffs_on_the_chain_need_no_daemon(tmp_path):

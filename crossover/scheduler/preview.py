@@ -17,11 +17,13 @@ Pure, like the scheduler: no I/O, time from the scheduler's injected clock.
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 from enum import Enum
 
 from crossover.protocol import Phase
 from crossover.scheduler.core import HOLDING, SlotGrant, SlotScheduler, _Device
+from crossover.scheduler.policies import Policy
 
 Key = tuple[str, int]  # (job, rank)
 
@@ -55,7 +57,7 @@ class Preview:
     concurrent: bool
 
 
-def preview(sched: SlotScheduler, device: str, depth: int = 16) -> Preview:
+def preview(sched: SlotScheduler, device: str, depth: int = 32) -> Preview:
     """The plan for `device` in the scheduler's present state (the state is unchanged).
 
     Args:
@@ -79,21 +81,67 @@ def preview(sched: SlotScheduler, device: str, depth: int = 16) -> Preview:
 
 def _chain(sched: SlotScheduler, device: str, depth: int
            ) -> tuple[tuple[Key, Step, tuple[Key, ...]], ...]:
-    """The antiphase handoffs expected next: while one rank holds and another waits, the
-    holder releases to communicate, then asks again. Anything else (a gang, nobody
-    waiting, a policy that keeps the device) ends the chain: the daemon decides there."""
+    """The events expected next: while one rank holds, it releases to communicate, then
+    asks again (another waiting rank takes the device meanwhile, or nobody does and the
+    holder gets it back). Anything else (a gang, nobody holding, a policy that keeps the
+    device) ends the chain: the daemon decides there."""
     if not (sched.exclusive and sched.policy.release_on_communicate):
         return ()
     scratch = _scratch(sched, device)
     chain: list[tuple[Key, Step, tuple[Key, ...]]] = []
     while len(chain) + 2 <= depth:
         holders = scratch.holders(device)
-        if len(holders) != 1 or not scratch.waiting(device):
+        if len(holders) != 1:
             break
         (holder,) = holders
         chain.append((holder, Step.RELEASE, _keys(scratch.release(*holder, PLANNED_PHASE))))
         chain.append((holder, Step.REQUEST, _keys(scratch.request(*holder))))
     return tuple(chain)
+
+
+class PlanCache:
+    """`preview`, remembered by device state (the daemon plans the same few states over
+    and over while jobs alternate). Under the base policy key (turn, order) a state and
+    the same state with every turn shifted by one constant order ranks alike, so they
+    share one plan; other policies are not cached.
+
+    Args:
+        size: plans kept (least recently used go first).
+    """
+
+    def __init__(self, size: int = 64) -> None:
+        self.size = size
+        self._plans: OrderedDict[tuple, Preview] = OrderedDict()
+        self.hits = self.misses = 0
+
+    def preview(self, sched: SlotScheduler, device: str, depth: int = 32) -> Preview:
+        """Like `preview`, from the cache when the state was planned before."""
+        sig = _signature(sched, device, depth)
+        if sig is None:
+            return preview(sched, device, depth)
+        plan = self._plans.get(sig)
+        if plan is not None:
+            self.hits += 1
+            self._plans.move_to_end(sig)
+            return plan
+        self.misses += 1
+        plan = self._plans[sig] = preview(sched, device, depth)
+        if len(self._plans) > self.size:
+            self._plans.popitem(last=False)
+        return plan
+
+
+def _signature(sched: SlotScheduler, device: str, depth: int) -> tuple | None:
+    """What a device's plan depends on, with turns relative to the lowest; None if the
+    policy's keys are not shift-invariant."""
+    if type(sched.policy).key is not Policy.key:
+        return None
+    dev = sched._devices[device]
+    base = min((r.turn for r in dev.ranks.values()), default=0)
+    ranks = tuple(sorted((k, r.state, r.turn - base, r.order, r.weight)
+                         for k, r in dev.ranks.items()))
+    return (sched.policy.name, sched.mode, depth, ranks, dev.holder,
+            tuple(sorted(dev.served)), dev.vtime - base, dev.blocked_since is None)
 
 
 def _keys(grants: list[SlotGrant]) -> tuple[Key, ...]:
