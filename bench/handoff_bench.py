@@ -11,7 +11,13 @@ Python included. Measured with the daemon offering its slot table (native) and w
 spinning processes), in alternating repetitions; medians over repetitions of each run's
 p50 and p99, and the daemon's CPU time per handoff. Beside them, the machine's floor: the
 same ping-pong between two C++ processes over one futex word (bench/handoff_floor.cpp,
-built here with g++), with no Python, table or daemon. Writes bench/results/handoff.json.
+built here with g++), with no Python, table or daemon.
+
+Then the graph pipeline with slots, where a slot is taken per stage per micro-batch: a
+2-stage pipeline (`python -m crossover.pipeline --model chain`, 8 micro-batches) without
+slots, and with slots over each path, beside an idle neighbour job registered on both
+devices (alone, a rank keeps its device and takes no slot at all). Iterations per second,
+medians. Writes bench/results/handoff.json.
 """
 
 from __future__ import annotations
@@ -126,11 +132,42 @@ def floor(busy: bool, cycles: int, hold_us: float, binary: Path) -> dict:
     return json.loads(out)
 
 
+def pipeline(mode: str, iters: int) -> float:
+    """Median seconds per pipeline iteration: mode "none" (no slots), "socket", "native"."""
+    from crossover.client import RankInfo, SlotClient
+    from crossover.launch.local import mpi_env, mpirun
+    from crossover.protocol import Phase
+
+    with tempfile.TemporaryDirectory() as tmp:
+        runtime, out = Path(tmp) / "run", Path(tmp) / "times.json"
+        cmd = mpirun(2, sys.executable, "-m", "crossover.pipeline", "--model", "chain",
+                     "--batch", "64", "--micro", "8", "--iters", str(iters), "--out", str(out))
+        env = {**os.environ, **mpi_env(), "CROSSOVER_RUNTIME_DIR": str(runtime),
+               "CROSSOVER_JOB": "pipe",
+               "CROSSOVER_NATIVE": "0" if mode == "socket" else "1"}
+        os.environ["CROSSOVER_NATIVE"] = env["CROSSOVER_NATIVE"]
+        if mode == "none":
+            subprocess.run(cmd, env=env, check=True, timeout=600, capture_output=True)
+            return json.loads(out.read_text())["median_s"]
+        with DaemonProcess(runtime, policy="crossover"):
+            neighbours = [SlotClient("neighbour", RankInfo(i, 2, i, 2), runtime_dir=runtime,
+                                     pin_cpu=False) for i in range(2)]
+            for n in neighbours:  # registered on both devices, then out of the way
+                n.acquire()
+                n.release(Phase.IDLE)
+            subprocess.run(cmd + ["--slots"], env=env, check=True, timeout=600,
+                           capture_output=True)
+            for n in neighbours:
+                n.close()
+        return json.loads(out.read_text())["median_s"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cycles", type=int, default=3000)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--hold-us", type=float, default=500.0)
+    parser.add_argument("--pipeline-iters", type=int, default=40)
     parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -156,15 +193,31 @@ def main() -> None:
     summary = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]
                       if k != "handoffs"}
                for name, rs in runs.items()}
+    pipe: dict[str, list[float]] = {}
+    for rep in range(args.reps):
+        for mode in ("none", "socket", "native"):
+            pipe.setdefault(mode, []).append(pipeline(mode, args.pipeline_iters))
+            print(f"rep {rep + 1}/{args.reps} pipeline slots={mode}: "
+                  f"{1 / pipe[mode][-1]:.1f} iterations/s", flush=True)
+    per_s = {mode: 1 / statistics.median(ts) for mode, ts in pipe.items()}
     out = write_result("handoff", {
         "workload": f"2 one-rank jobs on one device, policy crossover, hold {args.hold_us:g}"
                     f" us, {args.cycles} cycles each, first {WARMUP} handoffs dropped",
         "runs": runs, **summary,
+        "pipeline": {"workload": f"chain model, 2 stages, batch 64, 8 micro-batches, "
+                                 f"{args.pipeline_iters} iterations; an idle neighbour job on "
+                                 f"both devices", "iteration_s": pipe,
+                     "iterations_per_s": per_s,
+                     "loss_with_slots": {m: 1 - per_s[m] / per_s["none"]
+                                         for m in ("socket", "native")}},
         # the issue's keys: both cores busy
         "socket": summary["socket_busy"], "native": summary["native_busy"],
     })
     for name, s in summary.items():
         print(f"{name:12s} p50 {s['p50_us']:7.0f} us  p99 {s['p99_us']:7.0f} us")
+    for mode in ("socket", "native"):
+        print(f"pipeline with slots ({mode}): {100 * (1 - per_s[mode] / per_s['none']):.1f}% "
+              f"slower than without")
     print(f"-> {out}")
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 
 from crossover.protocol import Phase
-from crossover.scheduler.core import HOLDING, SlotGrant, SlotScheduler, _Device
+from crossover.scheduler.core import HOLDING, IDLE, SKIPPED, SlotGrant, SlotScheduler, _Device
 from crossover.scheduler.policies import Policy
 
 Key = tuple[str, int]  # (job, rank)
@@ -137,8 +137,13 @@ def _signature(sched: SlotScheduler, device: str, depth: int) -> tuple | None:
     if type(sched.policy).key is not Policy.key:
         return None
     dev = sched._devices[device]
-    base = min((r.turn for r in dev.ranks.values()), default=0)
-    ranks = tuple(sorted((k, r.state, r.turn - base, r.order, r.weight)
+    # A rank away (idle or skipped) is in nobody's way, and comes back at the present:
+    # only that turn counts, or an idle neighbour's fixed turn would make every state new.
+    away = (IDLE, SKIPPED)
+    turns = {k: max(r.turn, sched.policy.turn_at(dev.vtime, r.weight)) if r.state in away
+             else r.turn for k, r in dev.ranks.items()}
+    base = min(turns.values(), default=0)
+    ranks = tuple(sorted((k, r.state, turns[k] - base, r.order, r.weight)
                          for k, r in dev.ranks.items()))
     return (sched.policy.name, sched.mode, depth, ranks, dev.holder,
             tuple(sorted(dev.served)), dev.vtime - base, dev.blocked_since is None)
