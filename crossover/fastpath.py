@@ -164,21 +164,23 @@ class TablePlane:
         plan = self.plans.preview(sched, device, _native.CHAIN)
         on_request = [0] * _native.MAX_SLOTS
         on_release = [0] * _native.MAX_SLOTS
-        for table, answers in ((on_request, plan.on_request), (on_release, plan.on_release)):
+        for table, kind, answers in ((on_request, Step.REQUEST, plan.on_request),
+                                     (on_release, Step.RELEASE, plan.on_release)):
             for key, granted in answers.items():
                 if self._slot.get(key) in self._attached:
-                    table[self._slot[key]] = self._mask(granted)
+                    table[self._slot[key]] = self._mask(granted, (key, kind) in plan.wakes)
         chain = []
-        for key, kind, granted in plan.chain:
+        for key, kind, granted, wake in plan.chain:
             if self._slot.get(key) not in self._attached:
                 break  # a rank on the socket path: its event never comes through the table
-            chain.append((self._slot[key], KINDS[kind], self._mask(granted)))
+            chain.append((self._slot[key], KINDS[kind], self._mask(granted, wake)))
         return self.table.publish(self._devices[device], seq, on_request, on_release, chain,
                                   plan.concurrent, DAEMON_LOCK_S)
 
-    def _mask(self, granted: tuple[Key, ...]) -> int:
+    def _mask(self, granted: tuple[Key, ...], wake: bool) -> int:
         # Ranks on the socket path are left out: the daemon grants them.
-        return sum(1 << self._slot[g] for g in granted if self._slot.get(g) in self._attached)
+        mask = sum(1 << self._slot[g] for g in granted if self._slot.get(g) in self._attached)
+        return mask | (_native.WAKE if wake else 0)
 
     def asked_by_socket(self, key: Key) -> None:
         """The rank's latest request came over its socket: grant it there."""

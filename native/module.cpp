@@ -14,6 +14,7 @@ PYBIND11_MODULE(_native, m) {
   m.attr("MAX_SLOTS") = crossover::kMaxSlots;
   m.attr("MAX_DEVICES") = crossover::kMaxDevices;
   m.attr("RING") = crossover::kRing;
+  m.attr("WAKE") = crossover::kWake;
   m.attr("CHAIN") = crossover::kChain;
   m.attr("GRANTED") = crossover::kGranted;
   m.attr("RING_DAEMON") = crossover::kRingDaemon;

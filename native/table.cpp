@@ -131,7 +131,7 @@ bool Table::Lock(Device* d, double timeout_s) {
 void Table::Unlock(Device* d) { pthread_mutex_unlock(&d->mu); }
 
 uint64_t Table::Append(Device* d, Event ev, uint64_t plan_mask, bool use_plan) {
-  ev.fast = use_plan ? plan_mask : 0;
+  ev.fast = use_plan ? plan_mask & ~kWake : 0;
   d->ring[d->tail % kRing] = ev;
   d->tail += 1;  // committed: the daemon will apply it, whatever happens next
   for (int s = 0; s < kMaxSlots; ++s) {
@@ -170,12 +170,12 @@ bool Table::Planned(Device* d, uint32_t slot, uint32_t kind, bool use_plan,
   return follows;
 }
 
-bool Table::Ring(Device* d, bool planned, bool handed_on, uint32_t left) {
+bool Table::Ring(Device* d, bool planned, uint64_t grants, bool handed_on, uint32_t left) {
   // A planned event needs no decision; the daemon is woken when the chain runs short
   // (to plan the next one in time), but not by a release that handed the device on: the
   // rank just granted should not compete with it for a core. The flag is set only when
   // ringing, so the next event that wants the daemon rings.
-  bool want = !planned || (left <= kRefill && !handed_on);
+  bool want = !planned || (grants & kWake) || (left <= kRefill && !handed_on);
   return want && d->doorbell.exchange(1) == 0;
 }
 
@@ -197,7 +197,7 @@ int Table::Request(int dev, int slot, double now, double lock_timeout_s, uint32_
   bool planned = d->concurrent || Planned(d, uint32_t(slot), kRequest, true, &grants, &left);
   uint64_t fast = Append(d, Event{uint32_t(slot), kRequest, 0, g, 0, now}, grants, planned);
   int flags = (fast & Bit(slot)) ? kGranted : 0;
-  if (Ring(d, planned, false, left)) flags |= kRingDaemon;
+  if (Ring(d, planned, grants, false, left)) flags |= kRingDaemon;
   Unlock(d);
   Wake(fast & ~Bit(slot));
   return flags;
@@ -219,7 +219,7 @@ int Table::Release(int dev, int slot, uint32_t phase, bool use_plan, double now,
   bool planned = d->concurrent ||
                  Planned(d, uint32_t(slot), kRelease, use_plan, &grants, &left);
   uint64_t fast = Append(d, Event{uint32_t(slot), kRelease, phase, 0, 0, now}, grants, planned);
-  int flags = Ring(d, planned, fast != 0, left) ? kRingDaemon : 0;
+  int flags = Ring(d, planned, grants, fast != 0, left) ? kRingDaemon : 0;
   Unlock(d);
   Wake(fast);
   return flags;

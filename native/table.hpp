@@ -37,7 +37,11 @@ namespace crossover {
 
 constexpr uint64_t kMagic = 0x43524f5353545331ULL;  // "CROSSTS1"
 constexpr uint32_t kVersion = 1;
-constexpr int kMaxSlots = 64;  // ranks per node on the fast path (a bit mask each)
+constexpr int kMaxSlots = 63;  // ranks per node on the fast path (a bit mask each)
+// In a plan's answer, beside the slots it grants: the event leaves the device free but
+// waiting for the rank whose turn it is, which only the daemon's clock ends (patience),
+// so the daemon must see it now, chain or not.
+constexpr uint64_t kWake = uint64_t{1} << 63;
 constexpr int kMaxDevices = 64;
 constexpr uint64_t kRing = 256;  // events per device the daemon has not drained yet
 constexpr uint32_t kChain = 32;  // events a plan looks ahead
@@ -155,7 +159,7 @@ class Table {
   // Commits `ev` and runs the plan's grants if it holds (mutex held); returns the mask.
   uint64_t Append(Device* d, Event ev, uint64_t plan_mask, bool use_plan);
   // Whether the event should wake the daemon; sets the pending flag if so (mutex held).
-  bool Ring(Device* d, bool planned, bool handed_on, uint32_t left);
+  bool Ring(Device* d, bool planned, uint64_t grants, bool handed_on, uint32_t left);
   void Wake(uint64_t mask);
 
   void* base_;

@@ -40,7 +40,7 @@ def test_the_module_is_built_by_the_install():
     # `make test` builds it (setup.py -> CMake); the socket path covers its absence, but
     # here it must be present, or the rest of this file would test nothing.
     assert fastpath.UNAVAILABLE == ""
-    assert _native.MAX_SLOTS == 64
+    assert _native.MAX_SLOTS == 63  # the 64th bit of a plan's mask asks for the daemon
 
 
 # --- the scheduler's plans, as tables --------------------------------------------------
@@ -107,6 +107,7 @@ class Harness:
         self.table = _native.Table.attach(str(tmp / "node.slots"))
         self.jobs = jobs
         self.gen: dict[tuple[str, int], int] = {}  # waiting or holding ranks' request
+        self.rang = False  # an event rang the daemon since it last caught up
         self.state: dict[tuple[str, int], str] = {}
         for order, (job, devices) in enumerate(jobs.items()):
             for rank, dev in enumerate(devices):
@@ -130,6 +131,7 @@ class Harness:
             assert self.plane.grant((g.job, g.rank))
 
     def catch_up(self):
+        self.rang = False
         for dev in self.plane.devices():
             grants, seq = self.plane.drain(self.sched, dev, invalidate=False)
             self.deliver(grants)
@@ -144,6 +146,7 @@ class Harness:
     def request(self, key):
         flags, gen = self.table.request(self.dev(key), self.slot(key), self.clock.now, 1.0)
         assert flags >= 0
+        self.rang |= bool(flags & _native.RING_DAEMON)
         self.gen[key], self.state[key] = gen, "waiting"
         return self.ref.request(*key)
 
@@ -153,6 +156,7 @@ class Harness:
                                    fastpath.PHASES.index(phase), plannable, self.clock.now,
                                    1.0)
         assert flags >= 0
+        self.rang |= bool(flags & _native.RING_DAEMON)
         if not self.ref.policy.keeps_device(phase):  # else the holder holds on
             self.state[key] = "idle"
         return self.ref.release(*key, phase)
@@ -191,13 +195,20 @@ def test_the_table_grants_what_the_scheduler_grants(tmp_path_factory, policy, la
         if what == "daemon":
             h.catch_up()
         elif what == "tick":  # time passes: leases and patience run out
+            # As the daemon does: it has long answered any ring before seconds pass;
+            # then it looks at its (maybe stale) scheduler's deadlines, and only when one
+            # is due does it drain the table and expire.
+            if h.rang:
+                h.catch_up()
             h.clock.now += 0.7 * (pick + 1)
-            h.daemon_change()
             h.ref.expire()
-            revoked, grants = h.sched.expire()
-            h.deliver(grants)
-            for job, rank, _ in revoked:  # the holder is not told: it computes on
-                h.state[(job, rank)] = "revoked"
+            due = h.sched.next_deadline()
+            if due is not None and due <= h.clock.now:
+                h.daemon_change()
+                revoked, grants = h.sched.expire()
+                h.deliver(grants)
+                for job, rank, _ in revoked:  # the holder is not told: it computes on
+                    h.state[(job, rank)] = "revoked"
         elif what == "mode" and h.ref.policy.exclusive:
             mode = Mode.CONCURRENT if h.ref.mode == Mode.ANTIPHASE else Mode.ANTIPHASE
             h.daemon_change()
@@ -225,15 +236,20 @@ def test_the_table_grants_what_the_scheduler_grants(tmp_path_factory, policy, la
 
 def test_chain():
     sched, _ = build("crossover", {"A": ["d0"], "B": ["d0"], "C": ["d1"]})
-    fmt = lambda chain: [(f"{j}:{r}", kind.value, [f"{a}:{b}" for a, b in granted])  # noqa: E731
-                         for (j, r), kind, granted in chain]
+    def fmt(chain):  # "wake": the daemon must see this event at once (patience)
+        return [(f"{j}:{r}", kind.value, [f"{a}:{b}" for a, b in granted])
+                + (("wake",) if wake else ()) for (j, r), kind, granted, wake in chain]
+
     sched.request("C", 0)  # alone on d1: it gets its device back every time
     assert fmt(preview(sched, "d1", depth=4).chain) == [
         ("C:0", "release", []), ("C:0", "request", ["C:0"]),
         ("C:0", "release", []), ("C:0", "request", ["C:0"])]
     sched.request("A", 0)
-    # B has not asked yet: after A's release the device waits for B, and the chain ends
-    assert fmt(preview(sched, "d0").chain) == [("A:0", "release", []), ("A:0", "request", [])]
+    # B has not asked yet: after A's release A's request waits for B, free device and
+    # all, until B asks or patience passes B over: only the daemon's clock decides, so
+    # that step wakes it
+    assert fmt(preview(sched, "d0").chain) == [("A:0", "release", []),
+                                              ("A:0", "request", [], "wake")]
     sched.request("B", 0)
     assert fmt(preview(sched, "d0", depth=6).chain) == [
         ("A:0", "release", ["B:0"]), ("A:0", "request", []),
@@ -303,6 +319,25 @@ def test_a_request_drained_before_the_ranks_attached_message_is_granted_in_the_t
     grants, _ = plane.drain(sched, "d0", invalidate=True)
     assert grants == []  # none for the socket
     assert table.granted(slot, gen)
+
+
+def test_an_event_that_leaves_a_waiter_on_a_free_device_wakes_the_daemon(tmp_path):
+    # Found by the differential test once it modelled the daemon's clock (likely also the
+    # chaos soak's 9.5 s wait): after two mode switches A holds d1 and B waits; A's
+    # release leaves d1 free but waiting for A itself (first in line again), which only
+    # the daemon's patience ends. That release followed the chain and did not ring, so B
+    # waited until A's stale lease woke the daemon instead of for patience.
+    h = Harness(tmp_path, "crossover", {"A": ["d0", "d1"], "B": ["d0", "d1"], "C": ["d1"]})
+    a, b = ("A", 1), ("B", 1)
+    h.request(a)
+    for mode in (Mode.CONCURRENT, Mode.ANTIPHASE):
+        h.daemon_change()
+        h.ref.set_mode(mode)
+        h.deliver(h.sched.set_mode(mode))
+    h.request(b)
+    h.catch_up()
+    assert h.release(a, M) == []  # B is not granted: the device waits for A
+    assert h.rang
 
 
 def test_a_rank_path_rings_the_daemon_once_per_round(tmp_path):

@@ -47,14 +47,19 @@ class Preview:
         on_request: rank -> the ranks granted if it asks for the device next (ranks
             that hold already are left out: they do not ask).
         on_release: holder -> the ranks granted if it releases in `PLANNED_PHASE` next.
-        chain: the expected events from now on, (rank, kind, ranks granted) in order.
+        chain: the expected events from now on, (rank, kind, ranks granted, wake) in
+            order.
         concurrent: every request is granted at once, whatever comes before it.
+        wakes: the (rank, kind) answers after which the device is free but waits for
+            the rank whose turn it is: only the daemon's clock ends that (patience), so
+            such an event must reach it at once (as must a chain step marked `wake`).
     """
 
     on_request: dict[Key, tuple[Key, ...]]
     on_release: dict[Key, tuple[Key, ...]]
-    chain: tuple[tuple[Key, Step, tuple[Key, ...]], ...]
+    chain: tuple[tuple[Key, Step, tuple[Key, ...], bool], ...]
     concurrent: bool
+    wakes: frozenset[tuple[Key, Step]] = frozenset()
 
 
 def preview(sched: SlotScheduler, device: str, depth: int = 32) -> Preview:
@@ -69,18 +74,23 @@ def preview(sched: SlotScheduler, device: str, depth: int = 32) -> Preview:
     dev = sched._devices[device]
     on_request: dict[Key, tuple[Key, ...]] = {}
     on_release: dict[Key, tuple[Key, ...]] = {}
+    wakes: set[tuple[Key, Step]] = set()
     for key, r in dev.ranks.items():
         scratch = _scratch(sched, device)
         if r.state == HOLDING:
             on_release[key] = _keys(scratch.release(*key, PLANNED_PHASE))
+            kind = Step.RELEASE
         else:
             on_request[key] = _keys(scratch.request(*key))
+            kind = Step.REQUEST
+        if _blocked(scratch, device):
+            wakes.add((key, kind))
     return Preview(on_request, on_release, _chain(sched, device, depth),
-                   concurrent=not sched.exclusive)
+                   concurrent=not sched.exclusive, wakes=frozenset(wakes))
 
 
 def _chain(sched: SlotScheduler, device: str, depth: int
-           ) -> tuple[tuple[Key, Step, tuple[Key, ...]], ...]:
+           ) -> tuple[tuple[Key, Step, tuple[Key, ...], bool], ...]:
     """The events expected next: while one rank holds, it releases to communicate, then
     asks again (another waiting rank takes the device meanwhile, or nobody does and the
     holder gets it back). Anything else (a gang, nobody holding, a policy that keeps the
@@ -88,15 +98,22 @@ def _chain(sched: SlotScheduler, device: str, depth: int
     if not (sched.exclusive and sched.policy.release_on_communicate):
         return ()
     scratch = _scratch(sched, device)
-    chain: list[tuple[Key, Step, tuple[Key, ...]]] = []
+    chain: list[tuple[Key, Step, tuple[Key, ...], bool]] = []
     while len(chain) + 2 <= depth:
         holders = scratch.holders(device)
         if len(holders) != 1:
             break
         (holder,) = holders
-        chain.append((holder, Step.RELEASE, _keys(scratch.release(*holder, PLANNED_PHASE))))
-        chain.append((holder, Step.REQUEST, _keys(scratch.request(*holder))))
+        granted = _keys(scratch.release(*holder, PLANNED_PHASE))
+        chain.append((holder, Step.RELEASE, granted, _blocked(scratch, device)))
+        granted = _keys(scratch.request(*holder))
+        chain.append((holder, Step.REQUEST, granted, _blocked(scratch, device)))
     return tuple(chain)
+
+
+def _blocked(scratch: SlotScheduler, device: str) -> bool:
+    """The device is free and waits for an active rank whose turn it is (patience)."""
+    return scratch._devices[device].blocked_since is not None
 
 
 class PlanCache:
