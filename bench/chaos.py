@@ -46,8 +46,8 @@ from common import write_result  # noqa: E402
 
 from crossover import trace  # noqa: E402
 from crossover.backoff import Backoff, wait_until  # noqa: E402
-from crossover.client import daemon_listens  # noqa: E402
 from crossover.launch.local import mpi_env, mpirun, terminate_group  # noqa: E402
+from crossover.probe import daemon_listens  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples/torch_mlp.py"

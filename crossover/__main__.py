@@ -94,7 +94,7 @@ def _daemon(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from crossover.client import daemon_status
+    from crossover.probe import daemon_status
 
     while True:
         try:

@@ -25,10 +25,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from crossover import environment as E
 from crossover import fastpath
 from crossover import protocol as P
 from crossover.daemon_world import DaemonWorld, default_comm, node_identity
+from crossover.fastpath import TableDaemon
 from crossover.procstats import RankUsage, process_state
 from crossover.protocol import Phase
 from crossover.scheduler import (
@@ -62,7 +62,7 @@ class _Conn:
         return (self.hello.job, self.hello.rank) if self.hello else None
 
 
-class Daemon(DaemonWorld):
+class Daemon(DaemonWorld, TableDaemon):
     """One node's coordinator.
 
     Args:
@@ -213,46 +213,6 @@ class Daemon(DaemonWorld):
         tmp.rename(self.path)  # appears only once it accepts connections
         sock.setblocking(False)
         return sock
-
-    def _open_table(self) -> None:
-        """Create the node's slot table (replacing a killed daemon's), or say once why the
-        ranks here use the socket path."""
-        why = fastpath.UNAVAILABLE or ("" if E.flag(E.NATIVE) else f"{E.NATIVE}=0")
-        if why:
-            log.info("native fast path off (%s); ranks use the socket path", why)
-            return
-        try:
-            self.fast = fastpath.TablePlane(fastpath.table_path(self.path))
-        except (OSError, RuntimeError, ValueError) as exc:
-            log.warning("native fast path off: %s; ranks use the socket path", exc)
-
-    def _before_change(self, device: str | None = None) -> None:
-        """About to change the scheduler for another reason than a table event: withdraw
-        the plan of `device` (None: every device) and apply the events before it, so the
-        table's ring and the scheduler keep one order."""
-        if self.fast is None:
-            return
-        for name in [device] if device is not None else self.fast.devices():
-            if name in self.fast.devices():
-                self._drain(name, invalidate=True)
-
-    def _drain(self, device: str, invalidate: bool) -> int | None:
-        # A busy mutex (a rank stopped inside it) is tried again on the next loop.
-        self._replan.add(device)
-        got = self.fast.drain(self.sched, device, invalidate)
-        if got is None:
-            return None
-        self._deliver(got[0])
-        return got[1]
-
-    def _publish_plans(self) -> None:
-        """Apply the events that came and publish each touched device's next plan."""
-        for device in list(self._replan):
-            for _ in range(3):  # events keep coming: they ring again, so stop trying soon
-                seq = self._drain(device, invalidate=False)
-                if seq is not None and self.fast.publish(self.sched, device, seq):
-                    self._replan.discard(device)
-                    break
 
     def _timeout(self) -> float:
         t = 0.5 if not self._replan else 0.01

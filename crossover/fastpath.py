@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from crossover import environment as E
 from crossover import protocol as P
 from crossover.protocol import Phase
 from crossover.scheduler import SlotGrant, SlotScheduler
@@ -202,6 +203,53 @@ class TablePlane:
     def fast_grants(self) -> dict[str, int]:
         """Grants made without the daemon so far, per device (for status)."""
         return {d: self.table.fast_grants(i) for d, i in self._devices.items()}
+
+
+class TableDaemon:
+    """The daemon's use of its table, mixed into `Daemon` (whose scheduler, path and
+    delivery these methods use): open it, keep its ring and the scheduler in one order,
+    publish plans."""
+
+    def _open_table(self) -> None:
+        """Create the node's slot table (replacing a killed daemon's), or say once why the
+        ranks here use the socket path."""
+        why = UNAVAILABLE or ("" if E.flag(E.NATIVE) else f"{E.NATIVE}=0")
+        if why:
+            log.info("native fast path off (%s); ranks use the socket path", why)
+            return
+        try:
+            self.fast = TablePlane(table_path(self.path))
+        except (OSError, RuntimeError, ValueError) as exc:
+            log.warning("native fast path off: %s; ranks use the socket path", exc)
+
+    def _before_change(self, device: str | None = None) -> None:
+        """About to change the scheduler for another reason than a table event: withdraw
+        the plan of `device` (None: every device) and apply the events before it, so the
+        table's ring and the scheduler keep one order."""
+        if self.fast is None:
+            return
+        for name in [device] if device is not None else self.fast.devices():
+            if name in self.fast.devices():
+                self._drain(name, invalidate=True)
+
+    def _drain(self, device: str, invalidate: bool) -> int | None:
+        # A busy mutex (a rank stopped inside it) is tried again on the next loop.
+        self._replan.add(device)
+        got = self.fast.drain(self.sched, device, invalidate)
+        if got is None:
+            return None
+        self._deliver(got[0])
+        return got[1]
+
+    def _publish_plans(self) -> None:
+        """Apply the events that came and publish each touched device's next plan."""
+        for device in list(self._replan):
+            for _ in range(3):  # events keep coming: they ring again, so stop trying soon
+                seq = self._drain(device, invalidate=False)
+                if seq is not None and self.fast.publish(self.sched, device, seq):
+                    self._replan.discard(device)
+                    break
+
 
 
 class RankPath:

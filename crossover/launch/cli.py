@@ -24,10 +24,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from crossover.backoff import Backoff, wait_until
-from crossover.client import daemon_listens, daemon_status
 from crossover.environment import node_name
 from crossover.launch import jobspec
 from crossover.launch.inject import INJECT_ENV, inject_dir
+from crossover.probe import daemon_listens, daemon_status
 from crossover.scheduler import POLICIES
 from crossover.transport import runtime_dir as default_runtime_dir
 from crossover.transport import socket_path

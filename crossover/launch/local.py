@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from crossover.backoff import Backoff, wait_until
-from crossover.client import daemon_listens
+from crossover.probe import daemon_listens
 
 
 @dataclass
