@@ -179,7 +179,7 @@ bool Table::Ring(Device* d, bool planned, uint64_t grants, bool handed_on, uint3
   return want && d->doorbell.exchange(1) == 0;
 }
 
-int Table::Request(int dev, int slot, double now, double lock_timeout_s, uint32_t* gen) {
+int Table::Enter(int dev, int slot, double lock_timeout_s, Device** out) {
   if (dev < 0 || dev >= devices() || slot < 0 || slot >= kMaxSlots) return kBadArgument;
   Device* d = &h_->dev[dev];
   if (!Lock(d, lock_timeout_s)) return kLockTimeout;
@@ -187,6 +187,13 @@ int Table::Request(int dev, int slot, double now, double lock_timeout_s, uint32_
     Unlock(d);
     return kRingFull;
   }
+  *out = d;
+  return 0;
+}
+
+int Table::Request(int dev, int slot, double now, double lock_timeout_s, uint32_t* gen) {
+  Device* d = nullptr;
+  if (int err = Enter(dev, slot, lock_timeout_s, &d)) return err;
   Slot& s = h_->slots[slot];
   uint32_t g = s.req_gen.load(std::memory_order_relaxed) + 1;
   s.req_gen.store(g, std::memory_order_relaxed);
@@ -205,13 +212,8 @@ int Table::Request(int dev, int slot, double now, double lock_timeout_s, uint32_
 
 int Table::Release(int dev, int slot, uint32_t phase, bool use_plan, double now,
                    double lock_timeout_s) {
-  if (dev < 0 || dev >= devices() || slot < 0 || slot >= kMaxSlots) return kBadArgument;
-  Device* d = &h_->dev[dev];
-  if (!Lock(d, lock_timeout_s)) return kLockTimeout;
-  if (d->tail - d->head >= kRing) {
-    Unlock(d);
-    return kRingFull;
-  }
+  Device* d = nullptr;
+  if (int err = Enter(dev, slot, lock_timeout_s, &d)) return err;
   // In concurrent mode nobody waits, so a release grants nothing. The plan is made for
   // one phase (an idle rank, say, is not waited for: it changes who is in line).
   uint64_t grants = 0;

@@ -151,6 +151,9 @@ class Table {
  private:
   Table(void* base, size_t size) : base_(base), size_(size), h_(static_cast<Header*>(base)) {}
   bool Lock(Device* d, double timeout_s);
+  // A rank's call: checks its arguments, takes the device's mutex and makes sure the ring
+  // has room; 0 with the mutex held and `*out` set, or the error (mutex not held).
+  int Enter(int dev, int slot, double lock_timeout_s, Device** out);
   void Unlock(Device* d);
   // The plan's answer to an event at the tail (mutex held): whether one holds, the
   // grants, and how many chain events are left after it.

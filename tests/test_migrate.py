@@ -20,7 +20,7 @@ from crossover.pipeline.graph import Graph
 from crossover.pipeline.models import build
 from crossover.pipeline.partition import parameter_costs
 from tests.conftest import PY, Proc, mpirun
-from tests.test_pipeline_train import assert_close
+from tests.test_pipeline_train import assert_close, one_process_with_freezing
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -196,25 +196,8 @@ def run_job(tmp_path, cluster, np_, *args, timeout=240):
 
 
 def one_process(opt_name: str, steps: int, log: list):
-    """The same training in one process, freezing the same layers after the same steps
-    (a frozen layer's gradient is dropped before that step's update)."""
-    spec = build("chain", torch.float64, small=True)
-    graph = Graph.from_fx(spec.module)
-    opt = OPTIMIZERS[opt_name](list(spec.module.parameters()))
-    x, y = spec.make_batch(8, 7)
-    freezes = {step: layers for step, layers in log}
-    losses = []
-    for s in range(steps):
-        opt.zero_grad()
-        loss = spec.loss(spec.module(**x), y)
-        loss.backward()
-        for layer in freezes.get(s, []):
-            for p in graph.ops[layer].params.values():
-                p.requires_grad_(False)
-                p.grad = None
-        opt.step()
-        losses.append(float(loss.detach()))
-    return losses, spec.module
+    """The same training in one process, with the same freezes and optimizer."""
+    return one_process_with_freezing("chain", steps, log, OPTIMIZERS[opt_name])
 
 
 @pytest.mark.mpi

@@ -159,13 +159,18 @@ if rank == 0:
 """
 
 
-def one_process_with_freezing(name: str, steps: int, log: list):
-    """The same training in one process, freezing the same layers after the same steps."""
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def one_process_with_freezing(name: str, steps: int, log: list, optimizer=sgd):
+    """The same training in one process, freezing the same layers after the same steps
+    (a frozen layer's gradient is dropped before that step's update)."""
     from crossover.pipeline.graph import Graph
 
     spec = build(name, torch.float64, small=True)
     graph = Graph.from_fx(spec.module)
-    opt = torch.optim.SGD(spec.module.parameters(), lr=0.05, momentum=0.9)
+    opt = optimizer(list(spec.module.parameters()))
     x, y = spec.make_batch(8, 7)
     freezes = {step: layers for step, layers in log}
     losses = []
