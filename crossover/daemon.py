@@ -176,6 +176,7 @@ class Daemon(DaemonWorld, TableDaemon):
                 self._expire()
                 self._check_idle()
                 self._finish_status_waits()
+                self._realign()
                 self._publish_plans()
         finally:
             self._sel.close()
@@ -445,6 +446,13 @@ class Daemon(DaemonWorld, TableDaemon):
             conn = self._conns.get((g.job, g.rank))
             if conn is not None:
                 self._reply(conn, P.Grant(conn.seq))
+
+    def _realign(self) -> None:
+        """A rank back from a pause moved its job's turns on one device: give its job's
+        ranks on the other devices the same offset before they cross (scheduler doc)."""
+        if self.sched.misaligned():
+            self._before_change()
+            self._deliver(self.sched.realign())
 
     def _expire(self) -> None:
         if self.modes is not None and self.peers.rank == 0:

@@ -131,7 +131,16 @@ class Harness:
             assert self.plane.grant((g.job, g.rank))
 
     def catch_up(self):
+        """As the daemon's loop: apply the events, realign a job's turns that a rank
+        back from a pause moved on one device (a change of every device; the reference
+        realigns at the same point of the sequence), publish the plans."""
         self.rang = False
+        for dev in self.plane.devices():
+            self.deliver(self.plane.drain(self.sched, dev, invalidate=False)[0])
+        if self.sched.misaligned():
+            self.daemon_change()
+            self.deliver(self.sched.realign())
+            self.ref.realign()
         for dev in self.plane.devices():
             grants, seq = self.plane.drain(self.sched, dev, invalidate=False)
             self.deliver(grants)

@@ -299,3 +299,84 @@ def test_all_devices_grant_in_one_sequence(policy, schedule):
                 granted(sched.release(*r, M))
     n = min(len(sequence["d0"]), len(sequence["d1"]))
     assert sequence["d0"][:n] == sequence["d1"][:n]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(["crossover", "priority"]),
+       st.lists(st.integers(0, 4), min_size=60, max_size=300),
+       st.integers(0, 40), st.integers(0, 40))
+def test_a_job_whose_ranks_register_at_different_times_keeps_one_sequence(
+        policy, schedule, join_0, join_1):
+    """Job B's two ranks register late, each at its own point, while job A runs on both
+    devices in the step life cycle (its ranks at different points of its sequence).
+    Both devices still grant the same job sequence: a late rank starts at its job's
+    offset, not at its device's present turn, which differs from its peer's (regression:
+    crossed devices stalled two jobs on one host)."""
+    sched, _ = build(policy, {"A": ["d0", "d1"]})
+    ranks = [("A", 0), ("A", 1), ("B", 0), ("B", 1)]
+    joined = {("A", 0), ("A", 1)}
+    joins = {join_0: ("B", 0), join_1 + 1: ("B", 1)} if join_0 != join_1 + 1 else {
+        join_0: ("B", 0), join_1 + 2: ("B", 1)}
+    state = dict.fromkeys(ranks, "ready")
+    released = {(j, t): set() for j in "AB" for t in range(400)}
+    turn = dict.fromkeys(ranks, 0)
+    sequence = {"d0": [], "d1": []}
+
+    def granted(grants):
+        for g in grants:
+            state[(g.job, g.rank)] = "holding"
+            sequence[f"d{g.rank}"].append(g.job)
+
+    for i, pick in enumerate(schedule):
+        if i in joins:
+            job, rank = joins[i]
+            sched.register(job, rank, f"d{rank}", order=1)
+            joined.add((job, rank))
+        enabled = [r for r in sorted(joined) if state[r] in ("ready", "holding")
+                   or (state[r] == "comm" and len(released[(r[0], turn[r] - 1)]) == 2)]
+        if not enabled:
+            continue  # A waits for B's late rank in an allreduce
+        r = enabled[pick % len(enabled)]
+        if state[r] in ("ready", "comm"):
+            state[r] = "waiting"
+            granted(sched.request(*r))
+        else:
+            state[r] = "comm"
+            released[(r[0], turn[r])].add(r[1])
+            turn[r] += 1
+            granted(sched.release(*r, M))
+    # Where B's i-th grant falls among A's grants, per device. A late rank has missed
+    # turns (its device served A alone meanwhile) and catches up first; from then on
+    # both devices interleave the jobs alike.
+    def a_before_b(seq):
+        out, a = [], 0
+        for job in seq:
+            a += job == "A"
+            if job == "B":
+                out.append(a)
+        return out
+    b0, b1 = a_before_b(sequence["d0"]), a_before_b(sequence["d1"])
+    n = min(len(b0), len(b1))
+    assert n < 12 or b0[n - 4:n] == b1[n - 4:n], (sequence, b0, b1)
+
+
+def test_a_rank_back_from_a_pause_moves_its_jobs_turns_on_every_device_at_realign():
+    sched, clock = build("crossover", TWO_JOBS)
+    for rank in (0, 1):
+        sched.request("A", rank)
+        sched.request("B", rank)
+        sched.release("A", rank, M)  # A communicates; B computes
+        sched.release("B", rank, M)
+    assert sched.request("B", 0) == []  # d0 waits for A's rank 0, whose turn it is
+    clock.now += 1.5
+    assert sched.expire()[1] == [SlotGrant("B", 0, "d0")]  # A0 passed over on d0 only
+    sched.release("B", 0, M)
+    assert sched.request("B", 0) == [SlotGrant("B", 0, "d0")]  # again: A0 is away
+    sched.request("A", 0)  # back, at d0's present turn: A's turns moved on d0 alone
+    assert sched.misaligned()
+    sched.realign()
+    assert not sched.misaligned()
+    assert len(set(sched._offsets("A"))) == 1 and len(set(sched._offsets("B"))) == 1
+    # ...and A's rank 1 lines up behind B on d1 as A's rank 0 does on d0.
+    sched.release("B", 0, M)
+    assert sched.request("B", 1) == [SlotGrant("B", 1, "d1")]

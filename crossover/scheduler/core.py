@@ -14,6 +14,15 @@ A grant is for a job on a device (a gang): the ranks of one job that share a dev
 hold it together, or one rank would wait for the slot while its peer waits for it inside
 the allreduce. A rank that held the device in the current turn may not join it again
 while another job waits; that bounds how long a job keeps a device.
+
+One sequence needs one turn offset per job. A rank's turn is its job's offset plus the
+grants it has had, so ranks of a job at the same point of their (identical) request
+sequences have the same key on every device, and every device orders the jobs alike. A
+rank that comes back from a pause (idle, or passed over) starts at its device's present
+turn, which moves its job's offset on that device only: `misaligned` then says so, and
+`realign` (the daemon calls it at once, as a change of every device) gives the job's
+other ranks the same offset. Left crossed, device 0 serves job A while device 1 serves
+job B, and each job's allreduce waits for its rank on the other device.
 """
 
 from __future__ import annotations
@@ -60,12 +69,13 @@ class _Rank:
     rank: int
     order: int
     weight: float
-    turn: int  # the key of this rank's next request
+    turn: int  # the key of this rank's next request: its job's offset + `grants`
     state: RankState = NEW
     since: float = 0.0  # when the rank entered `state`
     deadline: float | None = None  # lease end while holding
     joined: float = 0.0
     waited_s: float = 0.0  # accumulated time in WAITING
+    grants: int = 0  # grants so far: where the rank is in its job's request sequence
 
 
 @dataclass
@@ -109,6 +119,7 @@ class SlotScheduler:
         # Concurrent serves every request at once, as plain co-location does (see
         # `mode`); an exclusive policy starts in antiphase.
         self.mode = Mode.ANTIPHASE if policy.exclusive else Mode.CONCURRENT
+        self._shifted = False  # a rank's turn moved alone since the last `realign`
 
     @property
     def exclusive(self) -> bool:
@@ -132,20 +143,35 @@ class SlotScheduler:
         self.mode = mode
         now = self.clock()
         grants: list[SlotGrant] = []
-        for name, dev in self._devices.items():
+        for dev in self._devices.values():
             if mode == Mode.CONCURRENT and dev.holder is not None:
                 dev.held_s[dev.holder] = dev.held_s.get(dev.holder, 0.0) + now - dev.hold_start
             dev.holder, dev.served = None, set()  # antiphase: _dispatch finds the holder
-            if mode == Mode.ANTIPHASE and dev.ranks:
-                # Start the sequence afresh: turns drift apart while jobs step at their
-                # own rates, and a job behind would take every turn until it caught up.
-                # Equal turns order the jobs by global order, the same on every device.
-                dev.vtime = max(self.policy.virtual_time(r.turn, r.weight)
-                                for r in dev.ranks.values())
-                for r in dev.ranks.values():
-                    r.turn = self.policy.turn_at(dev.vtime, r.weight)
+        if mode == Mode.ANTIPHASE:
+            self._restart_turns()
+        for name in self._devices:
             grants += self._dispatch(name)
         return grants
+
+    def _restart_turns(self) -> None:
+        """Start the turn sequence afresh: turns drift apart while jobs step at their own
+        rates, and a job behind would take every turn until it caught up. Every job's
+        leading rank gets the present turn; its other ranks keep their distance to it in
+        the job's sequence, so every device orders the jobs alike (global order breaks
+        ties)."""
+        ranks = [r for dev in self._devices.values() for r in dev.ranks.values()]
+        if not ranks:
+            return
+        now = max(self.policy.virtual_time(r.turn, r.weight) for r in ranks)
+        for job in {r.job for r in ranks}:
+            mine = [r for r in ranks if r.job == job]
+            lead = max(r.grants for r in mine)
+            offset = self.policy.turn_at(now, mine[0].weight) - lead
+            for r in mine:
+                r.turn = offset + r.grants
+        for dev in self._devices.values():
+            if dev.ranks:
+                dev.vtime = now
 
     # --- membership -------------------------------------------------------------------
     def register(self, job: str, rank: int, device: str, order: int, weight: float = 1.0):
@@ -167,8 +193,11 @@ class SlotScheduler:
         if (job, rank) in self._where:
             raise SchedulerError(f"job {job!r}: rank {rank} is registered already")
         dev = self._devices.setdefault(device, _Device())
+        # The job's offset if it has ranks here already (a rank that registers late
+        # starts where its peers started), or the device's present turn.
+        offsets = self._offsets(job)
+        turn = max(offsets) if offsets else self.policy.turn_at(dev.vtime, weight)
         self._where[(job, rank)] = device
-        turn = self.policy.turn_at(dev.vtime, weight)
         now = self.clock()
         dev.ranks[(job, rank)] = _Rank(job, rank, order, weight, turn, NEW, now, joined=now)
 
@@ -195,8 +224,11 @@ class SlotScheduler:
             r.deadline = self.clock() + self.lease_s
             return [SlotGrant(job, rank, device)]
         if r.state in (IDLE, SKIPPED):
-            # Back after a pause: start at the present, not with a backlog of turns.
-            r.turn = max(r.turn, self.policy.turn_at(dev.vtime, r.weight))
+            # Back after a pause: start at the present, not with a backlog of turns (on
+            # this device only: the job's other ranks follow at `realign`).
+            present = self.policy.turn_at(dev.vtime, r.weight)
+            if present > r.turn:
+                r.turn, self._shifted = present, True
         self._set(r, WAITING)
         return self._dispatch(device)
 
@@ -212,6 +244,32 @@ class SlotScheduler:
         self._drop_holding(device, r)
         self._set(r, IDLE if phase == Phase.IDLE else BUSY)
         return self._dispatch(device)
+
+    def misaligned(self) -> bool:
+        """Whether a job's ranks have different turn offsets (see the module doc): the
+        caller should `realign` now. Only exclusive grants use turns."""
+        if not self._shifted:
+            return False
+        if self.exclusive and any(len(set(self._offsets(job))) > 1 for job in self._jobs):
+            return True
+        self._shifted = False
+        return False
+
+    def realign(self) -> list[SlotGrant]:
+        """Give every rank of a job its job's latest offset (the largest: a rank that came
+        back at the present moved it); returns the grants that follow.
+
+        A change of every device at once: the daemon withdraws the plans of all devices
+        first (it does the same for a mode switch)."""
+        self._shifted = False
+        for job in self._jobs:
+            offset = max(self._offsets(job), default=0)
+            for r in self._ranks_of(job):
+                r.turn = offset + r.grants
+        grants: list[SlotGrant] = []
+        for name in self._devices:
+            grants += self._dispatch(name)
+        return grants
 
     def renew(self, job: str, rank: int) -> None:
         """Extend the rank's lease on the device it holds (no-op if it holds none)."""
@@ -307,6 +365,12 @@ class SlotScheduler:
             raise SchedulerError(f"job {job!r} rank {rank} is not registered")
         return device, self._devices[device].ranks[(job, rank)]
 
+    def _ranks_of(self, job: str) -> list[_Rank]:
+        return [self._devices[d].ranks[(j, r)] for (j, r), d in self._where.items() if j == job]
+
+    def _offsets(self, job: str) -> list[int]:
+        return [r.turn - r.grants for r in self._ranks_of(job)]
+
     def _key(self, r: _Rank) -> tuple:
         return (*self.policy.key(r.turn, r.order, r.weight), r.rank)
 
@@ -326,6 +390,7 @@ class SlotScheduler:
         r.waited_s += now - r.since
         dev.vtime = max(dev.vtime, self.policy.virtual_time(r.turn, r.weight))
         r.turn += 1
+        r.grants += 1
         r.deadline = now + self.lease_s
         self._set(r, HOLDING)
         return SlotGrant(r.job, r.rank, device)

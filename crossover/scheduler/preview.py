@@ -83,7 +83,9 @@ def preview(sched: SlotScheduler, device: str, depth: int = 32) -> Preview:
         else:
             on_request[key] = _keys(scratch.request(*key))
             kind = Step.REQUEST
-        if _blocked(scratch, device):
+        if _blocked(scratch, device) or scratch._shifted:
+            # The daemon must act now: patience runs out only on its clock, and a rank
+            # back from a pause moved its job's turns on this device alone (`realign`).
             wakes.add((key, kind))
     return Preview(on_request, on_release, _chain(sched, device, depth),
                    concurrent=not sched.exclusive, wakes=frozenset(wakes))
@@ -156,11 +158,12 @@ def _signature(sched: SlotScheduler, device: str, depth: int) -> tuple | None:
     dev = sched._devices[device]
     # A rank away (idle or skipped) is in nobody's way, and comes back at the present:
     # only that turn counts, or an idle neighbour's fixed turn would make every state new.
+    # Whether it comes back behind the present counts too: that answer wakes the daemon.
     away = (IDLE, SKIPPED)
     turns = {k: max(r.turn, sched.policy.turn_at(dev.vtime, r.weight)) if r.state in away
              else r.turn for k, r in dev.ranks.items()}
     base = min(turns.values(), default=0)
-    ranks = tuple(sorted((k, r.state, turns[k] - base, r.order, r.weight)
+    ranks = tuple(sorted((k, r.state, turns[k] - base, r.order, r.weight, turns[k] > r.turn)
                          for k, r in dev.ranks.items()))
     return (sched.policy.name, sched.mode, depth, ranks, dev.holder,
             tuple(sorted(dev.served)), dev.vtime - base, dev.blocked_since is None)
@@ -175,6 +178,7 @@ def _scratch(sched: SlotScheduler, device: str) -> SlotScheduler:
     `device`'s state (a copy of the whole scheduler per question would cost the daemon
     far more, and only the device changes)."""
     scratch = copy.copy(sched)
+    scratch._shifted = False  # set again if the question's event moves a turn alone
     dev = sched._devices[device]
     scratch._devices = {device: _Device(
         ranks={k: replace(r) for k, r in dev.ranks.items()},
