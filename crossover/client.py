@@ -77,8 +77,10 @@ class SlotClient:
         runtime_dir: where the daemons' sockets are (default: see `transport`).
         weight: priority weight for the `priority` policy.
         gpu: the CUDA device index this rank computes on, None on CPU.
-        pin_cpu: pin the process to its device's cores (CPU devices only), as a GPU
-            rank is bound to its GPU.
+        pin_cpu: pin the process to its device's cores in antiphase (CPU devices
+            only), as a GPU rank is bound to its GPU. Off by default: a pinned rank
+            cannot leave a core where a waiting job's MPI threads spin, and two such
+            jobs on one host stalled for 7-25 s (README, Known limits).
         wait_s: longest wait for a grant before going on uncoordinated for that step
             (default: twice the daemon's lease, so a hung holder is revoked first).
         trace: a recorder for slot-wait/hold/communicate events, or None.
@@ -93,7 +95,7 @@ class SlotClient:
         runtime_dir: str | os.PathLike | None = None,
         weight: float = 1.0,
         gpu: int | None = None,
-        pin_cpu: bool = True,
+        pin_cpu: bool = False,
         wait_s: float | None = None,
         trace: TraceRecorder | None = None,
     ) -> None:

@@ -7,7 +7,8 @@ Job side (crossoverrun sets them; all optional):
     CROSSOVER_RUNTIME_DIR      where the daemons' sockets are (default /tmp/crossover-UID).
     CROSSOVER_PRIORITY         weight for the priority policy (default 1).
     CROSSOVER_TRACE            directory for this job's trace files (one per rank).
-    CROSSOVER_PIN_CPU          "0" leaves CPU affinity alone.
+    CROSSOVER_PIN_CPU          "1" pins a CPU rank to its device's cores in antiphase
+                               (off by default; see `SlotClient`).
     CROSSOVER_KEEP_WHEN_ALONE  "0": release at every phase even when the device could be
                                kept (alone, or concurrent mode), to trace every phase.
 Daemon side:

@@ -51,7 +51,7 @@ def init(job: str | None = None, gpu: int | None = None) -> SlotClient:
         name, info,
         weight=float(os.environ.get(E.PRIORITY, "1")),
         gpu=gpu,
-        pin_cpu=E.flag(E.PIN_CPU),
+        pin_cpu=E.flag(E.PIN_CPU, default=False),
         trace=trace,
     )
     atexit.register(shutdown)
