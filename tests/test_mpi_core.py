@@ -19,6 +19,9 @@ pytestmark = pytest.mark.mpi
 
 STEPS = 150
 LONG_STEPS = 2500  # outlasts a daemon restart (seconds)
+# Two probe windows and a decision while both jobs run: STEPS (about 1 s together) once
+# ended before the third decision.
+MODE_STEPS = 3 * STEPS
 SEEDS = {"A": 1, "B": 2}
 
 
@@ -38,6 +41,10 @@ def solo(tmp_path_factory) -> dict:
         long = c.job("Blong", SEEDS["B"], LONG_STEPS, crossover=False)
         long.wait(120)
         out["Blong"] = long.weights
+        for name, seed in SEEDS.items():
+            job = c.job(f"{name}mode", seed, MODE_STEPS, crossover=False)
+            job.wait(120)
+            out[f"{name}mode"] = job.weights
     finally:
         c.cleanup()
     return out
@@ -79,7 +86,7 @@ def test_mode_switches_mid_run_keep_the_math(cluster: Cluster, solo):
     # (--mode-probe-local: these jobs' ranks share this host, which is otherwise not probed)
     with cluster.daemon(policy="auto", extra=("--mode-probe", "0.2", "--mode-hold", "0.5",
                                               "--mode-probe-local")):
-        a, b = cluster.jobs_together(("A", 1, STEPS), ("B", 2, STEPS))
+        a, b = cluster.jobs_together(("A", 1, MODE_STEPS), ("B", 2, MODE_STEPS))
         a.wait(180)
         b.wait(180)
         log = (cluster.tmp / "daemon.log").read_text()
@@ -89,8 +96,8 @@ def test_mode_switches_mid_run_keep_the_math(cluster: Cluster, solo):
     events = trace.merge(sorted(cluster.traces.glob("*.json")), cluster.tmp / "merged.json")
     seen = {ev["name"] for ev in events if ev.get("ph") == "i"}
     assert {"mode antiphase", "mode concurrent"} <= seen, "the ranks' traces show the switches"
-    assert same_weights(a.weights, solo["A"])
-    assert same_weights(b.weights, solo["B"])
+    assert same_weights(a.weights, solo["Amode"])
+    assert same_weights(b.weights, solo["Bmode"])
 
 
 def test_backward_passes_per_step_keeps_the_math(cluster: Cluster, solo):
@@ -155,7 +162,7 @@ def test_jobs_reconnect_to_a_restarted_daemon_and_keep_their_math(cluster: Clust
 def test_daemons_on_two_nodes_agree_on_the_job_order(cluster: Cluster, solo):
     """Two daemon processes (fake nodes, one MPI world); each job rank on its own node."""
     with cluster.daemon(nodes=2):
-        a, b = cluster.jobs_together(("A", 1, STEPS), ("B", 2, STEPS))
+        a, b = cluster.jobs_together(("A", 1, MODE_STEPS), ("B", 2, MODE_STEPS))
         a.wait(180)
         b.wait(180)
         log = (cluster.tmp / "daemon.log").read_text()
