@@ -162,7 +162,7 @@ def test_jobs_reconnect_to_a_restarted_daemon_and_keep_their_math(cluster: Clust
 def test_daemons_on_two_nodes_agree_on_the_job_order(cluster: Cluster, solo):
     """Two daemon processes (fake nodes, one MPI world); each job rank on its own node."""
     with cluster.daemon(nodes=2):
-        a, b = cluster.jobs_together(("A", 1, MODE_STEPS), ("B", 2, MODE_STEPS))
+        a, b = cluster.jobs_together(("A", 1, STEPS), ("B", 2, STEPS))
         a.wait(180)
         b.wait(180)
         log = (cluster.tmp / "daemon.log").read_text()
