@@ -122,7 +122,9 @@ def test_a_frozen_op_costs_a_sixth_and_keeps_one_copy_of_its_weights():
 # --- under mpirun -------------------------------------------------------------------
 
 # mode "migrate": train, force a re-partition to a given cut, hash the gathered state
-# before and after, train on. mode "freeze": freeze and re-partition automatically.
+# before and after, train on. mode "freeze": freeze and re-partition automatically;
+# "cache": the same, cutting the frozen front off and feeding the rest from its cache;
+# "cache_heavy": the same with compute-bound costs (so re-plans use replicas).
 JOB = """
 import json, sys
 import torch
@@ -139,20 +141,31 @@ spec = build("chain", torch.float64, small=True)
 x, y = spec.make_batch(8, 7)  # one batch again and again: gradients settle
 reps = [int(r) for r in replicas.split(",")] if replicas else None
 freeze = {}
-if mode == "freeze":  # arg: every,threshold
+if mode != "migrate":  # arg: every,threshold
     every, threshold = arg.split(",")
     freeze = dict(freeze_every=int(every), freeze_threshold=float(threshold),
-                  freeze_patience=1, repartition=True)
+                  freeze_patience=1, repartition=True, cache_frozen=mode != "freeze")
+if mode == "cache_heavy":  # compute-bound costs: replicas pay
+    from crossover.pipeline.graph import Graph
+    from crossover.pipeline.profile import synthetic
+    graph = Graph.from_fx(spec.module)
+    freeze["costs"] = synthetic(graph, {n: 1e-3 for n in graph.ops})
 t = PipelineTrainer(spec.module, spec.loss, batch=8, num_micro=4, example=x,
                     replicas=reps, optimizer=OPTIMIZERS[opt_name], **freeze)
 rank = t.comm.Get_rank()
 losses, hashes = [], []
-stages = [list(t.plan.stages[t.stage].ops)]  # this rank's stage after each step
+
+def ops_of(t):  # this rank's stage's ops (none on a spare rank)
+    return list(t.plan.stages[t.stage].ops) if t.stage is not None else []
+stages = [ops_of(t)]  # this rank's stage after each step
+layouts = []  # replicas per stage after each step
 
 def train(n):
     for _ in range(n):
-        losses.append(t.step(x if t.needs_inputs else None, y if t.needs_target else None))
-        stages.append(list(t.plan.stages[t.stage].ops))
+        losses.append(t.step(x if t.needs_inputs else None, y if t.needs_target else None,
+                             index=torch.arange(8)))
+        stages.append(ops_of(t))
+        layouts.append([s.replicas for s in t.plan.stages])
 
 def gathered_hash():
     return state_hash(t.state_dict(), t.optimizer_state())
@@ -169,12 +182,14 @@ if mode == "migrate":  # arg: the cuts of the forced plan
     moved = t.repartition(forced)
     hashes.append(gathered_hash())
     assert moved
-    stages.append(list(t.plan.stages[t.stage].ops))
+    stages.append(ops_of(t))
 train(steps - steps // 2)
 state = t.state_dict()
 json.dump({"log": [[d.step, list(d.layers)] for d in t.freeze_log], "losses": losses,
            "hashes": hashes, "stages": stages, "repartitions": t.repartitions,
-           "frozen_stages": sorted(t.runner.frozen_stages())},
+           "frozen_stages": sorted(t.runner.frozen_stages()) if t.runner else [],
+           "layouts": layouts,
+           "cache": [t.prefix.hits, t.prefix.misses] if t.prefix else None},
           open(f"{out}.rank{rank}.json", "w"))
 if rank == 0:
     torch.save(state, out + ".pt")
@@ -247,6 +262,40 @@ def test_training_across_a_repartition_equals_one_process_with_the_same_freezes(
             came = set(r["stages"][k]) - set(r["stages"][k - 1])
             moved_training += [n for n in came if n in PARAM_OPS and n not in frozen]
     assert moved_training, "no re-plan moved a layer that still trains"
+    losses, module = one_process(opt_name, steps, log)
+    assert runs[0]["losses"] == pytest.approx(losses, rel=1e-12)
+    assert_close(state, module)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode, opt_name, np_, replicas, every_threshold, layout", [
+    ("cache", "sgd", 2, "", "2,0.02", [1]),  # the rest is too small to share: 1 spare
+    ("cache_heavy", "sgd", 2, "", "2,0.02", [2]),  # both ranks replicate the rest
+    ("cache", "adam", 3, "2,1", "3,0.3", [1]),
+    ("cache_heavy", "adam", 3, "2,1", "3,0.3", [2]),  # 2 replicas divide micro-batches of 2
+])
+def test_a_cut_off_frozen_front_fed_from_its_cache_equals_one_process(
+        tmp_path, cluster, mode, opt_name, np_, replicas, every_threshold, layout):
+    """With cache_frozen the frozen front stops running: the rest is re-planned over
+    the ranks (onto data-parallel replicas the start did not have where compute
+    dominates; leaving ranks spare where it is too small to share), fed from the
+    per-sample cache, and the weights still equal one process that froze the same
+    layers after the same steps; the cache was filled once, then only read."""
+    steps = 20
+    runs, state = run_job(tmp_path, cluster, np_, mode, opt_name, str(steps), replicas,
+                          every_threshold)
+    log, replans = runs[0]["log"], runs[0]["repartitions"]
+    assert len(log) >= 2, f"froze in fewer than two decisions, {log}: too little to prove"
+    assert replans, "no re-partition happened: the test would prove nothing"
+    assert all(r["log"] == log and r["repartitions"] == replans for r in runs)
+    assert runs[0]["layouts"][-1] == layout, runs[0]["layouts"]
+    spare = [r for r in range(np_) if not runs[r]["stages"][-1]]
+    assert spare == list(range(sum(layout), np_)), spare
+    feeders = [r["cache"] for r in runs if r["cache"] and r["cache"][0]]
+    assert feeders, [r["cache"] for r in runs]
+    last_cut = replans[-1][0]  # each cut starts a new cache: count the last one's
+    for hits, misses in feeders:  # 8 samples, computed in the first step, then read
+        assert (hits, misses) == (8 * (steps - last_cut - 1), 8), (hits, misses, last_cut)
     losses, module = one_process(opt_name, steps, log)
     assert runs[0]["losses"] == pytest.approx(losses, rel=1e-12)
     assert_close(state, module)

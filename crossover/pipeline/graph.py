@@ -216,6 +216,31 @@ class Graph:
             env[name] = feeds[name] if op.is_input else op.run(env)
         return env
 
+    def without_prefix(self, prefix: Iterable[str]) -> Graph:
+        """The graph with the ops of `prefix` cut off: every value that crosses the cut
+        (a prefix op's or a model input's, read by a kept op) becomes an input of the
+        same name, so kept ops run unchanged on fed values.
+
+        Raises:
+            GraphError: `prefix` holds the output, or an op that reads a kept op (it is
+                not a front of the graph).
+        """
+        cut = set(prefix)
+        if self.output in cut:
+            raise GraphError(f"the prefix to cut off holds the output {self.output!r}: "
+                             f"keep at least the op that gives the model's output")
+        for name in cut:
+            late = [src for src in self.ops[name].inputs if src not in cut
+                    and not self.ops[src].is_input]
+            if late:
+                raise GraphError(f"{name!r} reads {late} outside the prefix: a prefix to "
+                                 f"cut off must hold everything its ops read")
+        kept = [n for n, op in self.ops.items() if n not in cut and not op.is_input]
+        crossing = [n for n in self.ops if n not in kept
+                    and any(s in kept for s in self.succ[n])]
+        ops = [Op(n, (), _input_reader(n), is_input=True) for n in crossing]
+        return Graph(ops + [self.ops[n] for n in kept], self.output, self.root)
+
     def forward(self, *args: Any) -> Any:
         """The whole model, as a single process would run it."""
         return self.run(dict(zip(self.inputs, args, strict=True)))[self.output]

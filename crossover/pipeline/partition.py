@@ -96,13 +96,17 @@ def parameter_costs(graph: Graph) -> Costs:
     count (multiply-adds of a dense layer), so every rank plans the same without timing."""
     per = {n: 1e-9 * (1 + sum(p.numel() for p in op.params.values()))
            for n, op in graph.ops.items() if not op.is_input}
-    return synthetic(graph, per, fixed=1e-6, act_per_sample=256.0)
+    # parameter bytes price the gradient allreduce of a replicated stage
+    sizes = {n: float(sum(p.numel() * p.element_size() for p in op.params.values()))
+             for n, op in graph.ops.items()}
+    return synthetic(graph, per, fixed=1e-6, act_per_sample=256.0, param_bytes=sizes)
 
 
 def plan_for(graph: Graph, devices: int, batch: int, num_micro: int,
              partitioner: str = "graph", costs: Costs | None = None,
-             replicate: bool = False) -> Plan:
-    """A runnable plan on exactly `devices` ranks with `num_micro` micro-batches.
+             replicate: bool = False, use_all: bool = True) -> Plan:
+    """A runnable plan on `devices` ranks (all of them, by default) with `num_micro`
+    micro-batches.
 
     Args:
         graph: the graph.
@@ -112,6 +116,8 @@ def plan_for(graph: Graph, devices: int, batch: int, num_micro: int,
         costs: op costs (default `parameter_costs(graph)`).
         replicate: let the partitioner run a stage on several data-parallel replicas
             (their counts divide the micro-batch; the runner needs them at launch).
+        use_all: the plan uses every device; False lets the search leave devices out
+            where the estimate says they do not pay (plans use the lowest ranks).
 
     Returns:
         The plan.
@@ -127,4 +133,4 @@ def plan_for(graph: Graph, devices: int, batch: int, num_micro: int,
     if fn is None:
         raise ValueError(f"partitioner must be 'graph' or 'sequential', not {partitioner!r}")
     return fn(graph, costs, devices, batch, micro_batches=[batch // num_micro],
-              replicate=replicate, use_all=True)
+              replicate=replicate, use_all=use_all)

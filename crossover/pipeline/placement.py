@@ -18,13 +18,14 @@ from typing import Any
 from crossover.pipeline.plan import Plan, Stage
 
 
-def check_ranks(plan: Plan, size: int) -> None:
-    """Raise ValueError unless `size` ranks are exactly what the plan needs.
+def check_ranks(plan: Plan, size: int, spare: bool = False) -> None:
+    """Raise ValueError unless `size` ranks are exactly what the plan needs (with
+    `spare`, at least that many: the ranks past `plan.devices` run no stage).
 
     Every rank checks on its own before any message is exchanged, so a wrong launch
     fails at once on all ranks instead of hanging in a receive.
     """
-    if size != plan.devices:
+    if size < plan.devices or (size > plan.devices and not spare):
         reps = ", ".join(f"stage {i} x{st.replicas}" for i, st in enumerate(plan.stages)
                          if st.replicas > 1)
         raise ValueError(f"the plan needs {plan.devices} ranks ({len(plan.stages)} stages"
@@ -73,14 +74,22 @@ def links(plan: Plan, stage: int, replica: int, peer: int
     return out
 
 
-def replica_process_sets(plan: Plan, comm: Any) -> dict[int, Any]:
+def replica_process_sets(plan: Plan, comm: Any, known: dict[tuple[int, ...], Any] | None = None,
+                         dynamic: bool = False) -> dict[int, Any]:
     """One Horovod process set per replicated stage, keyed by stage.
 
     Collective: every rank of `comm` must call it with the same plan, because Horovod
     requires all ranks to agree on the process sets. If Horovod is not initialised it
-    is initialised here on `comm` with the sets (static process sets); if it already
-    is, it must span `comm` with the same ranks and the sets are added dynamically
-    (HOROVOD_DYNAMIC_PROCESS_SETS=1).
+    is initialised here on `comm`, with the sets (static process sets) or, with
+    `dynamic`, ready to add sets later (a re-plan that changes replica counts needs
+    that); if it already is, it must span `comm` with the same ranks and new sets are
+    added dynamically (HOROVOD_DYNAMIC_PROCESS_SETS=1).
+
+    Args:
+        plan, comm: the plan and the pipeline's communicator.
+        known: sets made by earlier calls, by ranks (updated): Horovod refuses a
+            second set with the same ranks.
+        dynamic: initialise Horovod with dynamic process sets.
 
     Returns:
         {stage: hvd.ProcessSet} (empty when no stage is replicated; Horovod is then not
@@ -89,29 +98,37 @@ def replica_process_sets(plan: Plan, comm: Any) -> dict[int, Any]:
     Raises:
         ValueError: Horovod already runs on other ranks, or cannot add process sets.
     """
-    wanted = {s: plan.devices_of(s) for s, st in enumerate(plan.stages) if st.replicas > 1}
+    wanted = {s: tuple(plan.devices_of(s)) for s, st in enumerate(plan.stages)
+              if st.replicas > 1}
     if not wanted:
         return {}
     import horovod.torch as hvd
 
+    known = {} if known is None else known
     # A stage on every rank (pure data parallelism) uses Horovod's global set: Horovod
     # refuses a second set with the same ranks.
-    everyone = list(range(comm.Get_size()))
-    sets = {s: hvd.ProcessSet(ranks) for s, ranks in wanted.items() if ranks != everyone}
-    whole = {s: None for s, ranks in wanted.items() if ranks == everyone}
+    everyone = tuple(range(comm.Get_size()))
+    new = sorted({r for r in wanted.values() if r != everyone and r not in known})
     if not hvd.is_initialized():
-        hvd.init(comm=comm, process_sets=list(sets.values()))
-        return {**sets, **{s: hvd.global_process_set for s in whole}}
-    if hvd.size() != comm.Get_size() or hvd.rank() != comm.Get_rank():
+        if dynamic:
+            hvd.init(comm=comm, process_sets="dynamic")
+        else:
+            sets = [hvd.ProcessSet(list(r)) for r in new]
+            hvd.init(comm=comm, process_sets=sets)
+            known.update(zip(new, sets, strict=True))
+            new = []
+    elif hvd.size() != comm.Get_size() or hvd.rank() != comm.Get_rank():
         raise ValueError(f"Horovod already runs as rank {hvd.rank()} of {hvd.size()} but "
                          f"this is rank {comm.Get_rank()} of {comm.Get_size()} in the "
                          f"pipeline's communicator: initialise Horovod on the same ranks")
-    if os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS") != "1":
+    if new and os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS") != "1":
         raise ValueError("Horovod is already initialised without the replicated stages' "
                          "process sets: set HOROVOD_DYNAMIC_PROCESS_SETS=1 (or let the "
                          "runner initialise Horovod)")
-    return {**{s: hvd.add_process_set(ps) for s, ps in sets.items()},
-            **{s: hvd.global_process_set for s in whole}}
+    for r in new:
+        known[r] = hvd.add_process_set(list(r))
+    return {s: hvd.global_process_set if r == everyone else known[r]
+            for s, r in wanted.items()}
 
 
 def parse_replicas(text: str | None, stages: int | None = None) -> list[int] | None:

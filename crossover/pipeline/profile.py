@@ -127,6 +127,13 @@ class Costs:
                        param_bytes=c.param_bytes / max(self.param_factor, 1.0))
             if n in names else c for n, c in self.ops.items()})
 
+    def fed(self, ops: Iterable[str]) -> Costs:
+        """The same costs with `ops` fed as inputs (their values come from elsewhere,
+        e.g. a cache): no compute and no parameters; their outputs keep their size."""
+        names = set(ops)
+        return replace(self, ops={n: OpCost(act_per_sample=c.act_per_sample)
+                                  if n in names else c for n, c in self.ops.items()})
+
 
 _ZERO = OpCost()
 

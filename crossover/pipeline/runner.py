@@ -58,13 +58,15 @@ class StageRunner:
             on ranks `plan.devices_of(stage)`, each on 1/r of every micro-batch.
         schedule: the lowered schedule (one row per stage, replicas share it).
         stage: this process's stage; this rank must be one of its devices.
-        comm: an mpi4py communicator with exactly `plan.devices` ranks.
+        comm: an mpi4py communicator with exactly `plan.devices` ranks (more with
+            `spare`: the ranks past them run no stage, as after a trainer's re-plan).
         shapes: op name -> (shape, dtype) of its output for one whole micro-batch.
         client: a crossover SlotClient, or None to run without slots.
         timeout: seconds any single receive, send or gradient allreduce may take.
         process_sets: {stage: hvd.ProcessSet} for the replicated stages; None: made by
             `replica_process_sets` here, which is collective (every rank constructs its
             runner, which is the case when every rank runs a stage).
+        spare: the communicator may hold ranks the plan leaves out.
 
     Raises:
         ValueError: the communicator has the wrong number of ranks (the message names
@@ -76,8 +78,8 @@ class StageRunner:
     def __init__(self, graph: Graph, plan: Plan, schedule: Schedule, stage: int, comm: Any,
                  shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
                  client: Any = None, timeout: float = 60.0,
-                 process_sets: Mapping[int, Any] | None = None) -> None:
-        check_ranks(plan, comm.Get_size())
+                 process_sets: Mapping[int, Any] | None = None, spare: bool = False) -> None:
+        check_ranks(plan, comm.Get_size(), spare)
         if not schedule.lowered:
             raise ValueError("run a lowered schedule (schedule.lower(...))")
         rank = comm.Get_rank()

@@ -40,9 +40,11 @@ from torch import nn
 
 from crossover import session
 from crossover.freeze import FreezeCriterion, FreezeDecision, GradientTracker, LayerChange
-from crossover.freeze.migrate import State, load_optimizer_state, migrate, optimizer_state
+from crossover.freeze.cache import FrozenPrefix
+from crossover.freeze.migrate import State, optimizer_state
+from crossover.freeze.repartition import Repartitioning
 from crossover.pipeline.graph import Graph
-from crossover.pipeline.partition import parameter_costs, plan_for
+from crossover.pipeline.partition import plan_for
 from crossover.pipeline.placement import (
     check_ranks,
     replica_process_sets,
@@ -57,7 +59,7 @@ from crossover.pipeline.schedule import schedule_for
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
-class PipelineTrainer:
+class PipelineTrainer(Repartitioning):
     """A model cut into pipeline stages over the ranks of `comm`; this rank runs one.
 
     Args:
@@ -91,11 +93,17 @@ class PipelineTrainer:
         repartition: re-plan and migrate after every freeze decision (needs `optimizer`
             and `freeze_every`).
         frozen_cost: a frozen op's time as a fraction of an active op's, for re-plans.
+        cache_frozen: once a front of the model is frozen, stop running it: pipeline
+            only the rest, fed from a per-sample cache of the values crossing the cut
+            (`crossover.freeze.cache`), re-planned over every rank with data-parallel
+            replicas where they pay. Needs `repartition`, every step's `index`, and
+            data without random augmentation (a sample's prefix output must not change).
 
     Raises:
         ValueError: `num_micro` does not divide `batch`, no example on rank 0, the
             plan needs another number of ranks (the message says how many), or
-            `repartition` without `optimizer` and `freeze_every`.
+            `repartition` without `optimizer` and `freeze_every`, or `cache_frozen`
+            without `repartition`.
     """
 
     def __init__(self, model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor],
@@ -108,7 +116,7 @@ class PipelineTrainer:
                  replicas: Sequence[int] | None = None, freeze_every: int | None = None,
                  freeze_threshold: float = 0.05, freeze_patience: int = 2,
                  optimizer: OptimizerFactory | None = None, repartition: bool = False,
-                 frozen_cost: float = 1 / 6) -> None:
+                 frozen_cost: float = 1 / 6, cache_frozen: bool = False) -> None:
         if comm is None:
             from mpi4py import MPI
 
@@ -118,20 +126,26 @@ class PipelineTrainer:
         if repartition and (optimizer is None or freeze_every is None):
             raise ValueError("repartition=True needs optimizer=<factory> (the trainer "
                              "rebuilds the optimizer over each new stage) and freeze_every")
+        if cache_frozen and not repartition:
+            raise ValueError("cache_frozen=True re-plans the model without its frozen front:"
+                             " pass repartition=True (with optimizer= and freeze_every=)")
         self.model, self.loss_fn, self.comm = model, loss_fn, comm
         self.batch, self.num_micro, self.timeout = batch, num_micro, timeout
         self.partitioner, self.schedule, self.costs = partitioner, schedule, costs
         self.make_optimizer, self.auto_repartition = optimizer, repartition
-        self.frozen_cost = frozen_cost
+        self.frozen_cost, self.cache_frozen = frozen_cost, cache_frozen
+        self.prefix: FrozenPrefix | None = None  # the frozen front cut off (cache_frozen)
+        self.known_sets: dict = {}  # Horovod process sets by ranks
         self.replicas = list(replicas) if replicas else None
         self.graph = Graph.from_fx(model, leaf_modules=tuple(leaf_modules))
-        plan, self.shapes = _from_rank_0(
+        plan, self.shapes = from_rank_0(
             comm, "planning", lambda: self._plan(example, num_micro, partitioner, costs))
         check_ranks(plan, comm.Get_size())
         self.client = session.init() if slots else None
         # re-plans keep each stage's replica count, so these sets stay right (Horovod
         # could not add the same sets again without dynamic process sets)
-        self.process_sets = replica_process_sets(plan, comm)
+        self.process_sets = replica_process_sets(plan, comm, self.known_sets,
+                                                 dynamic=cache_frozen)
         self.freeze_every = freeze_every
         self.freeze_log: list[FreezeDecision] = []
         self.repartitions: list[tuple[int, str]] = []  # (after step, new plan)
@@ -145,22 +159,30 @@ class PipelineTrainer:
         self._build(plan)
 
     def _build(self, plan: Plan) -> None:
-        """This rank's stage of `plan`: runner, gradient tracker, optimizer."""
+        """This rank's stage of `plan`: runner, gradient tracker, optimizer. A rank past
+        the plan's devices is spare: no stage (`stage` None), no runner, no work but
+        the collectives; with slots its device goes to the jobs it shares with."""
         self.plan = plan
-        self.stage, self.replica = stage_of_rank(plan, self.comm.Get_rank())
-        ops = plan.stages[self.stage].ops
-        self.needs_inputs = any(self.graph.ops[o].is_input for o in ops)
-        self.needs_target = self.graph.output in ops
-        self.runner = StageRunner(self.graph, plan, schedule_for(plan, self.schedule),
-                                  self.stage, self.comm, self.shapes, self.client,
-                                  self.timeout, self.process_sets)
+        self.stage = self.replica = self.runner = None
+        ops: tuple[str, ...] = ()
+        if self.comm.Get_rank() < plan.devices:
+            self.stage, self.replica = stage_of_rank(plan, self.comm.Get_rank())
+            ops = plan.stages[self.stage].ops
+        graph = self.run_graph
+        self.needs_inputs = any(graph.ops[o].is_input for o in ops)
+        self.needs_target = graph.output in ops
+        if self.stage is not None:
+            self.runner = StageRunner(graph, plan, schedule_for(plan, self.schedule),
+                                      self.stage, self.comm, self.shapes, self.client,
+                                      self.timeout, self.process_sets,
+                                      spare=self.cache_frozen)
         if self.freeze_every is not None:
             frozen = set(self.criterion.frozen)
-            self.tracker = GradientTracker({o: list(self.graph.ops[o].params.values())
-                                            for o in ops if self.graph.ops[o].params
+            self.tracker = GradientTracker({o: list(graph.ops[o].params.values())
+                                            for o in ops if graph.ops[o].params
                                             and o not in frozen})
         # frozen parameters get no optimizer (and so no optimizer state)
-        trainable = [p for p in self.runner.params.values() if p.requires_grad]
+        trainable = [p for p in self.parameters() if p.requires_grad]
         self.optimizer: torch.optim.Optimizer | None = \
             self.make_optimizer(trainable) if self.make_optimizer and trainable else None
 
@@ -184,13 +206,19 @@ class PipelineTrainer:
                              f"forward takes {sorted(self.graph.inputs)}: name them so")
         _check_rows(inputs, self.batch)
 
+    @property
+    def run_graph(self) -> Graph:
+        """The graph the pipeline runs: the model, or its rest after a cached cut."""
+        return self.prefix.rest if self.prefix is not None else self.graph
+
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's stage's parameters: give them to the optimizer (they change when
         the trainer re-partitions)."""
-        return iter(self.runner.params.values())
+        return iter(self.runner.params.values() if self.runner else ())
 
     def step(self, inputs: Mapping[str, torch.Tensor] | None,
-             target: torch.Tensor | None) -> float:
+             target: torch.Tensor | None,
+             index: torch.Tensor | Sequence[int] | None = None) -> float:
         """Forward and backward of one batch through the pipeline; gradients accumulate
         in this stage's parameters' `.grad` (step and zero the optimizer as usual).
 
@@ -198,6 +226,8 @@ class PipelineTrainer:
             inputs: the batch's inputs by forward-argument name (None where
                 `needs_inputs` is False).
             target: the batch's target (None where `needs_target` is False).
+            index: each row's sample index in the data set (needed with
+                `cache_frozen`: the key of the frozen prefix's cached outputs).
 
         With an optimizer factory this is the whole training step: gradients are
         zeroed first and the optimizer steps after the freeze decision (frozen layers
@@ -208,7 +238,8 @@ class PipelineTrainer:
             The batch's loss, on every rank.
 
         Raises:
-            ValueError: inputs or target missing where needed, or not of `batch` rows.
+            ValueError: inputs or target missing where needed, or not of `batch` rows,
+                or no `index` with `cache_frozen`.
             TimeoutError: a stage did not answer in time (it names which).
         """
         m_rows = self.plan.micro_batch
@@ -216,6 +247,11 @@ class PipelineTrainer:
             if inputs is None:
                 raise ValueError(f"stage {self.stage} holds input ops: pass the inputs")
             self._check_inputs(inputs)
+        if self.cache_frozen and index is None:
+            raise ValueError("cache_frozen=True caches the frozen prefix's outputs by "
+                             "sample: pass index=<each row's index in the data set>")
+        if self.prefix is not None and self.needs_inputs:
+            inputs = self.prefix.values(inputs, index)
         if self.needs_target:
             if target is None:
                 raise ValueError(f"stage {self.stage} holds the output: pass the target")
@@ -228,8 +264,10 @@ class PipelineTrainer:
 
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
-        loss = self.runner.run(feeds, lambda m: target[m * m_rows:(m + 1) * m_rows],
-                               self.loss_fn)
+        loss = 0.0
+        if self.runner is not None:  # a spare rank only joins the collectives
+            loss = self.runner.run(feeds, lambda m: target[m * m_rows:(m + 1) * m_rows],
+                                   self.loss_fn)
         self.steps += 1
         decision = self._maybe_freeze() if self.freeze_every is not None else None
         if self.optimizer is not None:
@@ -259,85 +297,6 @@ class PipelineTrainer:
         self.freeze_log.append(decision)
         return decision
 
-    def frozen_ops(self) -> list[str]:
-        """Ops whose output needs no gradient (no trainable parameter on them or before
-        them): they run forward only, which is what a re-plan prices them as."""
-        needs: set[str] = set()
-        for name, op in self.graph.ops.items():
-            if any(p.requires_grad for p in op.params.values()) or \
-                    any(i in needs for i in op.inputs):
-                needs.add(name)
-        return [n for n, op in self.graph.ops.items() if n not in needs and not op.is_input]
-
-    def repartition(self, plan: Plan | None = None) -> bool:
-        """Re-plan with the frozen layers' lower cost and move the stages, in flight.
-
-        Rank 0 plans (rank 0's `plan` if given) with the same stage and replica counts,
-        pricing `frozen_ops()` at `frozen_cost`; every rank gets its plan. If the cuts
-        moved, parameters and optimizer state go to their new owners over MPI
-        (`crossover.freeze.migrate`, bit-exactly), each rank builds its new stage, and
-        the factory builds a new optimizer (with its own hyperparameters) over the
-        stage's trainable parameters with the moved state. Gradient-tracker figures
-        move with their layers, so freezing loses no interval. Every rank keeps a
-        stage: plans use every rank (a frozen stage's rank runs forwards); turning
-        ranks a cheaper plan would not need into replicas of the bottleneck stage is
-        not built. Collective: every rank calls it, between steps.
-
-        Args:
-            plan: the new plan (default: re-planned by the trainer's partitioner).
-
-        Returns:
-            True if the plan changed (and stages moved), False if it stayed.
-
-        Raises:
-            ValueError: no optimizer factory (the message says to pass one), or
-                re-planning on rank 0 failed (every rank raises the reason).
-            TimeoutError: a migration message did not arrive in time.
-        """
-        if self.make_optimizer is None:
-            raise ValueError("re-partitioning moves optimizer state into a new optimizer: "
-                             "pass optimizer=<factory>, e.g. lambda ps: torch.optim.SGD("
-                             "ps, lr=0.1), instead of stepping your own")
-        planned = _from_rank_0(self.comm, "re-planning", lambda: self._replan(plan))
-        if [s.ops for s in planned.stages] == [s.ops for s in self.plan.stages]:
-            return False
-        params = self.graph.parameters()
-        state = optimizer_state(self.optimizer, params)
-        figures: dict = {}
-        if self.freeze_every is not None:
-            mine = self.tracker.export() if self.replica == 0 else {}
-            for part in self.comm.allgather(mine):
-                figures.update(part)
-            steps = self.tracker.steps
-        kept = migrate(params, state, _owners(self.graph, self.plan),
-                       _owners(self.graph, planned), self.comm, self.timeout)
-        for p in params.values():
-            p.grad = None  # consumed by the last step; stale ones would mislead gather_grads
-        self._build(planned)
-        load_optimizer_state(self.optimizer, params,
-                             {n: s for n, s in kept.items() if params[n].requires_grad})
-        if self.freeze_every is not None:
-            self.tracker.adopt(figures, steps)
-        self.repartitions.append((self.steps, planned.describe()))
-        return True
-
-    def _replan(self, plan: Plan | None) -> Plan:
-        """Rank 0: `plan` checked, or the plan for the current frozen set on the same
-        stages and replicas."""
-        if plan is None:
-            costs = (self.costs or parameter_costs(self.graph)).frozen(self.frozen_ops(),
-                                                                         self.frozen_cost)
-            stages = len(self.replicas) if self.replicas else self.comm.Get_size()
-            plan = plan_for(self.graph, stages, self.batch, self.num_micro,
-                            self.partitioner, costs)
-            plan = with_replicas(plan, self.replicas) if self.replicas else plan
-        check_ranks(plan, self.comm.Get_size())
-        counts = [s.replicas for s in self.plan.stages]
-        if [s.replicas for s in plan.stages] != counts:
-            raise ValueError(f"a new plan must keep every stage's replica count ({counts}): "
-                             f"the replicas' Horovod process sets are fixed at start")
-        return plan
-
     def optimizer_state(self) -> State:
         """The whole model's optimizer state by parameter name, on every rank (each
         from the first replica of the stage that trains it; copies). Collective."""
@@ -359,7 +318,10 @@ class PipelineTrainer:
         loads into the unpipelined model. Collective: every rank calls it."""
         mine = {}
         if self.replica == 0:
-            mine = {k: p.detach().clone() for k, p in self.runner.params.items()}
+            held = dict(self.runner.params)
+            if self.prefix is not None and self.needs_inputs:  # the cut-off front's
+                held.update(self.prefix.params)
+            mine = {k: p.detach().clone() for k, p in held.items()}
         trained: dict[str, torch.Tensor] = {}
         for part in self.comm.allgather(mine):
             trained.update(part)
@@ -371,7 +333,7 @@ class PipelineTrainer:
         self.model.load_state_dict(state)
 
 
-def _from_rank_0(comm: Any, what: str, make: Callable[[], Any]) -> Any:
+def from_rank_0(comm: Any, what: str, make: Callable[[], Any]) -> Any:
     """`make()` on rank 0, broadcast; if it fails, every rank raises the reason (none
     waits forever for a result that never comes)."""
     value: Any = None
@@ -384,12 +346,6 @@ def _from_rank_0(comm: Any, what: str, make: Callable[[], Any]) -> Any:
     if isinstance(value, Exception):
         raise ValueError(f"{what} on rank 0 failed: {value}") from None
     return value
-
-
-def _owners(graph: Graph, plan: Plan) -> dict[str, list[int]]:
-    """Parameter name -> the ranks that hold it under `plan` (its stage's replicas)."""
-    return {name: plan.devices_of(s) for s, st in enumerate(plan.stages) for o in st.ops
-            for name in graph.ops[o].params}
 
 
 def _check_rows(tensors: Mapping[str, torch.Tensor], batch: int) -> None:
