@@ -21,17 +21,22 @@ import time
 import torch
 from torch import nn
 
+from crossover.pipeline.graph import Graph
+from crossover.pipeline.profile import profile
 from crossover.pipeline.train import PipelineTrainer
 
 
 class MLP(nn.Module):
-    """64 pixels -> 10 classes through three hidden layers."""
+    """64 pixels -> 10 classes through `depth` hidden layers of `width` (by default
+    three: 128, 128, 64)."""
 
-    def __init__(self) -> None:
+    def __init__(self, depth: int = 0, width: int = 256) -> None:
         super().__init__()
-        self.layers = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128),
-                                    nn.ReLU(), nn.Linear(128, 64), nn.ReLU(),
-                                    nn.Linear(64, 10))
+        sizes = [64, 128, 128, 64] if depth == 0 else [64] + [width] * depth
+        layers: list[nn.Module] = []
+        for a, b in zip(sizes, sizes[1:], strict=False):
+            layers += [nn.Linear(a, b), nn.ReLU()]
+        self.layers = nn.Sequential(*layers, nn.Linear(sizes[-1], 10))
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         return self.layers(pixels)
@@ -71,6 +76,14 @@ def main() -> int:
     ap.add_argument("--repartition", action="store_true",
                     help="after every freeze decision, re-plan with the frozen layers' "
                          "lower cost and move stages between ranks (needs --freeze-every)")
+    ap.add_argument("--cache", action="store_true",
+                    help="stop running the frozen front: cache its outputs per sample and "
+                         "re-plan the rest over the ranks (needs --repartition)")
+    ap.add_argument("--depth", type=int, default=0,
+                    help="hidden layers of --width (default: three, 128-128-64)")
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--profile", action="store_true",
+                    help="plan from measured op times instead of parameter counts")
     ap.add_argument("--plot", default="pipeline_digits.png", help="rank 0 writes it here")
     ap.add_argument("--partitioner", default="graph", choices=["graph", "sequential"])
     ap.add_argument("--history", default=None, help="rank 0 writes per-epoch JSON here "
@@ -78,22 +91,28 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)  # the same initial model on every rank
-    model = MLP()
+    model = MLP(args.depth, args.width)
     reference = copy.deepcopy(model)  # rank 0 evaluates the gathered weights in it
     xs, ys, xt, yt = digits()
+    costs = None
+    if args.profile:  # every rank measures alike; rank 0's figures make the plan
+        micro = args.batch // args.micro
+        costs = profile(Graph.from_fx(model), lambda b: {"pixels": xs[:b]},
+                        sizes=(max(micro // 2, 1), micro))
     trainer = PipelineTrainer(model, nn.functional.cross_entropy, batch=args.batch,
                               num_micro=args.micro, example={"pixels": xs[:args.batch]},
                               slots=args.slots, freeze_every=args.freeze_every,
                               freeze_threshold=args.freeze_threshold,
-                              partitioner=args.partitioner,
+                              partitioner=args.partitioner, costs=costs,
                               optimizer=lambda ps: torch.optim.SGD(ps, lr=args.lr,
                                                                    momentum=0.9),
-                              repartition=args.repartition)
+                              repartition=args.repartition, cache_frozen=args.cache)
     rank = trainer.comm.Get_rank()
     if rank == 0:
         print(trainer.plan.describe(), flush=True)
     steps = len(xs) // args.batch
     history, rows, trained_s, shown = [], [], 0.0, 0
+    spare_s = 0.0  # device-seconds of ranks the plan left out (free for other jobs)
     for epoch in range(args.epochs):
         trainer.comm.Barrier()
         started = time.perf_counter()
@@ -101,11 +120,14 @@ def main() -> int:
         total = 0.0
         for s in range(steps):
             idx = order[s * args.batch:(s + 1) * args.batch]
+            spare = trainer.comm.Get_size() - trainer.plan.devices
+            step_started = time.perf_counter()
             # a whole step (the trainer zeroes and steps its optimizer); which data this
             # rank needs can change when the trainer re-partitions
             loss = trainer.step({"pixels": xs[idx]} if trainer.needs_inputs else None,
-                                ys[idx] if trainer.needs_target else None)
+                                ys[idx] if trainer.needs_target else None, index=idx)
             total += loss
+            spare_s += spare * (time.perf_counter() - step_started)
             if rank == 0:
                 progress(epoch, args.epochs, s + 1, steps, total / (s + 1))
         trainer.comm.Barrier()
@@ -119,7 +141,8 @@ def main() -> int:
             frozen = [n for d in trainer.freeze_log for n in d.layers]
             rows.append({"epoch": epoch + 1, "seconds": trained_s, "loss": total / steps,
                          "accuracy": acc, "frozen": frozen,
-                         "repartitions": len(trainer.repartitions)})
+                         "repartitions": len(trainer.repartitions),
+                         "devices": trainer.plan.devices, "spare_device_s": spare_s})
             print(f"  test accuracy {acc:.3f}" + (f"; frozen: {', '.join(frozen)}"
                                                   if frozen else ""), flush=True)
             for step, plan in trainer.repartitions[shown:]:

@@ -19,6 +19,7 @@ from crossover.freeze.migrate import (
 from crossover.pipeline.graph import Graph
 from crossover.pipeline.models import build
 from crossover.pipeline.partition import parameter_costs
+from crossover.trace import load
 from tests.conftest import PY, Proc, mpirun
 from tests.test_pipeline_train import assert_close, one_process_with_freezing
 
@@ -124,7 +125,8 @@ def test_a_frozen_op_costs_a_sixth_and_keeps_one_copy_of_its_weights():
 # mode "migrate": train, force a re-partition to a given cut, hash the gathered state
 # before and after, train on. mode "freeze": freeze and re-partition automatically;
 # "cache": the same, cutting the frozen front off and feeding the rest from its cache;
-# "cache_heavy": the same with compute-bound costs (so re-plans use replicas).
+# "cache_heavy": the same with compute-bound costs (so re-plans use replicas);
+# "cache_slots": "cache" taking device slots from a crossover daemon.
 JOB = """
 import json, sys
 import torch
@@ -144,7 +146,8 @@ freeze = {}
 if mode != "migrate":  # arg: every,threshold
     every, threshold = arg.split(",")
     freeze = dict(freeze_every=int(every), freeze_threshold=float(threshold),
-                  freeze_patience=1, repartition=True, cache_frozen=mode != "freeze")
+                  freeze_patience=1, repartition=True, cache_frozen=mode != "freeze",
+                  slots=mode == "cache_slots")
 if mode == "cache_heavy":  # compute-bound costs: replicas pay
     from crossover.pipeline.graph import Graph
     from crossover.pipeline.profile import synthetic
@@ -196,13 +199,13 @@ if rank == 0:
 """
 
 
-def run_job(tmp_path, cluster, np_, *args, timeout=240):
+def run_job(tmp_path, cluster, np_, *args, timeout=240, env=None):
     script = tmp_path / "job.py"
     script.write_text(JOB)
     out = tmp_path / "run"
     proc = Proc(mpirun(np_, PY, str(script), args[0], args[1], args[2], str(out), *args[3:]),
                 # the job imports this file's optimizers: the repository on its path
-                dict(cluster.env, CROSSOVER_ENABLE="0", PYTHONPATH=str(REPO)),
+                {**cluster.env, "CROSSOVER_ENABLE": "0", "PYTHONPATH": str(REPO), **(env or {})},
                 tmp_path / "job.log")
     cluster.procs.append(proc)  # killed at teardown whatever happens
     proc.wait(timeout)
@@ -297,5 +300,30 @@ def test_a_cut_off_frozen_front_fed_from_its_cache_equals_one_process(
     for hits, misses in feeders:  # 8 samples, computed in the first step, then read
         assert (hits, misses) == (8 * (steps - last_cut - 1), 8), (hits, misses, last_cut)
     losses, module = one_process(opt_name, steps, log)
+    assert runs[0]["losses"] == pytest.approx(losses, rel=1e-12)
+    assert_close(state, module)
+
+
+@pytest.mark.mpi
+def test_a_rank_the_cut_leaves_out_takes_no_device_slot(tmp_path, cluster):
+    """With slots, the rank that the re-plan after the cut leaves out holds its device
+    no more (the daemon can give it to other jobs), the other rank holds for the rest
+    of the steps, and the weights still equal one process."""
+    steps, traces = 20, tmp_path / "traces"
+    with cluster.daemon():
+        runs, state = run_job(tmp_path, cluster, 2, "cache_slots", "sgd", str(steps), "",
+                              "2,0.02", env={"CROSSOVER_ENABLE": "1", "CROSSOVER_JOB": "fz",
+                                             "CROSSOVER_TRACE": str(traces),
+                                             "CROSSOVER_KEEP_WHEN_ALONE": "0"})
+    layouts = runs[0]["layouts"]
+    assert layouts[-1] == [1], layouts
+    cut = next(i for i, lay in enumerate(layouts) if lay == [1]) + 1  # after that step
+    holds = [len([e for e in load(traces / f"fz.rank{r}.json")
+                  if e["ph"] == "X" and e["name"] == "hold"]) for r in range(2)]
+    # a step holds each device once per forward and once per backward of each of
+    # its 4 micro-batches, at most
+    assert 0 < holds[1] <= 8 * cut, (holds, cut)
+    assert holds[0] >= 4 * (steps - cut), (holds, cut)
+    losses, module = one_process("sgd", steps, runs[0]["log"])
     assert runs[0]["losses"] == pytest.approx(losses, rel=1e-12)
     assert_close(state, module)

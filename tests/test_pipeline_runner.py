@@ -123,7 +123,7 @@ def test_a_replicated_chain_stage_gives_single_process_gradients(replicated_chai
 
 def shard_own_grads(name: str, batch: int, micro: int, replicas: int, replica: int,
                     params: list[str]) -> dict[str, np.ndarray]:
-    """What one replica holds before the process-set allreduce: the gradient of its rows
+    """What one replica holds before the replicas' allreduce: the gradient of its rows
     of every micro-batch, weighted by their share of the batch (mean losses)."""
     spec = build(name, torch.float64, small=True)
     feeds, target = spec.make_batch(batch, 1)
@@ -135,7 +135,7 @@ def shard_own_grads(name: str, batch: int, micro: int, replicas: int, replica: i
     return {k: named[k].grad.numpy() for k in params}
 
 
-def test_replicas_sum_their_gradients_over_a_horovod_process_set(replicated_chain):
+def test_replicas_sum_their_gradients_over_their_communicator(replicated_chain):
     ranks = replicated_chain["rank_grads"]
     stage0 = sorted(ranks[0])
     assert stage0 and sorted(ranks[1]) == stage0 and not set(ranks[2]) & set(stage0)

@@ -20,7 +20,7 @@ from crossover.freeze.cache import FrozenPrefix
 from crossover.freeze.migrate import load_optimizer_state, migrate, optimizer_state
 from crossover.pipeline.graph import Graph
 from crossover.pipeline.partition import parameter_costs, plan_for
-from crossover.pipeline.placement import check_ranks, replica_process_sets, with_replicas
+from crossover.pipeline.placement import check_ranks, replica_comms, with_replicas
 from crossover.pipeline.plan import Plan
 
 if TYPE_CHECKING:
@@ -91,8 +91,9 @@ class Repartitioning:
         for p in params.values():
             p.grad = None  # consumed by the last step; stale ones would mislead gather_grads
         self.prefix = prefix
-        self.process_sets = replica_process_sets(planned, self.comm, self.known_sets,
-                                                 dynamic=self.cache_frozen)
+        for sub in self.replica_comms.values():
+            sub.Free()
+        self.replica_comms = replica_comms(planned, self.comm)
         self._build(planned)
         load_optimizer_state(self.optimizer, params,
                              {n: s for n, s in kept.items() if params[n].requires_grad})
@@ -120,11 +121,6 @@ class Repartitioning:
                                 self.partitioner, costs)
                 plan = with_replicas(plan, self.replicas) if self.replicas else plan
         check_ranks(plan, size, spare=self.cache_frozen)
-        counts = [s.replicas for s in self.plan.stages]
-        if not self.cache_frozen and [s.replicas for s in plan.stages] != counts:
-            raise ValueError(f"a new plan must keep every stage's replica count ({counts}): "
-                             f"the replicas' Horovod process sets are fixed at start (with "
-                             f"cache_frozen=True they are not)")
         return plan
 
 

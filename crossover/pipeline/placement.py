@@ -1,6 +1,5 @@
 """Where a plan's stages run: which ranks, which rows of each micro-batch, who talks to
-whom on a stage edge, and the Horovod process sets that sum a replicated stage's
-gradients.
+whom on a stage edge, and the communicators that sum a replicated stage's gradients.
 
 A stage with r replicas runs on r consecutive ranks (`Plan.devices_of`). Every replica
 runs the stage's one schedule row on its contiguous 1/r share of each micro-batch (rows
@@ -11,7 +10,6 @@ each sender replica to each receiver replica whose rows overlap its own.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -74,61 +72,25 @@ def links(plan: Plan, stage: int, replica: int, peer: int
     return out
 
 
-def replica_process_sets(plan: Plan, comm: Any, known: dict[tuple[int, ...], Any] | None = None,
-                         dynamic: bool = False) -> dict[int, Any]:
-    """One Horovod process set per replicated stage, keyed by stage.
+def replica_comms(plan: Plan, comm: Any) -> dict[int, Any]:
+    """One MPI communicator per replicated stage, over its replicas, keyed by stage.
 
-    Collective: every rank of `comm` must call it with the same plan, because Horovod
-    requires all ranks to agree on the process sets. If Horovod is not initialised it
-    is initialised here on `comm`, with the sets (static process sets) or, with
-    `dynamic`, ready to add sets later (a re-plan that changes replica counts needs
-    that); if it already is, it must span `comm` with the same ranks and new sets are
-    added dynamically (HOROVOD_DYNAMIC_PROCESS_SETS=1).
-
-    Args:
-        plan, comm: the plan and the pipeline's communicator.
-        known: sets made by earlier calls, by ranks (updated): Horovod refuses a
-            second set with the same ranks.
-        dynamic: initialise Horovod with dynamic process sets.
+    The replicas sum their gradients once per step, all at once after the last
+    backward: a plain MPI allreduce does that without Horovod's background thread and
+    negotiation, which on a busy host cost more than the sum itself, and a re-plan can
+    make new ones at any time. Collective: every rank of `comm` calls it with the same
+    plan (one `Split`); a rank gets only its own stage's communicator.
 
     Returns:
-        {stage: hvd.ProcessSet} (empty when no stage is replicated; Horovod is then not
-        touched).
-
-    Raises:
-        ValueError: Horovod already runs on other ranks, or cannot add process sets.
+        {stage: communicator} for this rank's stage if it is replicated, else {}.
     """
-    wanted = {s: tuple(plan.devices_of(s)) for s, st in enumerate(plan.stages)
-              if st.replicas > 1}
-    if not wanted:
-        return {}
-    import horovod.torch as hvd
+    from mpi4py import MPI
 
-    known = {} if known is None else known
-    # A stage on every rank (pure data parallelism) uses Horovod's global set: Horovod
-    # refuses a second set with the same ranks.
-    everyone = tuple(range(comm.Get_size()))
-    new = sorted({r for r in wanted.values() if r != everyone and r not in known})
-    if not hvd.is_initialized():
-        if dynamic:
-            hvd.init(comm=comm, process_sets="dynamic")
-        else:
-            sets = [hvd.ProcessSet(list(r)) for r in new]
-            hvd.init(comm=comm, process_sets=sets)
-            known.update(zip(new, sets, strict=True))
-            new = []
-    elif hvd.size() != comm.Get_size() or hvd.rank() != comm.Get_rank():
-        raise ValueError(f"Horovod already runs as rank {hvd.rank()} of {hvd.size()} but "
-                         f"this is rank {comm.Get_rank()} of {comm.Get_size()} in the "
-                         f"pipeline's communicator: initialise Horovod on the same ranks")
-    if new and os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS") != "1":
-        raise ValueError("Horovod is already initialised without the replicated stages' "
-                         "process sets: set HOROVOD_DYNAMIC_PROCESS_SETS=1 (or let the "
-                         "runner initialise Horovod)")
-    for r in new:
-        known[r] = hvd.add_process_set(list(r))
-    return {s: hvd.global_process_set if r == everyone else known[r]
-            for s, r in wanted.items()}
+    rank = comm.Get_rank()
+    mine = next((s for s, st in enumerate(plan.stages)
+                 if st.replicas > 1 and rank in plan.devices_of(s)), None)
+    sub = comm.Split(MPI.UNDEFINED if mine is None else mine, rank)
+    return {} if mine is None else {mine: sub}
 
 
 def parse_replicas(text: str | None, stages: int | None = None) -> list[int] | None:

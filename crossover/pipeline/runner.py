@@ -30,7 +30,8 @@ import torch
 
 from crossover.backoff import Backoff, wait_until
 from crossover.pipeline.graph import Graph
-from crossover.pipeline.placement import check_ranks, links, replica_process_sets, shard_rows
+from crossover.pipeline.placement import check_ranks, links, shard_rows
+from crossover.pipeline.placement import replica_comms as make_replica_comms
 from crossover.pipeline.plan import Plan
 from crossover.pipeline.schedule import (
     ACQ,
@@ -63,9 +64,9 @@ class StageRunner:
         shapes: op name -> (shape, dtype) of its output for one whole micro-batch.
         client: a crossover SlotClient, or None to run without slots.
         timeout: seconds any single receive, send or gradient allreduce may take.
-        process_sets: {stage: hvd.ProcessSet} for the replicated stages; None: made by
-            `replica_process_sets` here, which is collective (every rank constructs its
-            runner, which is the case when every rank runs a stage).
+        replica_comms: {stage: communicator of its replicas} for this rank's stage if
+            it is replicated; None: made by `replica_comms` here, which is collective
+            (every rank constructs its runner, as when every rank runs a stage).
         spare: the communicator may hold ranks the plan leaves out.
 
     Raises:
@@ -78,7 +79,7 @@ class StageRunner:
     def __init__(self, graph: Graph, plan: Plan, schedule: Schedule, stage: int, comm: Any,
                  shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
                  client: Any = None, timeout: float = 60.0,
-                 process_sets: Mapping[int, Any] | None = None, spare: bool = False) -> None:
+                 replica_comms: Mapping[int, Any] | None = None, spare: bool = False) -> None:
         check_ranks(plan, comm.Get_size(), spare)
         if not schedule.lowered:
             raise ValueError("run a lowered schedule (schedule.lower(...))")
@@ -100,12 +101,12 @@ class StageRunner:
         # by the stage's depth to the sink; the partitioner prices memory by that)
         self.peak_live = 0
         self._check_split()
-        if process_sets is None:
-            process_sets = replica_process_sets(plan, comm)
-        self.process_set = process_sets.get(stage) if self.replicas > 1 else None
-        if self.replicas > 1 and self.process_set is None:
-            raise ValueError(f"stage {stage} has {self.replicas} replicas but no process set "
-                             f"was given for it")
+        if replica_comms is None:
+            replica_comms = make_replica_comms(plan, comm)
+        self.replica_comm = replica_comms.get(stage) if self.replicas > 1 else None
+        if self.replicas > 1 and self.replica_comm is None:
+            raise ValueError(f"stage {stage} has {self.replicas} replicas but no "
+                             f"communicator was given for them")
 
     def _check_split(self) -> None:
         """Shards are rows of the batch dimension: refuse what cannot be split that way
@@ -266,32 +267,35 @@ class StageRunner:
         return total
 
     def _sum_replica_grads(self) -> None:
-        """Sum this stage's parameter gradients over its replicas (Horovod, in place).
+        """Sum this stage's parameter gradients over its replicas (MPI, in place).
 
         Each replica holds the gradient of its weighted share of the loss, so the sum
-        (not the mean) is the whole batch's. Parameters are taken in name order so all
-        replicas submit the same grouped allreduce; a missing gradient is a zero one so
-        that no replica skips a tensor the others send.
+        (not the mean) is the whole batch's. Parameters are taken in name order and
+        packed into one buffer per dtype, so all replicas submit the same allreduces;
+        a missing gradient is a zero one so that no replica skips a tensor the others
+        send.
         """
-        import horovod.torch as hvd
+        from mpi4py import MPI
 
         names = sorted(n for n, p in self.params.items() if p.requires_grad)  # not frozen
         for n in names:
             p = self.params[n]
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        grads = [self.params[n].grad for n in names]
-        if not grads:
-            return
-        handle = hvd.grouped_allreduce_async_(grads, op=hvd.Sum, process_set=self.process_set,
-                                              name=f"crossover.pipeline.stage{self.s}.grads")
-        if not wait_until(lambda: hvd.poll(handle), self.timeout, Backoff(1e-4, 1e-3)):
-            raise TimeoutError(
-                f"{self._who()} waited {self.timeout:.0f} s for the gradient allreduce "
-                f"of {len(grads)} parameters with its replicas on ranks "
-                f"{self.plan.devices_of(self.s)}: are they alive and running the same "
-                f"schedule?")
-        hvd.synchronize(handle)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for n in names:
+            by_dtype.setdefault(self.params[n].grad.dtype, []).append(self.params[n].grad)
+        for dtype in sorted(by_dtype, key=str):
+            grads = by_dtype[dtype]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            req = self.replica_comm.Iallreduce(MPI.IN_PLACE, flat.numpy(), op=MPI.SUM)
+            _wait(req, self.timeout,
+                  f"{self._who()}: the gradient allreduce of {len(grads)} parameters with "
+                  f"its replicas on ranks {self.plan.devices_of(self.s)} did not finish")
+            at = 0
+            for g in grads:
+                g.copy_(flat[at:at + g.numel()].view_as(g))
+                at += g.numel()
 
     def frozen_stages(self) -> set[int]:
         """Stages whose backward would do nothing: every parameter frozen and every

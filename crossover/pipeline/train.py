@@ -47,7 +47,7 @@ from crossover.pipeline.graph import Graph
 from crossover.pipeline.partition import plan_for
 from crossover.pipeline.placement import (
     check_ranks,
-    replica_process_sets,
+    replica_comms,
     stage_of_rank,
     with_replicas,
 )
@@ -135,17 +135,13 @@ class PipelineTrainer(Repartitioning):
         self.make_optimizer, self.auto_repartition = optimizer, repartition
         self.frozen_cost, self.cache_frozen = frozen_cost, cache_frozen
         self.prefix: FrozenPrefix | None = None  # the frozen front cut off (cache_frozen)
-        self.known_sets: dict = {}  # Horovod process sets by ranks
         self.replicas = list(replicas) if replicas else None
         self.graph = Graph.from_fx(model, leaf_modules=tuple(leaf_modules))
         plan, self.shapes = from_rank_0(
             comm, "planning", lambda: self._plan(example, num_micro, partitioner, costs))
         check_ranks(plan, comm.Get_size())
         self.client = session.init() if slots else None
-        # re-plans keep each stage's replica count, so these sets stay right (Horovod
-        # could not add the same sets again without dynamic process sets)
-        self.process_sets = replica_process_sets(plan, comm, self.known_sets,
-                                                 dynamic=cache_frozen)
+        self.replica_comms = replica_comms(plan, comm)
         self.freeze_every = freeze_every
         self.freeze_log: list[FreezeDecision] = []
         self.repartitions: list[tuple[int, str]] = []  # (after step, new plan)
@@ -174,7 +170,7 @@ class PipelineTrainer(Repartitioning):
         if self.stage is not None:
             self.runner = StageRunner(graph, plan, schedule_for(plan, self.schedule),
                                       self.stage, self.comm, self.shapes, self.client,
-                                      self.timeout, self.process_sets,
+                                      self.timeout, self.replica_comms,
                                       spare=self.cache_frozen)
         if self.freeze_every is not None:
             frozen = set(self.criterion.frozen)
