@@ -15,10 +15,13 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import pickle
 import sys
 import time
+from pathlib import Path
 
 import torch
+from mpi4py import MPI
 from torch import nn
 
 from crossover.pipeline.graph import Graph
@@ -82,8 +85,10 @@ def main() -> int:
     ap.add_argument("--depth", type=int, default=0,
                     help="hidden layers of --width (default: three, 128-128-64)")
     ap.add_argument("--width", type=int, default=256)
-    ap.add_argument("--profile", action="store_true",
-                    help="plan from measured op times instead of parameter counts")
+    ap.add_argument("--profile", default=None, metavar="PATH",
+                    help="plan from measured op times instead of parameter counts, kept "
+                         "in PATH: measured on the first run, read on later ones (so that "
+                         "runs to compare plan alike)")
     ap.add_argument("--plot", default="pipeline_digits.png", help="rank 0 writes it here")
     ap.add_argument("--partitioner", default="graph", choices=["graph", "sequential"])
     ap.add_argument("--history", default=None, help="rank 0 writes per-epoch JSON here "
@@ -95,10 +100,15 @@ def main() -> int:
     reference = copy.deepcopy(model)  # rank 0 evaluates the gathered weights in it
     xs, ys, xt, yt = digits()
     costs = None
-    if args.profile:  # every rank measures alike; rank 0's figures make the plan
-        micro = args.batch // args.micro
-        costs = profile(Graph.from_fx(model), lambda b: {"pixels": xs[:b]},
-                        sizes=(max(micro // 2, 1), micro))
+    if args.profile and MPI.COMM_WORLD.Get_rank() == 0:  # only rank 0 plans
+        saved = Path(args.profile)
+        if saved.exists():
+            costs = pickle.loads(saved.read_bytes())
+        else:
+            micro = args.batch // args.micro
+            costs = profile(Graph.from_fx(model), lambda b: {"pixels": xs[:b]},
+                            sizes=(max(micro // 2, 1), micro))
+            saved.write_bytes(pickle.dumps(costs))
     trainer = PipelineTrainer(model, nn.functional.cross_entropy, batch=args.batch,
                               num_micro=args.micro, example={"pixels": xs[:args.batch]},
                               slots=args.slots, freeze_every=args.freeze_every,
