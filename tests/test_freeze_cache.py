@@ -23,8 +23,8 @@ def test_the_rest_fed_from_the_cache_computes_the_model():
     assert prefix.crossing == ["body_2"]
     assert list(prefix.rest.ops) == ["body_2", "body_3", "body_4", "body_5", "body_6",
                                      "body_7", "head"]
-    assert set(prefix.params) == {"body.0.weight", "body.0.bias", "body.2.weight",
-                                  "body.2.bias"}
+    assert set(prefix.tensors) == {"body.0.weight", "body.0.bias", "body.2.weight",
+                                   "body.2.bias"}
     x, _ = spec.make_batch(8, 7)
     fed = prefix.values(x, torch.arange(8))
     out = prefix.rest.run(fed)[graph.output]
@@ -80,3 +80,14 @@ def test_fed_ops_cost_nothing_but_their_size():
     fed = costs.fed(["a"])
     assert fed.of("a") == OpCost(act_per_sample=5.0)
     assert fed.of("b") == OpCost(1.0)
+
+
+def test_batch_norm_in_training_mode_cannot_be_cached():
+    """Its output for a sample depends on the rest of the batch: refused at once."""
+    from crossover.pipeline.train import PipelineTrainer
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match="batch norm in training mode mixes the samples.*1"):
+        PipelineTrainer(model, nn.functional.cross_entropy, batch=4, comm="unused",
+                        freeze_every=1, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                        repartition=True, cache_frozen=True)

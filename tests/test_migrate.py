@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from crossover.freeze.migrate import (
     Move,
@@ -30,6 +31,20 @@ OPTIMIZERS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
     "adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
 }
+
+
+class BatchNormChain(nn.Module):
+    """The small chain's input and output with batch norm between: running statistics
+    are state that is not trained but must move with its stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(),
+                                    nn.Linear(32, 32), nn.BatchNorm1d(32), nn.ReLU(),
+                                    nn.Linear(32, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
 
 
 @pytest.mark.parametrize("old, new, moves", [
@@ -123,7 +138,8 @@ def test_a_frozen_op_costs_a_sixth_and_keeps_one_copy_of_its_weights():
 # --- under mpirun -------------------------------------------------------------------
 
 # mode "migrate": train, force a re-partition to a given cut, hash the gathered state
-# before and after, train on. mode "freeze": freeze and re-partition automatically;
+# before and after, train on ("migrate_bn": the same with BatchNormChain). mode
+# "freeze": freeze and re-partition automatically;
 # "cache": the same, cutting the frozen front off and feeding the rest from its cache;
 # "cache_heavy": the same with compute-bound costs (so re-plans use replicas);
 # "cache_slots": "cache" taking device slots from a crossover daemon.
@@ -134,7 +150,7 @@ from crossover.freeze import state_hash
 from crossover.pipeline.models import build
 from crossover.pipeline.plan import Stage, make_plan
 from crossover.pipeline.train import PipelineTrainer
-from tests.test_migrate import OPTIMIZERS
+from tests.test_migrate import OPTIMIZERS, BatchNormChain
 
 mode, opt_name, steps, out, replicas, arg = sys.argv[1], sys.argv[2], int(sys.argv[3]), \\
     sys.argv[4], sys.argv[5], sys.argv[6]
@@ -143,7 +159,11 @@ spec = build("chain", torch.float64, small=True)
 x, y = spec.make_batch(8, 7)  # one batch again and again: gradients settle
 reps = [int(r) for r in replicas.split(",")] if replicas else None
 freeze = {}
-if mode != "migrate":  # arg: every,threshold
+module = spec.module
+if mode == "migrate_bn":
+    torch.manual_seed(0)
+    module = BatchNormChain().double()
+if not mode.startswith("migrate"):  # arg: every,threshold
     every, threshold = arg.split(",")
     freeze = dict(freeze_every=int(every), freeze_threshold=float(threshold),
                   freeze_patience=1, repartition=True, cache_frozen=mode != "freeze",
@@ -153,7 +173,7 @@ if mode == "cache_heavy":  # compute-bound costs: replicas pay
     from crossover.pipeline.profile import synthetic
     graph = Graph.from_fx(spec.module)
     freeze["costs"] = synthetic(graph, {n: 1e-3 for n in graph.ops})
-t = PipelineTrainer(spec.module, spec.loss, batch=8, num_micro=4, example=x,
+t = PipelineTrainer(module, spec.loss, batch=8, num_micro=4, example=x,
                     replicas=reps, optimizer=OPTIMIZERS[opt_name], **freeze)
 rank = t.comm.Get_rank()
 losses, hashes = [], []
@@ -174,7 +194,7 @@ def gathered_hash():
     return state_hash(t.state_dict(), t.optimizer_state())
 
 train(steps // 2)
-if mode == "migrate":  # arg: the cuts of the forced plan
+if mode.startswith("migrate"):  # arg: the cuts of the forced plan
     cuts = [int(c) for c in arg.split(",")]
     ops = list(t.graph.ops)
     bounds = [0, *cuts, len(ops)]
@@ -326,4 +346,45 @@ def test_a_rank_the_cut_leaves_out_takes_no_device_slot(tmp_path, cluster):
     assert holds[0] >= 4 * (steps - cut), (holds, cut)
     losses, module = one_process("sgd", steps, runs[0]["log"])
     assert runs[0]["losses"] == pytest.approx(losses, rel=1e-12)
+    assert_close(state, module)
+
+
+def one_process_micro_batches(steps: int, micro: int = 4):
+    """BatchNormChain trained in one process the way a pipeline computes it: batch
+    norm sees one micro-batch at a time (statistics and running averages per
+    micro-batch, in order), gradients accumulate over the micro-batches."""
+    torch.manual_seed(0)
+    model = BatchNormChain().double()
+    spec = build("chain", torch.float64, small=True)
+    x, y = spec.make_batch(8, 7)
+    opt = OPTIMIZERS["sgd"](list(model.parameters()))
+    rows, losses = 8 // micro, []
+    for _ in range(steps):
+        opt.zero_grad()
+        total = 0.0
+        for m in range(micro):
+            part = slice(m * rows, (m + 1) * rows)
+            loss = spec.loss(model(x["x"][part]), y[part]) / micro
+            loss.backward()
+            total += float(loss.detach())
+        opt.step()
+        losses.append(total)
+    return losses, model
+
+
+@pytest.mark.mpi
+def test_running_statistics_move_with_their_stage(tmp_path, cluster):
+    """A forced re-partition moves a batch norm layer to the other rank: its running
+    mean and variance go with it (the gathered state, buffers included, hashes the
+    same before and after), and training goes on to the parameters and running
+    statistics of one process that runs the same micro-batches."""
+    runs, state = run_job(tmp_path, cluster, 2, "migrate_bn", "sgd", "6", "", "6")
+    before, after = runs[0]["hashes"]
+    assert before == after and all(r["hashes"] == [before, after] for r in runs)
+    assert any(r["stages"][3] != r["stages"][4] for r in runs), "nothing moved"
+    moved = {o for r in runs for o in set(r["stages"][4]) - set(r["stages"][3])}
+    assert moved & {"layers_1", "layers_4"}, f"no batch norm moved: {moved}"
+    losses, module = one_process_micro_batches(6)
+    assert runs[0]["losses"] == pytest.approx(losses, rel=1e-12)
+    assert not torch.equal(state["layers.4.running_mean"], torch.zeros(32, dtype=torch.float64))
     assert_close(state, module)

@@ -32,8 +32,8 @@ class FrozenPrefix:
         frozen: the ops cut off.
         rest: the graph without the prefix; its inputs are `crossing`.
         crossing: the values that cross the cut (prefix ops' or model inputs').
-        params: the prefix's parameters by qualified name (whoever computes the prefix
-            needs their current values).
+        tensors: the prefix's parameters and buffers by qualified name (whoever
+            computes the prefix needs their current values).
         hits, misses: samples served from the cache / computed through the prefix.
 
     Raises:
@@ -51,7 +51,8 @@ class FrozenPrefix:
             if name in need:
                 need.update(graph.ops[name].inputs)
         self.ops = [n for n in graph.ops if n in need]
-        self.params = {k: p for n in self.ops for k, p in graph.ops[n].params.items()}
+        self.tensors = {k: t for n in self.ops
+                        for k, t in {**graph.ops[n].params, **graph.ops[n].buffers}.items()}
         self.hits = self.misses = 0
         self._rows: dict[int, tuple[torch.Tensor, ...]] = {}
 

@@ -80,13 +80,14 @@ class Repartitioning:
             return False
         params = self.graph.parameters()
         state = optimizer_state(self.optimizer, params)
+        tensors = {**params, **self.graph.buffers()}  # running statistics move too
         figures: dict = {}
         if self.freeze_every is not None:
             mine = self.tracker.export() if self.replica == 0 else {}
             for part in self.comm.allgather(mine):
                 figures.update(part)
             steps = self.tracker.steps
-        kept = migrate(params, state, owners(self.graph, self.plan, self.prefix),
+        kept = migrate(tensors, state, owners(self.graph, self.plan, self.prefix),
                        owners(self.graph, planned, prefix), self.comm, self.timeout)
         for p in params.values():
             p.grad = None  # consumed by the last step; stale ones would mislead gather_grads
@@ -125,17 +126,17 @@ class Repartitioning:
 
 
 def owners(graph: Graph, plan: Plan, prefix: FrozenPrefix | None) -> dict[str, list[int]]:
-    """Parameter name -> the ranks that hold it under `plan` (its stage's replicas; with
-    a cut-off front, the front's parameters are held by every rank that feeds the rest,
-    which computes the front for samples not yet cached)."""
+    """Parameter or buffer name -> the ranks that hold it under `plan` (its stage's
+    replicas; with a cut-off front, the front's tensors are held by every rank that
+    feeds the rest, which computes the front for samples not yet cached)."""
     run = prefix.rest if prefix is not None else graph
     out = {name: plan.devices_of(s) for s, st in enumerate(plan.stages) for o in st.ops
-           for name in run.ops[o].params}
+           for name in [*run.ops[o].params, *run.ops[o].buffers]}
     if prefix is not None:
         feeders = sorted(r for s, st in enumerate(plan.stages)
                          if any(run.ops[o].is_input for o in st.ops)
                          for r in plan.devices_of(s))
-        out.update({name: feeders for name in prefix.params})
+        out.update({name: feeders for name in prefix.tensors})
     return out
 
 

@@ -31,6 +31,8 @@ class Op:
         inputs: names of the ops whose outputs this op reads, in call order.
         run: computes the op's output from a mapping of op name -> value.
         params: the parameters this op owns, by qualified name (for gradients).
+        buffers: the buffers this op's module owns (batch norm's running statistics),
+            by qualified name: state that is not trained but must move with the op.
         is_input: True for a model input (fed from the batch, not computed).
     """
 
@@ -39,6 +41,7 @@ class Op:
     run: Callable[[Mapping[str, Any]], Any]
     params: dict[str, nn.Parameter] = field(default_factory=dict)
     is_input: bool = False
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class Graph:
@@ -107,13 +110,16 @@ class Graph:
             GraphError: see `Graph`.
         """
         names = _param_names(root)
+        bnames = _buffer_names(root)
         ops = [Op(n, (), _input_reader(n), is_input=True) for n in inputs]
         for name, fn, srcs in nodes:
-            params = {}
+            params, buffers = {}, {}
             if isinstance(fn, nn.Module):
                 params = {names.get(id(p), f"{name}.{k}"): p
                           for k, p in fn.named_parameters()}
-            ops.append(Op(name, tuple(srcs), _apply(fn, tuple(srcs)), params))
+                buffers = {bnames.get(id(b), f"{name}.{k}"): b for k, b in fn.named_buffers()}
+            ops.append(Op(name, tuple(srcs), _apply(fn, tuple(srcs)), params,
+                          buffers=buffers))
         if output is None:
             if not nodes:
                 raise GraphError("an explicit graph needs at least one node")
@@ -151,7 +157,7 @@ class Graph:
                 f"pass the offending submodule classes as leaf_modules=..., or describe "
                 f"the model with Graph.from_modules(inputs, [(name, module, inputs), ...])"
             ) from exc
-        names = _param_names(model)
+        names, bnames = _param_names(model), _buffer_names(model)
         ops: list[Op] = []
         output = None
         for node in fx_graph.nodes:
@@ -167,14 +173,19 @@ class Graph:
                 output = out.name
             else:
                 params: dict[str, nn.Parameter] = {}
+                buffers: dict[str, torch.Tensor] = {}
                 if node.op == "call_module":
                     sub = model.get_submodule(node.target)
                     params = {names[id(p)]: p for p in sub.parameters()}
+                    buffers = {bnames[id(b)]: b for b in sub.buffers() if id(b) in bnames}
                 elif node.op == "get_attr":
                     attr = _get_attr(model, node.target)
                     if isinstance(attr, nn.Parameter):
                         params = {node.target: attr}
-                ops.append(Op(node.name, srcs, _fx_runner(model, node), params))
+                    elif id(attr) in bnames:
+                        buffers = {bnames[id(attr)]: attr}
+                ops.append(Op(node.name, srcs, _fx_runner(model, node), params,
+                              buffers=buffers))
         if output is None:
             raise GraphError(f"{type(model).__name__} traced to a graph without output")
         return cls(ops, output, model)
@@ -196,6 +207,13 @@ class Graph:
         out: dict[str, nn.Parameter] = {}
         for op in self.ops.values():
             out.update(op.params)
+        return out
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """All ops' buffers by qualified name (each once)."""
+        out: dict[str, torch.Tensor] = {}
+        for op in self.ops.values():
+            out.update(op.buffers)
         return out
 
     def run(self, feeds: Mapping[str, Any], names: Iterable[str] | None = None,
@@ -289,6 +307,10 @@ def _find_cycle(ops: Mapping[str, Op], left: set[str]) -> list[str]:
 
 def _param_names(root: nn.Module | None) -> dict[int, str]:
     return {} if root is None else {id(p): n for n, p in root.named_parameters()}
+
+
+def _buffer_names(root: nn.Module | None) -> dict[int, str]:
+    return {} if root is None else {id(b): n for n, b in root.named_buffers()}
 
 
 def _input_reader(name: str) -> Callable[[Mapping[str, Any]], Any]:

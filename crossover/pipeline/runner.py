@@ -387,7 +387,12 @@ def _wait(req: Any, timeout: float, what: str) -> None:
 
 def output_shapes(graph: Graph, feeds: Mapping[str, torch.Tensor]
                   ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Shapes and dtypes of every op's output for one micro-batch (a no-grad forward)."""
+    """Shapes and dtypes of every op's output for one micro-batch (a no-grad forward
+    that leaves no trace: buffers such as batch norm's running statistics are put back,
+    or the rank that sized the messages would train from other statistics)."""
     with torch.no_grad():
+        kept = {k: b.clone() for k, b in graph.buffers().items()}
         env = graph.run(feeds)
+        for k, b in graph.buffers().items():
+            b.copy_(kept[k])
     return {n: (tuple(v.shape), v.dtype) for n, v in env.items() if isinstance(v, torch.Tensor)}

@@ -129,6 +129,13 @@ class PipelineTrainer(Repartitioning):
         if cache_frozen and not repartition:
             raise ValueError("cache_frozen=True re-plans the model without its frozen front:"
                              " pass repartition=True (with optimizer= and freeze_every=)")
+        batch_stats = [n for n, m in model.named_modules()
+                       if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+        if cache_frozen and batch_stats:
+            raise ValueError(f"cache_frozen=True caches the frozen front's output per sample,"
+                             f" but batch norm in training mode mixes the samples of a batch "
+                             f"({', '.join(batch_stats[:3])}): train without cache_frozen, "
+                             f"or use a per-sample norm (GroupNorm, LayerNorm)")
         self.model, self.loss_fn, self.comm = model, loss_fn, comm
         self.batch, self.num_micro, self.timeout = batch, num_micro, timeout
         self.partitioner, self.schedule, self.costs = partitioner, schedule, costs
@@ -308,15 +315,17 @@ class PipelineTrainer(Repartitioning):
         return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's state on every rank: each parameter from the first replica
-        of the stage that trains it, buffers from this rank's copy (running statistics
-        that only another stage updates are not gathered: see docs/pipeline.md). It
-        loads into the unpipelined model. Collective: every rank calls it."""
+        """The whole model's state on every rank: each parameter and each op's buffer
+        (running statistics) from the first replica of the stage that holds it, other
+        buffers from this rank's copy. It loads into the unpipelined model.
+        Collective: every rank calls it."""
         mine = {}
         if self.replica == 0:
             held = dict(self.runner.params)
+            for o in self.plan.stages[self.stage].ops:  # running statistics
+                held.update(self.run_graph.ops[o].buffers)
             if self.prefix is not None and self.needs_inputs:  # the cut-off front's
-                held.update(self.prefix.params)
+                held.update(self.prefix.tensors)
             mine = {k: p.detach().clone() for k, p in held.items()}
         trained: dict[str, torch.Tensor] = {}
         for part in self.comm.allgather(mine):
