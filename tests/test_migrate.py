@@ -32,6 +32,8 @@ OPTIMIZERS = {
     "adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
 }
 
+SCHEDULERS = {"exp": lambda opt: torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)}
+
 
 class BatchNormChain(nn.Module):
     """The small chain's input and output with batch norm between: running statistics
@@ -144,13 +146,13 @@ def test_a_frozen_op_costs_a_sixth_and_keeps_one_copy_of_its_weights():
 # "cache_heavy": the same with compute-bound costs (so re-plans use replicas);
 # "cache_slots": "cache" taking device slots from a crossover daemon.
 JOB = """
-import json, sys
+import json, os, sys
 import torch
 from crossover.freeze import state_hash
 from crossover.pipeline.models import build
 from crossover.pipeline.plan import Stage, make_plan
 from crossover.pipeline.train import PipelineTrainer
-from tests.test_migrate import OPTIMIZERS, BatchNormChain
+from tests.test_migrate import OPTIMIZERS, SCHEDULERS, BatchNormChain
 
 mode, opt_name, steps, out, replicas, arg = sys.argv[1], sys.argv[2], int(sys.argv[3]), \\
     sys.argv[4], sys.argv[5], sys.argv[6]
@@ -168,6 +170,8 @@ if not mode.startswith("migrate"):  # arg: every,threshold
     freeze = dict(freeze_every=int(every), freeze_threshold=float(threshold),
                   freeze_patience=1, repartition=True, cache_frozen=mode != "freeze",
                   slots=mode == "cache_slots")
+    if os.environ.get("JOB_SCHEDULER") in SCHEDULERS:
+        freeze["scheduler"] = SCHEDULERS[os.environ["JOB_SCHEDULER"]]
 if mode == "cache_heavy":  # compute-bound costs: replicas pay
     from crossover.pipeline.graph import Graph
     from crossover.pipeline.profile import synthetic
@@ -233,9 +237,10 @@ def run_job(tmp_path, cluster, np_, *args, timeout=240, env=None):
     return runs, torch.load(out.with_suffix(".pt"))
 
 
-def one_process(opt_name: str, steps: int, log: list):
+def one_process(opt_name: str, steps: int, log: list, scheduler: str | None = None):
     """The same training in one process, with the same freezes and optimizer."""
-    return one_process_with_freezing("chain", steps, log, OPTIMIZERS[opt_name])
+    return one_process_with_freezing("chain", steps, log, OPTIMIZERS[opt_name],
+                                     SCHEDULERS.get(scheduler))
 
 
 @pytest.mark.mpi
@@ -260,19 +265,21 @@ def test_a_migration_moves_parameters_and_optimizer_state_bit_exactly(
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("opt_name, np_, replicas, every_threshold", [
-    ("sgd", 2, "", "2,0.02"),       # freezes body_0, then body_2, then body_4 + body_6
-    ("adam", 3, "2,1", "3,0.3"),    # on this data: body_0, body_2 + body_4, body_6
+@pytest.mark.parametrize("opt_name, np_, replicas, every_threshold, scheduler", [
+    ("sgd", 2, "", "2,0.02", None),     # freezes body_0, then body_2, then body_4 + body_6
+    ("adam", 3, "2,1", "3,0.3", None),  # on this data: body_0, body_2 + body_4, body_6
+    ("sgd", 2, "", "2,0.02", "exp"),    # the learning rate decays by 0.9 a step
 ])
 def test_training_across_a_repartition_equals_one_process_with_the_same_freezes(
-        tmp_path, cluster, opt_name, np_, replicas, every_threshold):
+        tmp_path, cluster, opt_name, np_, replicas, every_threshold, scheduler):
     """Freeze decisions and re-plans are the same on every rank (with stage 0 on two
     replicas, its ranks see different halves of each micro-batch); a re-plan moves a
     layer that still trains (so its optimizer state moves); and the weights equal one
-    process that froze the same layers after the same steps."""
+    process that froze the same layers after the same steps (with an LR schedule:
+    a re-plan's new optimizer goes on at the decayed rate, not the factory's)."""
     steps = 20
     runs, state = run_job(tmp_path, cluster, np_, "freeze", opt_name, str(steps), replicas,
-                          every_threshold)
+                          every_threshold, env={"JOB_SCHEDULER": scheduler or ""})
     log, replans = runs[0]["log"], runs[0]["repartitions"]
     assert len(log) >= 2, f"froze in fewer than two decisions, {log}: too little to prove"
     assert replans, "no re-partition happened: the test would prove nothing"
@@ -285,7 +292,7 @@ def test_training_across_a_repartition_equals_one_process_with_the_same_freezes(
             came = set(r["stages"][k]) - set(r["stages"][k - 1])
             moved_training += [n for n in came if n in PARAM_OPS and n not in frozen]
     assert moved_training, "no re-plan moved a layer that still trains"
-    losses, module = one_process(opt_name, steps, log)
+    losses, module = one_process(opt_name, steps, log, scheduler)
     assert runs[0]["losses"] == pytest.approx(losses, rel=1e-12)
     assert_close(state, module)
 

@@ -163,14 +163,17 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
-def one_process_with_freezing(name: str, steps: int, log: list, optimizer=sgd):
+def one_process_with_freezing(name: str, steps: int, log: list, optimizer=sgd,
+                              scheduler=None):
     """The same training in one process, freezing the same layers after the same steps
-    (a frozen layer's gradient is dropped before that step's update)."""
+    (a frozen layer's gradient is dropped before that step's update), the scheduler
+    (a factory) stepped after every update."""
     from crossover.pipeline.graph import Graph
 
     spec = build(name, torch.float64, small=True)
     graph = Graph.from_fx(spec.module)
     opt = optimizer(list(spec.module.parameters()))
+    sched = scheduler(opt) if scheduler else None
     x, y = spec.make_batch(8, 7)
     freezes = {step: layers for step, layers in log}
     losses = []
@@ -183,6 +186,8 @@ def one_process_with_freezing(name: str, steps: int, log: list, optimizer=sgd):
                 p.requires_grad_(False)
                 p.grad = None
         opt.step()
+        if sched is not None:
+            sched.step()
         losses.append(float(loss.detach()))
     return losses, spec.module
 

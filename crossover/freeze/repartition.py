@@ -80,6 +80,9 @@ class Repartitioning:
             return False
         params = self.graph.parameters()
         state = optimizer_state(self.optimizer, params)
+        # the hyperparameters and schedule now in force, from any rank that trains:
+        # a rank may get an optimizer it did not have, and a factory gives initial ones
+        schedule = next((s for s in self.comm.allgather(self._schedule()) if s), None)
         tensors = {**params, **self.graph.buffers()}  # running statistics move too
         figures: dict = {}
         if self.freeze_every is not None:
@@ -98,10 +101,24 @@ class Repartitioning:
         self._build(planned)
         load_optimizer_state(self.optimizer, params,
                              {n: s for n, s in kept.items() if params[n].requires_grad})
+        if schedule and self.optimizer is not None:
+            groups, scheduler = schedule
+            for group, hyper in zip(self.optimizer.param_groups, groups, strict=True):
+                group.update(hyper)
+            if self.scheduler is not None:
+                self.scheduler.load_state_dict(scheduler)
         if self.freeze_every is not None:
             self.tracker.adopt(figures, steps)
         self.repartitions.append((self.steps, planned.describe()))
         return True
+
+    def _schedule(self: PipelineTrainer) -> tuple[list[dict], dict | None] | None:
+        """This rank's optimizer hyperparameters per param group and scheduler state."""
+        if self.optimizer is None:
+            return None
+        groups = [{k: v for k, v in g.items() if k != "params"}
+                  for g in self.optimizer.param_groups]
+        return groups, self.scheduler.state_dict() if self.scheduler is not None else None
 
     def _replan(self: PipelineTrainer, plan: Plan | None, prefix: FrozenPrefix | None
                 ) -> Plan:

@@ -57,6 +57,7 @@ from crossover.pipeline.runner import StageRunner, output_shapes
 from crossover.pipeline.schedule import schedule_for
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
 
 
 class PipelineTrainer(Repartitioning):
@@ -85,14 +86,19 @@ class PipelineTrainer(Repartitioning):
         leaf_modules: module types torch.fx keeps whole.
         optimizer: a factory, list of parameters -> torch.optim optimizer, called with
             this stage's trainable parameters (again after each re-partition, with the
-            moved state loaded: hold on to `trainer.optimizer`, not to a copy; an LR
-            scheduler must be re-attached after `repartitions` grows). With it `step`
+            moved state loaded: hold on to `trainer.optimizer`, not to a copy; give an
+            LR scheduler as `scheduler`). With it `step`
             also zeroes the gradients and steps the optimizer; a stage with nothing to
             train has `optimizer` None. Without it the caller steps their own optimizer
             on `parameters()` and cannot re-partition.
         repartition: re-plan and migrate after every freeze decision (needs `optimizer`
             and `freeze_every`).
         frozen_cost: a frozen op's time as a fraction of an active op's, for re-plans.
+        scheduler: a factory, optimizer -> LR scheduler, stepped after every optimizer
+            step (a per-step schedule; needs `optimizer`). A re-plan builds the new
+            optimizer and scheduler from the factories and carries over the current
+            hyperparameters (the param groups' lr, momentum, ...: also those set by
+            hand) and the scheduler's state, so the schedule goes on as in one process.
         cache_frozen: once a front of the model is frozen, stop running it: pipeline
             only the rest, fed from a per-sample cache of the values crossing the cut
             (`crossover.freeze.cache`), re-planned over every rank with data-parallel
@@ -116,30 +122,19 @@ class PipelineTrainer(Repartitioning):
                  replicas: Sequence[int] | None = None, freeze_every: int | None = None,
                  freeze_threshold: float = 0.05, freeze_patience: int = 2,
                  optimizer: OptimizerFactory | None = None, repartition: bool = False,
-                 frozen_cost: float = 1 / 6, cache_frozen: bool = False) -> None:
+                 frozen_cost: float = 1 / 6, cache_frozen: bool = False,
+                 scheduler: SchedulerFactory | None = None) -> None:
         if comm is None:
             from mpi4py import MPI
 
             comm = MPI.COMM_WORLD
-        if batch % num_micro:
-            raise ValueError(f"{num_micro} micro-batches do not divide the batch of {batch}")
-        if repartition and (optimizer is None or freeze_every is None):
-            raise ValueError("repartition=True needs optimizer=<factory> (the trainer "
-                             "rebuilds the optimizer over each new stage) and freeze_every")
-        if cache_frozen and not repartition:
-            raise ValueError("cache_frozen=True re-plans the model without its frozen front:"
-                             " pass repartition=True (with optimizer= and freeze_every=)")
-        batch_stats = [n for n, m in model.named_modules()
-                       if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
-        if cache_frozen and batch_stats:
-            raise ValueError(f"cache_frozen=True caches the frozen front's output per sample,"
-                             f" but batch norm in training mode mixes the samples of a batch "
-                             f"({', '.join(batch_stats[:3])}): train without cache_frozen, "
-                             f"or use a per-sample norm (GroupNorm, LayerNorm)")
+        _check_settings(model, batch, num_micro, optimizer, scheduler, freeze_every,
+                        repartition, cache_frozen)
         self.model, self.loss_fn, self.comm = model, loss_fn, comm
         self.batch, self.num_micro, self.timeout = batch, num_micro, timeout
         self.partitioner, self.schedule, self.costs = partitioner, schedule, costs
         self.make_optimizer, self.auto_repartition = optimizer, repartition
+        self.make_scheduler = scheduler
         self.frozen_cost, self.cache_frozen = frozen_cost, cache_frozen
         self.prefix: FrozenPrefix | None = None  # the frozen front cut off (cache_frozen)
         self.replicas = list(replicas) if replicas else None
@@ -188,6 +183,9 @@ class PipelineTrainer(Repartitioning):
         trainable = [p for p in self.parameters() if p.requires_grad]
         self.optimizer: torch.optim.Optimizer | None = \
             self.make_optimizer(trainable) if self.make_optimizer and trainable else None
+        self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = \
+            self.make_scheduler(self.optimizer) if self.make_scheduler and self.optimizer \
+            else None
 
     def _plan(self, example: Mapping[str, torch.Tensor] | None, num_micro: int,
               partitioner: str, costs: Costs | None) -> tuple:
@@ -275,6 +273,8 @@ class PipelineTrainer(Repartitioning):
         decision = self._maybe_freeze() if self.freeze_every is not None else None
         if self.optimizer is not None:
             self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
         if decision is not None and self.auto_repartition:
             self.repartition()
         return self.comm.allreduce(loss)
@@ -336,6 +336,30 @@ class PipelineTrainer(Repartitioning):
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Restore the whole model (as `state_dict` or the unpipelined model gave it)."""
         self.model.load_state_dict(state)
+
+
+def _check_settings(model: nn.Module, batch: int, num_micro: int,
+                    optimizer: OptimizerFactory | None, scheduler: SchedulerFactory | None,
+                    freeze_every: int | None, repartition: bool, cache_frozen: bool) -> None:
+    """Raise ValueError, naming the fix, for settings that cannot work together."""
+    if batch % num_micro:
+        raise ValueError(f"{num_micro} micro-batches do not divide the batch of {batch}")
+    if repartition and (optimizer is None or freeze_every is None):
+        raise ValueError("repartition=True needs optimizer=<factory> (the trainer "
+                         "rebuilds the optimizer over each new stage) and freeze_every")
+    if scheduler is not None and optimizer is None:
+        raise ValueError("scheduler=<factory> is built over the trainer's optimizer: pass "
+                         "optimizer=<factory> too")
+    if cache_frozen and not repartition:
+        raise ValueError("cache_frozen=True re-plans the model without its frozen front:"
+                         " pass repartition=True (with optimizer= and freeze_every=)")
+    batch_stats = [n for n, m in model.named_modules()
+                   if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+    if cache_frozen and batch_stats:
+        raise ValueError(f"cache_frozen=True caches the frozen front's output per sample,"
+                         f" but batch norm in training mode mixes the samples of a batch "
+                         f"({', '.join(batch_stats[:3])}): train without cache_frozen, "
+                         f"or use a per-sample norm (GroupNorm, LayerNorm)")
 
 
 def from_rank_0(comm: Any, what: str, make: Callable[[], Any]) -> Any:
