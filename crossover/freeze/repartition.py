@@ -48,9 +48,10 @@ class Repartitioning:
         `cache_frozen` the frozen front is cut off instead and the rest is planned over
         every rank, replicas allowed. If the plan changed, parameters and optimizer
         state go to their new owners over MPI (`crossover.freeze.migrate`,
-        bit-exactly), each rank builds its new stage, and the factory builds a new
-        optimizer (with its own hyperparameters) over the stage's trainable parameters
-        with the moved state. Gradient-tracker figures move with their layers, so
+        bit-exactly), as do buffers (running statistics); each rank builds its new
+        stage, and the factories build a new optimizer (and scheduler) over the stage's
+        trainable parameters with the moved state, the hyperparameters and the
+        schedule in force. Gradient-tracker figures move with their layers, so
         freezing loses no interval. Collective: every rank calls it, between steps.
 
         Args:
