@@ -108,6 +108,23 @@ def test_the_digits_example_learns(tmp_path, cluster):
     assert png.stat().st_size > 10_000
 
 
+def test_the_digits_example_freezes_and_cuts_the_front_off(tmp_path, cluster):
+    """The benchmark's path end to end: layers freeze, the frozen front is cut off and
+    cached, the rest re-planned (here onto 2 replicas), and the head goes on learning."""
+    history = tmp_path / "h.json"
+    proc = Proc(mpirun(2, PY, "examples/pipeline_digits.py", "--epochs", "6", "--depth", "3",
+                       "--width", "128", "--lr", "0.05", "--freeze-every", "10",
+                       "--freeze-threshold", "0.5", "--repartition", "--cache", "--plot",
+                       str(tmp_path / "d.png"), "--history", str(history)),
+                dict(cluster.env, CROSSOVER_ENABLE="0"), tmp_path / "digits.log")
+    cluster.procs.append(proc)
+    out = proc.wait(240)
+    last = json.loads(history.read_text())[-1]
+    assert last["frozen"] == ["layers_0", "layers_2", "layers_4"], out[-2000:]
+    assert last["repartitions"] == 1 and "0:layers_5+layers_6x2" in out, out[-2000:]
+    assert last["accuracy"] > 0.6, last
+
+
 def test_a_planning_error_on_rank_0_reaches_every_rank(tmp_path, cluster):
     """Rank 0 plans; if it fails (here: inputs named unlike the model's forward), every
     rank raises the reason instead of waiting for a plan that never comes."""
