@@ -1,0 +1,140 @@
+"""A rank's link to its node's daemon: register, map the slot table, fail open, heal.
+
+Fail-open, then heal: if the daemon cannot be reached, dies, or does not grant within
+the wait limit, the rank warns once and trains on uncoordinated. Scheduling never changes
+the math, so a job loses nothing but the sharing. While uncoordinated, the rank tries to
+reconnect whenever it next asks for its device, at most every HEAL_FIRST_S doubling to
+HEAL_MOST_S, so a daemon that comes back (restarted by crossoverrun or by hand) takes the
+job back without a restart of the job.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+from typing import TYPE_CHECKING
+
+from crossover import protocol as P
+from crossover.backoff import Backoff
+from crossover.fastpath import RankPath
+from crossover.transport import recv_msg, send_msg
+
+if TYPE_CHECKING:
+    from crossover.client import SlotClient
+
+#: Reconnection attempts after losing the daemon: the first after this long, then
+#: doubling up to HEAL_MOST_S; each attempt waits at most HEAL_TIMEOUT_S for a welcome.
+HEAL_FIRST_S, HEAL_MOST_S, HEAL_TIMEOUT_S = 0.5, 10.0, 2.0
+
+
+class CrossoverVersionError(RuntimeError):
+    """The daemon speaks another protocol version: a set-up error, never silenced."""
+
+
+class DaemonLink:
+    """The connection half of `SlotClient` (a mixin): it owns `_sock` and `_fast`, and
+    calls the client's `_welcomed(welcome)` on every (re)registration and `_place()`
+    when coordination is lost."""
+
+    _said_socket_path = False  # the process said once why it uses the socket path
+
+    @property
+    def coordinated(self: SlotClient) -> bool:
+        """True while a daemon schedules this rank."""
+        return self._sock is not None
+
+    def _connect(self: SlotClient, hello: P.Hello, timeout_s: float) -> None:
+        """Register with the daemon (`timeout_s`: the longest wait for its welcome, which
+        waits for the leader's job order)."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(str(self.path))
+            send_msg(sock, hello)
+            reply = recv_msg(sock)
+        except BaseException:
+            sock.close()
+            raise
+        if isinstance(reply, P.Error):
+            sock.close()
+            if reply.code == P.ErrorCode.VERSION:
+                raise CrossoverVersionError(reply.message)
+            raise RuntimeError(f"crossover daemon refused job {self.job!r}: {reply.message}")
+        if not isinstance(reply, P.Welcome):
+            sock.close()
+            raise P.ProtocolError(f"expected welcome, got {reply.kind}")
+        self._sock = sock
+        self._fast = self._attach(reply, sock)
+        self._welcomed(reply)
+
+    def _attach(self: SlotClient, welcome: P.Welcome, sock: socket.socket) -> RankPath | None:
+        """Map the node's slot table if the daemon named one, and tell it whether that
+        worked: the native fast path, or the socket path (said once)."""
+        if not welcome.table:
+            return None
+        try:
+            fast = RankPath(welcome.table, welcome.table_device, welcome.slot, sock)
+        except (RuntimeError, OSError, ValueError) as exc:
+            if not DaemonLink._said_socket_path:
+                DaemonLink._said_socket_path = True
+                print(f"crossover: native fast path off ({exc}); using the socket path",
+                      file=sys.stderr, flush=True)
+            fast = None
+        send_msg(sock, P.Attached(fast is not None))
+        return fast
+
+    def _try_heal(self: SlotClient) -> None:
+        """Uncoordinated: reconnect if an attempt is due (see HEAL_FIRST_S)."""
+        if self._heal is None or time.monotonic() < self._next_heal:
+            return
+        self._next_heal = time.monotonic() + self._heal.next()
+        if not self.path.exists():  # no daemon yet: one stat, no connect
+            return
+        try:
+            self._connect(self._hello, timeout_s=HEAL_TIMEOUT_S)
+        except CrossoverVersionError as exc:
+            self._heal = None  # the daemon was upgraded under the job: do not retry
+            self._warn(f"not reconnecting: {exc}", again=True)
+            return
+        except (OSError, P.ProtocolError, RuntimeError):
+            return  # not back yet (or still busy with our old connection): back off
+        self._heal = None
+        self.reconnects += 1
+        self._warned = False  # the next loss is news again
+        print(f"crossover: reconnected to the crossover daemon at {self.path}; job "
+              f"{self.job!r} rank {self.info.rank} is coordinated again", file=sys.stderr,
+              flush=True)
+
+    def _daemon_alive(self: SlotClient) -> bool:
+        """While waiting in the table: read the daemon's notices; False once it is gone."""
+        self._keep_alone()  # reads pending notices, and fails open on a closed socket
+        return self._sock is not None
+
+    def _send(self: SlotClient, msg: P.Message) -> None:
+        if self._sock is None:
+            return
+        try:
+            send_msg(self._sock, msg)
+        except OSError as exc:
+            self._fail_open(f"lost the crossover daemon ({exc})")
+
+    def _fail_open(self: SlotClient, why: str, heal: bool = True) -> None:
+        """Go on uncoordinated (and, if `heal`, try to reconnect from time to time)."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+            self._fast = None
+            self._place()
+        then = "; it reconnects when the daemon is back" if heal else ""
+        self._warn(f"{why}; job {self.job!r} rank {self.info.rank} trains on "
+                   f"uncoordinated{then}")
+        if heal:
+            self._heal = Backoff(HEAL_FIRST_S, HEAL_MOST_S)
+            self._next_heal = time.monotonic() + self._heal.next()
+
+    def _warn(self: SlotClient, message: str, again: bool = False) -> None:
+        """Print a warning, once per loss of the daemon (`again`: whatever was said)."""
+        if again or not self._warned:
+            self._warned = True
+            print(f"crossover: WARNING: {message}", file=sys.stderr, flush=True)
