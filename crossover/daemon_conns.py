@@ -1,0 +1,135 @@
+"""The daemon's connections from ranks: accept, read frames, reply, close.
+
+A mixin of `Daemon`. Sockets are non-blocking and frames bounded (MAX_REQUEST), so one
+client that stops reading or sends garbage is dropped without stalling the others; a
+connection that says nothing within the hello timeout is closed; a closed connection
+frees its rank's slot at once (the daemon's `_close` bookkeeping).
+"""
+
+from __future__ import annotations
+
+import logging
+import selectors
+import socket
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from crossover import protocol as P
+from crossover.scheduler import SchedulerError
+from crossover.transport import FrameBuffer, send_msg
+
+if TYPE_CHECKING:
+    from crossover.daemon import Daemon
+
+log = logging.getLogger("crossover.daemon")
+
+#: The longest frame a rank may send (a hello is about 200 bytes): a bigger length prefix
+#: is refused before anything is buffered, so a client cannot make the daemon grow.
+MAX_REQUEST = 1 << 16
+
+
+@dataclass(eq=False)
+class RankConn:
+    """One rank's connection: its socket, frames read so far, and what it was told."""
+
+    sock: socket.socket
+    opened: float
+    frames: FrameBuffer = field(default_factory=lambda: FrameBuffer(MAX_REQUEST))
+    hello: P.Hello | None = None
+    registered: bool = False
+    seq: int = 0  # the rank's outstanding Acquire
+    told: tuple[int, str] | None = None  # (other jobs on its device, mode), as last told
+    device: str | None = None  # where the scheduler placed the rank
+
+    @property
+    def key(self) -> tuple[str, int] | None:
+        return (self.hello.job, self.hello.rank) if self.hello else None
+
+
+class Connections:
+    """Accepting, reading, replying to and closing rank connections (a mixin)."""
+
+    def _accept(self: Daemon, listener: socket.socket) -> None:
+        try:
+            sock, _ = listener.accept()
+        except OSError:  # gone already, or out of descriptors: the listener stays
+            return
+        if len(self._sel.get_map()) >= self.max_conns:
+            sock.close()
+            if self.clock() - self._refused_at > 10:
+                self._refused_at = self.clock()
+                log.warning("%d connections open: refusing more (raise `ulimit -n`?)",
+                            self.max_conns)
+            return
+        # Non-blocking: replies are tiny, so a send that would block means the client
+        # stopped reading; it is dropped rather than allowed to stall every other job.
+        sock.setblocking(False)
+        self._sel.register(sock, selectors.EVENT_READ, RankConn(sock, self.clock()))
+
+    def _drop_silent(self: Daemon) -> None:
+        """Close connections that said nothing useful within hello_timeout_s (at most
+        one sweep a second)."""
+        now = self.clock()
+        if now - self._swept_at < 1.0:
+            return
+        self._swept_at = now
+        asking = {id(conn) for conn, _, _ in self._status_waits.values()}
+        for key in list(self._sel.get_map().values()):
+            conn = key.data
+            if (isinstance(conn, RankConn) and conn.hello is None and id(conn) not in asking
+                    and now - conn.opened > self.hello_timeout_s):
+                self._close(conn, "no hello")
+
+    def _read(self: Daemon, conn: RankConn) -> None:
+        try:
+            data = conn.sock.recv(65536)
+        except OSError:
+            data = b""
+        if not data:
+            self._close(conn, "connection closed")
+            return
+        try:
+            for msg in conn.frames.feed(data):
+                try:
+                    self._handle(conn, msg)
+                except SchedulerError as exc:  # a request that does not fit: the rank stays
+                    self._reply(conn, P.Error(str(exc), P.ErrorCode.REFUSED.value))
+        except P.ProtocolError as exc:
+            code = P.ErrorCode.VERSION if isinstance(exc, P.VersionMismatch) \
+                else P.ErrorCode.PROTOCOL
+            self._reply(conn, P.Error(str(exc), code.value))
+            self._close(conn, f"protocol error: {exc}")
+        except Exception as exc:  # noqa: BLE001 - one client's message must not stop the daemon
+            log.exception("internal error on a message from %s", conn.key or "a client")
+            self._reply(conn, P.Error(f"internal error: {exc}", P.ErrorCode.PROTOCOL.value))
+            self._close(conn, f"internal error: {exc}")
+
+    def _reply(self: Daemon, conn: RankConn, msg: P.Message) -> None:
+        try:
+            send_msg(conn.sock, msg)
+        except OSError as exc:
+            self._close(conn, f"send failed: {exc}")
+
+    def _close(self: Daemon, conn: RankConn, why: str) -> None:
+        try:
+            self._sel.unregister(conn.sock)
+        except (KeyError, ValueError):
+            return  # closed already
+        conn.sock.close()
+        key = conn.key
+        if key is None:
+            return
+        if conn in self._pending.get(key[0], []):
+            self._pending[key[0]].remove(conn)
+        if conn.registered and self._conns.get(key) is conn:
+            del self._conns[key]
+            log.info("job %s rank %d left node %s (%s)", key[0], key[1], self.node, why)
+            device = self.sched.device_of(*key)
+            self._before_change(device)
+            self._deliver(self.sched.unregister(*key))
+            if self.fast is not None:
+                self.fast.leave(key)
+            if device is not None:
+                self._tell_company(device)
+            if not any(j == key[0] for j, _ in self._conns):
+                self.peers.send(0, ("leave", key[0]))
