@@ -15,9 +15,12 @@ built here with g++), with no Python, table or daemon.
 
 Then the graph pipeline with slots, where a slot is taken per stage per micro-batch: a
 2-stage pipeline (`python -m crossover.pipeline --model chain`, 8 micro-batches) without
-slots, and with slots over each path, beside an idle neighbour job registered on both
-devices (alone, a rank keeps its device and takes no slot at all). Iterations per second,
-medians. Writes bench/results/handoff.json.
+slots, and with slots over each path beside a neighbour job registered on both devices
+and idle: dormant once idle for the daemon's patience, so the pipeline keeps its devices
+through communication as if alone (the issue's target: at most 2 % lost). And the same
+with CROSSOVER_KEEP_WHEN_ALONE=0, where every micro-batch really releases its device and
+asks again: the cost of a handoff per micro-batch. Iterations per second, medians.
+Writes bench/results/handoff.json.
 """
 
 from __future__ import annotations
@@ -133,7 +136,10 @@ def floor(busy: bool, cycles: int, hold_us: float, binary: Path) -> dict:
 
 
 def pipeline(mode: str, iters: int) -> float:
-    """Median seconds per pipeline iteration: mode "none" (no slots), "socket", "native"."""
+    """Median seconds per pipeline iteration. `mode`: "none" (no slots), or
+    "<path>_<neighbour>" with path "socket" or "native" and neighbour "dormant" (an idle
+    job on both devices: company until it has idled for --patience) or "handoffs" (the
+    same, and CROSSOVER_KEEP_WHEN_ALONE=0: every micro-batch releases and asks again)."""
     from crossover.client import RankInfo, SlotClient
     from crossover.launch.local import mpi_env, mpirun
     from crossover.protocol import Phase
@@ -144,7 +150,8 @@ def pipeline(mode: str, iters: int) -> float:
                      "--batch", "64", "--micro", "8", "--iters", str(iters), "--out", str(out))
         env = {**os.environ, **mpi_env(), "CROSSOVER_RUNTIME_DIR": str(runtime),
                "CROSSOVER_JOB": "pipe",
-               "CROSSOVER_NATIVE": "0" if mode == "socket" else "1"}
+               "CROSSOVER_NATIVE": "0" if mode.startswith("socket") else "1",
+               "CROSSOVER_KEEP_WHEN_ALONE": "0" if mode.endswith("handoffs") else "1"}
         os.environ["CROSSOVER_NATIVE"] = env["CROSSOVER_NATIVE"]
         if mode == "none":
             subprocess.run(cmd, env=env, check=True, timeout=600, capture_output=True)
@@ -167,7 +174,7 @@ def main() -> None:
     parser.add_argument("--cycles", type=int, default=3000)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--hold-us", type=float, default=500.0)
-    parser.add_argument("--pipeline-iters", type=int, default=40)
+    parser.add_argument("--pipeline-iters", type=int, default=200)
     parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -194,8 +201,9 @@ def main() -> None:
                       if k != "handoffs"}
                for name, rs in runs.items()}
     pipe: dict[str, list[float]] = {}
+    modes = ("none", "socket_dormant", "native_dormant", "socket_handoffs", "native_handoffs")
     for rep in range(args.reps):
-        for mode in ("none", "socket", "native"):
+        for mode in modes:
             pipe.setdefault(mode, []).append(pipeline(mode, args.pipeline_iters))
             print(f"rep {rep + 1}/{args.reps} pipeline slots={mode}: "
                   f"{1 / pipe[mode][-1]:.1f} iterations/s", flush=True)
@@ -205,17 +213,21 @@ def main() -> None:
                     f" us, {args.cycles} cycles each, first {WARMUP} handoffs dropped",
         "runs": runs, **summary,
         "pipeline": {"workload": f"chain model, 2 stages, batch 64, 8 micro-batches, "
-                                 f"{args.pipeline_iters} iterations; an idle neighbour job on "
-                                 f"both devices", "iteration_s": pipe,
-                     "iterations_per_s": per_s,
-                     "loss_with_slots": {m: 1 - per_s[m] / per_s["none"]
-                                         for m in ("socket", "native")}},
+                                 f"{args.pipeline_iters} iterations; a neighbour job on both "
+                                 f"devices, idle (dormant after --patience)",
+                     "iteration_s": pipe, "iterations_per_s": per_s,
+                     # the issue's target: <= 2 % lost against no slots
+                     "loss_with_slots": {p: 1 - per_s[f"{p}_dormant"] / per_s["none"]
+                                         for p in ("socket", "native")},
+                     "loss_with_a_handoff_per_micro_batch": {
+                         p: 1 - per_s[f"{p}_handoffs"] / per_s["none"]
+                         for p in ("socket", "native")}},
         # the issue's keys: both cores busy
         "socket": summary["socket_busy"], "native": summary["native_busy"],
     })
     for name, s in summary.items():
         print(f"{name:12s} p50 {s['p50_us']:7.0f} us  p99 {s['p99_us']:7.0f} us")
-    for mode in ("socket", "native"):
+    for mode in modes[1:]:
         print(f"pipeline with slots ({mode}): {100 * (1 - per_s[mode] / per_s['none']):.1f}% "
               f"slower than without")
     print(f"-> {out}")

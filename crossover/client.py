@@ -173,6 +173,8 @@ class SlotClient(DaemonLink):
             self._request(release_first=False)
         elif self._yield_on_step and not self._keep_alone():
             self._request(release_first=True)
+        else:
+            self.renew()  # kept across the boundary: a long run must not outlive its lease
 
     def release(self, phase: Phase = Phase.COMMUNICATE) -> None:
         """Give the device up: the rank now communicates (or idles).

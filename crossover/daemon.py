@@ -124,6 +124,7 @@ class Daemon(Connections, DaemonWorld, TableDaemon):
         # wait to be applied or whose plan is to be published again.
         self.fast: fastpath.TablePlane | None = None
         self._replan: set[str] = set()
+        self._company: dict[str, frozenset[str]] = {}  # device -> its jobs, less dormant ones
 
     # --- life cycle -------------------------------------------------------------------
     def serve(self) -> None:
@@ -157,6 +158,7 @@ class Daemon(Connections, DaemonWorld, TableDaemon):
                 self._finish_status_waits()
                 self._realign()
                 self._publish_plans()
+                self._update_company()
         finally:
             self._sel.close()
             listener.close()
@@ -316,6 +318,17 @@ class Daemon(Connections, DaemonWorld, TableDaemon):
                                     policy.yield_on_step, table, slot, index))
         self._tell_company(device)
 
+    def _update_company(self) -> None:
+        """A job went dormant (its time ran out) or woke (its request was applied):
+        tell the ranks beside it, and re-plan, since a dormant job's request must ring."""
+        for device in self.sched.devices():
+            now = frozenset(self.sched.company(device))
+            if self._company.get(device) != now:
+                self._company[device] = now
+                self._tell_company(device)
+                if self.fast is not None:
+                    self._replan.add(device)
+
     def _tell_company(self, device: str | None = None) -> None:
         """Tell each rank on `device` (None: every device) how many other jobs share it
         and the mode, when that changed."""
@@ -323,7 +336,7 @@ class Daemon(Connections, DaemonWorld, TableDaemon):
             mine = self.sched.device_of(*key)
             if mine is None or device not in (None, mine):
                 continue
-            told = (len(self.sched.jobs_on(mine) - {key[0]}), self.sched.mode.value)
+            told = (len(self.sched.company(mine) - {key[0]}), self.sched.mode.value)
             if conn.told != told:
                 conn.told = told
                 self._reply(conn, P.Company(*told, self._mode_reason))

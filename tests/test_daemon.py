@@ -422,3 +422,34 @@ def test_a_rank_that_loses_its_daemon_is_unpinned(cluster: Cluster):
     everywhere = sorted(os.sched_getaffinity(0))
     assert first[0] == "pinned" and json.loads(first[1]) != everywhere
     assert out.strip() == f"after {everywhere} False"
+
+
+@pytest.mark.parametrize("native", ["1", "0"], ids=["table", "socket"])
+def test_a_dormant_job_is_no_company_until_it_asks_again(cluster: Cluster, native):
+    """A job idle for --patience is dormant: the job beside it keeps its device through
+    communication instead of handing it to nobody. The dormant job's request reaches the
+    daemon at once (through the table too), the holder is told, and hands over at its
+    next release point."""
+    cluster.env["CROSSOVER_NATIVE"] = native
+    with cluster.daemon(extra=("--patience", "2")):
+        a, b = client(cluster, "a"), client(cluster, "b")
+        b.acquire()
+        b.release(Phase.IDLE)
+        a.acquire()
+        a.release(Phase.COMMUNICATE)
+        assert not a.holding, "b idled a moment ago: it is still company"
+        wait_for(a._keep_alone, 30, "the daemon to tell a that b is dormant")
+        a.acquire()
+        a.release(Phase.COMMUNICATE)
+        assert a.holding, "b is dormant: a keeps the device"
+        asked = threading.Thread(target=b.acquire)
+        asked.start()
+        deadline = time.monotonic() + 10  # the lease (30 s) would end it otherwise
+        while a.holding and time.monotonic() < deadline:
+            a.release(Phase.COMMUNICATE)  # a's release points, one per "step"
+            time.sleep(0.01)
+        assert not a.holding, "a was not told that b asked"
+        asked.join(10)
+        assert b.holding and not b._warned
+        a.close()
+        b.close()

@@ -369,3 +369,21 @@ def test_an_install_without_the_module_says_why(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=60).stdout
     assert "crossover._native is not importable" in out
+
+
+def test_a_dormant_jobs_request_wakes_the_daemon():
+    # The daemon has told the jobs beside a dormant one that they are alone (they keep
+    # the device through communication); its request must reach the daemon at once so
+    # that they are told to hand the device over again.
+    sched, clock = build("crossover", {"A": ["d0"], "B": ["d0"]})
+    cache = PlanCache()
+    sched.request("A", 0)
+    sched.release("B", 0, Phase.IDLE)
+    fresh = preview(sched, "d0")
+    assert fresh.on_request[("B", 0)] == ()  # A holds
+    assert (("B", 0), "request") not in fresh.wakes
+    assert cache.preview(sched, "d0") == fresh
+    clock.now += sched.patience_s
+    dormant = preview(sched, "d0")
+    assert (("B", 0), "request") in dormant.wakes
+    assert cache.preview(sched, "d0") == dormant  # the cache tells the two states apart

@@ -78,10 +78,13 @@ def test_pipeline_stages_take_slots_from_the_daemon(tmp_path, cluster):
     assert "uncoordinated" not in log, log[-2000:]
     daemon_log = (cluster.tmp / "daemon.log").read_text()
     assert all(f"job pipe rank {r} on node" in daemon_log for r in range(3)), daemon_log
-    for rank in range(3):  # 2 iterations x 4 micro-batches x (forward + backward)
-        holds = [e for e in load(traces / f"pipe.rank{rank}.json")
-                 if e["ph"] == "X" and e["name"] == "hold"]
-        assert len(holds) == 16, (rank, len(holds))
+    holds = [sum(e["ph"] == "X" and e["name"] == "hold"
+                 for e in load(traces / f"pipe.rank{rank}.json")) for rank in range(3)]
+    # 2 iterations x 4 micro-batches x (forward + backward), and the hold each iteration
+    # ends with (the optimizer step's, as a Horovod step's): the first one merges with the
+    # next iteration's first forward on the towers, while the head (rank 2) starts its
+    # iteration with a receive and gives the device up before it
+    assert holds == [17, 17, 18], holds
     assert_same_grads(got, "two_tower")
 
 

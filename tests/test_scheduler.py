@@ -380,3 +380,22 @@ def test_a_rank_back_from_a_pause_moves_its_jobs_turns_on_every_device_at_realig
     # ...and A's rank 1 lines up behind B on d1 as A's rank 0 does on d0.
     sched.release("B", 0, M)
     assert sched.request("B", 1) == [SlotGrant("B", 1, "d1")]
+
+
+def test_a_job_idle_for_patience_is_dormant_and_no_company_until_it_asks():
+    sched, clock = build("crossover", {"A": ["d0", "d0"], "B": ["d0"]}, patience_s=1.0)
+    sched.request("B", 0)
+    assert sched.company("d0") == {"A", "B"}  # registered, not yet idle: company
+    sched.release("A", 0, IDLE)
+    clock.now += 5.0
+    assert not sched.dormant("A", "d0")  # its rank 1 never went idle
+    sched.release("A", 1, IDLE)  # B, waiting behind A's ranks, is granted (lease to 15)
+    assert sched.holders("d0") == {("B", 0)}
+    assert sched.next_deadline() == 6.0  # when A turns dormant
+    clock.now += 0.5
+    assert sched.company("d0") == {"A", "B"}  # a short idle spell: still company
+    clock.now += 0.5
+    assert sched.dormant("A", "d0") and sched.company("d0") == {"B"}
+    assert sched.next_deadline() == 15.0  # dormancy has come: only B's lease is left
+    assert sched.request("A", 0) == []  # B holds; A waits and is company again
+    assert sched.company("d0") == {"A", "B"} and not sched.dormant("A", "d0")

@@ -5,7 +5,9 @@ tensors' own memory: a contiguous CPU tensor is sent without a copy and received
 the tensor that is then used). Every receive polls with a deadline, so a dead or
 diverging peer gives a TimeoutError naming the stage, micro-batch and tensor, never a
 hang. Each compute action holds the device slot from the crossover daemon (ACQ/REL in
-the schedule), so pipeline stages share devices with Horovod jobs under one scheduler.
+the schedule), so pipeline stages share devices with Horovod jobs under one scheduler;
+an iteration ends holding the device, like a Horovod step (release it with
+`SlotClient.release(Phase.IDLE)` when training stops).
 
 A stage with r replicas runs on r consecutive ranks (`Plan.devices_of`). Every replica
 runs the stage's one schedule row on its contiguous 1/r share of each micro-batch (rows
@@ -203,7 +205,11 @@ class StageRunner:
         frozen = self.frozen_stages()
         live_preds = [p for p in self.sched.preds[self.s] if p not in frozen]
         last_succ = self.sched.succs[self.s][-1] if self.sched.succs[self.s] else None
-        for a in self._actions(frozen):
+        actions = self._actions(frozen)
+        if self.client is not None and actions and actions[0].kind != ACQ:
+            # the last iteration ended holding; this one starts by waiting on a peer
+            self.client.release(Phase.COMMUNICATE)
+        for a in actions:
             m = a.micro
             if a.kind == RECV_F:
                 env = envs.setdefault(m, {})
@@ -262,8 +268,12 @@ class StageRunner:
             _wait(req, self.timeout, f"{self._who()}: a send was not received in time")
         if self.replicas > 1:
             self._sum_replica_grads()
-        if self.client is not None:  # an iteration is a training step: count it
-            self.client.release(Phase.IDLE)
+        if self.client is not None:
+            # a step boundary, as a Horovod step's end: counted, and the device kept for
+            # what the caller does between iterations (the optimizer step) unless the
+            # policy hands it over here. Releasing IDLE instead would make every
+            # iteration ask the daemon again, even with nobody to share the device with.
+            self.client.yield_slot()
         return total
 
     def _sum_replica_grads(self) -> None:

@@ -8,7 +8,10 @@ global job order). It waits for the rank whose key is lowest even if another ran
 first, as long as that rank is active (it has not gone idle); that keeps every device of
 a job group in the same sequence, so a job's ranks hold their devices at the same time.
 A rank that keeps a device waiting longer than `patience_s` without asking is passed over
-until it asks (so a slow or stuck job cannot stall the others).
+until it asks (so a slow or stuck job cannot stall the others). A job whose ranks on a
+device have all been idle for `patience_s` is dormant there: it is not company (`company`)
+until it asks again, so the jobs beside it keep the device through communication instead
+of handing it to nobody.
 
 A grant is for a job on a device (a gang): the ranks of one job that share a device
 hold it together, or one rank would wait for the slot while its peer waits for it inside
@@ -306,6 +309,11 @@ class SlotScheduler:
                 if r.state == HOLDING and r.deadline is not None]
         ends += [dev.blocked_since + self.patience_s for dev in self._devices.values()
                  if dev.blocked_since is not None]
+        # a rank turning dormant changes its device's company: the daemon tells the others
+        now = self.clock()
+        ends += [r.since + self.patience_s for dev in self._devices.values()
+                 for r in dev.ranks.values()
+                 if r.state == IDLE and r.since + self.patience_s > now]
         return min(ends, default=None)
 
     # --- views ------------------------------------------------------------------------
@@ -317,6 +325,26 @@ class SlotScheduler:
         """The jobs with a rank registered on `device`."""
         dev = self._devices.get(device)
         return {r.job for r in dev.ranks.values()} if dev else set()
+
+    def devices(self) -> list[str]:
+        """Every device a rank was ever registered on."""
+        return list(self._devices)
+
+    def company(self, device: str) -> set[str]:
+        """The jobs on `device` that are not dormant there (module doc): the ones a rank
+        shares the device with."""
+        dev = self._devices.get(device)
+        if dev is None:
+            return set()
+        now = self.clock()
+        return {r.job for r in dev.ranks.values() if not self._dormant(r, now)}
+
+    def dormant(self, job: str, device: str) -> bool:
+        """Whether every rank of `job` on `device` has been idle for `patience_s`."""
+        dev = self._devices.get(device)
+        mine = [r for r in dev.ranks.values() if r.job == job] if dev else []
+        now = self.clock()
+        return bool(mine) and all(self._dormant(r, now) for r in mine)
 
     def holders(self, device: str) -> set[tuple[str, int]]:
         """The (job, rank) pairs holding `device` now."""
@@ -367,6 +395,9 @@ class SlotScheduler:
 
     def _ranks_of(self, job: str) -> list[_Rank]:
         return [self._devices[d].ranks[(j, r)] for (j, r), d in self._where.items() if j == job]
+
+    def _dormant(self, r: _Rank, now: float) -> bool:
+        return r.state == IDLE and now - r.since >= self.patience_s
 
     def _offsets(self, job: str) -> list[int]:
         return [r.turn - r.grants for r in self._ranks_of(job)]

@@ -75,6 +75,7 @@ def preview(sched: SlotScheduler, device: str, depth: int = 32) -> Preview:
     on_request: dict[Key, tuple[Key, ...]] = {}
     on_release: dict[Key, tuple[Key, ...]] = {}
     wakes: set[tuple[Key, Step]] = set()
+    company = sched.company(device)
     for key, r in dev.ranks.items():
         scratch = _scratch(sched, device)
         if r.state == HOLDING:
@@ -83,9 +84,10 @@ def preview(sched: SlotScheduler, device: str, depth: int = 32) -> Preview:
         else:
             on_request[key] = _keys(scratch.request(*key))
             kind = Step.REQUEST
-        if _blocked(scratch, device) or scratch._shifted:
-            # The daemon must act now: patience runs out only on its clock, and a rank
-            # back from a pause moved its job's turns on this device alone (`realign`).
+        if _blocked(scratch, device) or scratch._shifted or key[0] not in company:
+            # The daemon must act now: patience runs out only on its clock, a rank back
+            # from a pause moved its job's turns on this device alone (`realign`), and a
+            # dormant job that asks is company again (the others must be told).
             wakes.add((key, kind))
     return Preview(on_request, on_release, _chain(sched, device, depth),
                    concurrent=not sched.exclusive, wakes=frozenset(wakes))
@@ -163,8 +165,9 @@ def _signature(sched: SlotScheduler, device: str, depth: int) -> tuple | None:
     turns = {k: max(r.turn, sched.policy.turn_at(dev.vtime, r.weight)) if r.state in away
              else r.turn for k, r in dev.ranks.items()}
     base = min(turns.values(), default=0)
-    ranks = tuple(sorted((k, r.state, turns[k] - base, r.order, r.weight, turns[k] > r.turn)
-                         for k, r in dev.ranks.items()))
+    company = sched.company(device)
+    ranks = tuple(sorted((k, r.state, turns[k] - base, r.order, r.weight, turns[k] > r.turn,
+                          k[0] in company) for k, r in dev.ranks.items()))
     return (sched.policy.name, sched.mode, depth, ranks, dev.holder,
             tuple(sorted(dev.served)), dev.vtime - base, dev.blocked_since is None)
 
