@@ -162,6 +162,7 @@ def pipeline(mode: str, iters: int) -> float:
             for n in neighbours:  # registered on both devices, then out of the way
                 n.acquire()
                 n.release(Phase.IDLE)
+            time.sleep(1.5)  # the daemon's patience (1 s): dormant when the pipeline starts
             subprocess.run(cmd + ["--slots"], env=env, check=True, timeout=600,
                            capture_output=True)
             for n in neighbours:

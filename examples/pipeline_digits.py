@@ -140,6 +140,7 @@ def main() -> int:
             spare_s += spare * (time.perf_counter() - step_started)
             if rank == 0:
                 progress(epoch, args.epochs, s + 1, steps, total / (s + 1))
+        trainer.release_device()  # evaluation follows: the device's other jobs go on
         trainer.comm.Barrier()
         trained_s += time.perf_counter() - started  # evaluation is not training time
         state = trainer.state_dict()  # collective

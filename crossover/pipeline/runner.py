@@ -6,8 +6,8 @@ the tensor that is then used). Every receive polls with a deadline, so a dead or
 diverging peer gives a TimeoutError naming the stage, micro-batch and tensor, never a
 hang. Each compute action holds the device slot from the crossover daemon (ACQ/REL in
 the schedule), so pipeline stages share devices with Horovod jobs under one scheduler;
-an iteration ends holding the device, like a Horovod step (release it with
-`SlotClient.release(Phase.IDLE)` when training stops).
+an iteration ends holding the device, like a Horovod step (`PipelineTrainer.release_device`
+gives it up before a pause).
 
 A stage with r replicas runs on r consecutive ranks (`Plan.devices_of`). Every replica
 runs the stage's one schedule row on its contiguous 1/r share of each micro-batch (rows

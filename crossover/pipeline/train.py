@@ -55,6 +55,7 @@ from crossover.pipeline.plan import Plan
 from crossover.pipeline.profile import Costs
 from crossover.pipeline.runner import StageRunner, output_shapes
 from crossover.pipeline.schedule import schedule_for
+from crossover.protocol import Phase
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
@@ -169,7 +170,9 @@ class PipelineTrainer(Repartitioning):
         graph = self.run_graph
         self.needs_inputs = any(graph.ops[o].is_input for o in ops)
         self.needs_target = graph.output in ops
-        if self.stage is not None:
+        if self.stage is None:
+            self.release_device()  # kept since the last step: free for the jobs beside
+        else:
             self.runner = StageRunner(graph, plan, schedule_for(plan, self.schedule),
                                       self.stage, self.comm, self.shapes, self.client,
                                       self.timeout, self.replica_comms,
@@ -216,6 +219,17 @@ class PipelineTrainer(Repartitioning):
         """This rank's stage's parameters: give them to the optimizer (they change when
         the trainer re-partitions)."""
         return iter(self.runner.params.values() if self.runner else ())
+
+    def release_device(self) -> None:
+        """Give this rank's device slot up until the next step (which takes it again).
+
+        A step ends holding the device, as a Horovod step does, for the optimizer update
+        and what the caller does between steps; call this before a long pause
+        (evaluation, checkpointing, the end of training) so that the jobs sharing the
+        device need not wait for the lease to run out. A no-op without slots.
+        """
+        if self.client is not None:
+            self.client.release(Phase.IDLE)
 
     def step(self, inputs: Mapping[str, torch.Tensor] | None,
              target: torch.Tensor | None,
