@@ -120,13 +120,14 @@ def _status(args: argparse.Namespace) -> int:
 
 def status_table(nodes: dict) -> str:
     """Devices, the job holding each, the queue, and per job the share of time spent
-    holding and waiting since it joined the device."""
+    holding and waiting since it joined the device (and whether it is dormant there)."""
     rows = [f"{'node':<10} {'device':<7} {'mode':<10} {'holder':<16} {'queue':<24} "
             f"job: hold% wait%"]
     for node, snap in sorted(nodes.items()):
         mode = snap.get("mode", "-")
         for dev, st in snap["devices"].items():
-            usage = "  ".join(f"{job}: {u['hold_pct']:.0f}% {u['wait_pct']:.0f}%"
+            usage = "  ".join(f"{job}{' (dormant)' if u.get('dormant') else ''}: "
+                              f"{u['hold_pct']:.0f}% {u['wait_pct']:.0f}%"
                               for job, u in st["usage"].items())
             rows.append(f"{node:<10} {dev:<7} {mode:<10} {st['holder'] or '-':<16} "
                         f"{','.join(st['waiting']) or '-':<24} {usage}")

@@ -439,6 +439,10 @@ def test_a_dormant_job_is_no_company_until_it_asks_again(cluster: Cluster, nativ
         a.release(Phase.COMMUNICATE)
         assert not a.holding, "b idled a moment ago: it is still company"
         wait_for(a._keep_alone, 30, "the daemon to tell a that b is dormant")
+        out = subprocess.run([PY, "-m", "crossover", "status", "--once", "--runtime-dir",
+                              str(cluster.runtime)], capture_output=True, text=True,
+                             timeout=30, cwd=REPO, check=True).stdout
+        assert "b (dormant): " in out and "a (dormant)" not in out, out
         a.acquire()
         a.release(Phase.COMMUNICATE)
         assert a.holding, "b is dormant: a keeps the device"

@@ -371,7 +371,8 @@ class SlotScheduler:
                 waited = sum(r.waited_s + (now - r.since if r.state == WAITING else 0.0)
                              for r in ranks) / len(ranks)
                 usage[job] = {"hold_pct": 100 * held.get(job, 0.0) / span,
-                              "wait_pct": 100 * waited / span}
+                              "wait_pct": 100 * waited / span,
+                              "dormant": self.dormant(job, name)}
             devices[name] = {
                 "holder": dev.holder,
                 "holding": sorted(f"{j}:{r}" for j, r in self.holders(name)),
