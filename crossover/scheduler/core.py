@@ -31,65 +31,22 @@ job B, and each job's allreduce waits for its rank on the other device.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from enum import Enum
 
 from crossover.protocol import Mode, Phase
 from crossover.scheduler.policies import Policy
-
-
-class RankState(str, Enum):
-    """Where a rank stands on its device (shown by `crossover status`)."""
-
-    NEW = "new"  # registered, has not asked yet
-    WAITING = "waiting"  # asked for the device
-    HOLDING = "holding"  # holds it
-    BUSY = "busy"  # released to communicate (or at a step boundary), back soon
-    IDLE = "idle"  # released for a while (crossover.step() ended)
-    SKIPPED = "skipped"  # passed over after --patience; rejoins at the present turn
-
-    def __str__(self) -> str:
-        return self.value
-
-
-NEW, WAITING, HOLDING = RankState.NEW, RankState.WAITING, RankState.HOLDING
-BUSY, IDLE, SKIPPED = RankState.BUSY, RankState.IDLE, RankState.SKIPPED
-_ACTIVE = (NEW, WAITING, BUSY)
-
-
-@dataclass(frozen=True)
-class SlotGrant:
-    """The device is now held by this rank (deliver to the rank's connection)."""
-
-    job: str
-    rank: int
-    device: str
-
-
-@dataclass
-class _Rank:
-    job: str
-    rank: int
-    order: int
-    weight: float
-    turn: int  # the key of this rank's next request: its job's offset + `grants`
-    state: RankState = NEW
-    since: float = 0.0  # when the rank entered `state`
-    deadline: float | None = None  # lease end while holding
-    joined: float = 0.0
-    waited_s: float = 0.0  # accumulated time in WAITING
-    grants: int = 0  # grants so far: where the rank is in its job's request sequence
-
-
-@dataclass
-class _Device:
-    ranks: dict[tuple[str, int], _Rank] = field(default_factory=dict)
-    holder: str | None = None  # the job holding the device (exclusive policies)
-    served: set[int] = field(default_factory=set)  # ranks of `holder` that held this turn
-    vtime: float = 0.0  # virtual time of the latest grant: where newcomers start
-    hold_start: float = 0.0
-    held_s: dict[str, float] = field(default_factory=dict)  # job -> accumulated hold time
-    blocked_since: float | None = None  # free, with waiters, waiting for an active rank
+from crossover.scheduler.state import (
+    ACTIVE,
+    BUSY,
+    HOLDING,
+    IDLE,
+    NEW,
+    SKIPPED,
+    WAITING,
+    DeviceEntry,
+    RankEntry,
+    RankState,
+    SlotGrant,
+)
 
 
 class SchedulerError(ValueError):
@@ -118,7 +75,7 @@ class SlotScheduler:
         self.patience_s = patience_s
         self._where: dict[tuple[str, int], str] = {}  # (job, rank) -> device
         self._jobs: dict[str, tuple[int, float]] = {}  # job -> (order, weight)
-        self._devices: dict[str, _Device] = {}
+        self._devices: dict[str, DeviceEntry] = {}
         # Concurrent serves every request at once, as plain co-location does (see
         # `mode`); an exclusive policy starts in antiphase.
         self.mode = Mode.ANTIPHASE if policy.exclusive else Mode.CONCURRENT
@@ -195,14 +152,14 @@ class SlotScheduler:
                                  f"its other ranks' {self._jobs[job]}")
         if (job, rank) in self._where:
             raise SchedulerError(f"job {job!r}: rank {rank} is registered already")
-        dev = self._devices.setdefault(device, _Device())
+        dev = self._devices.setdefault(device, DeviceEntry())
         # The job's offset if it has ranks here already (a rank that registers late
         # starts where its peers started), or the device's present turn.
         offsets = self._offsets(job)
         turn = max(offsets) if offsets else self.policy.turn_at(dev.vtime, weight)
         self._where[(job, rank)] = device
         now = self.clock()
-        dev.ranks[(job, rank)] = _Rank(job, rank, order, weight, turn, NEW, now, joined=now)
+        dev.ranks[(job, rank)] = RankEntry(job, rank, order, weight, turn, NEW, now, joined=now)
 
     def unregister(self, job: str, rank: int) -> list[SlotGrant]:
         """Remove a rank (it finished, crashed or lost its connection); frees its slot."""
@@ -361,23 +318,14 @@ class SlotScheduler:
         now = self.clock()
         devices = {}
         for name, dev in sorted(self._devices.items()):
-            held = dict(dev.held_s)
-            if dev.holder is not None:
-                held[dev.holder] = held.get(dev.holder, 0.0) + now - dev.hold_start
-            usage = {}
-            for job in sorted({r.job for r in dev.ranks.values()}):
-                ranks = [r for r in dev.ranks.values() if r.job == job]
-                span = max(now - min(r.joined for r in ranks), 1e-9)
-                waited = sum(r.waited_s + (now - r.since if r.state == WAITING else 0.0)
-                             for r in ranks) / len(ranks)
-                usage[job] = {"hold_pct": 100 * held.get(job, 0.0) / span,
-                              "wait_pct": 100 * waited / span,
-                              "dormant": self.dormant(job, name)}
+            usage = dev.usage(now)
+            for job, shares in usage.items():
+                shares["dormant"] = self.dormant(job, name)
             devices[name] = {
                 "holder": dev.holder,
                 "holding": sorted(f"{j}:{r}" for j, r in self.holders(name)),
                 "waiting": [f"{j}:{r}" for j, r in self.waiting(name)],
-                "held_s": held,
+                "held_s": dev.held_now(now),
                 "usage": usage,
                 "ranks": {f"{r.job}:{r.rank}": {"state": r.state, "turn": r.turn}
                           for r in dev.ranks.values()},
@@ -388,32 +336,32 @@ class SlotScheduler:
                 "jobs": jobs}
 
     # --- internals --------------------------------------------------------------------
-    def _lookup(self, job: str, rank: int) -> tuple[str, _Rank]:
+    def _lookup(self, job: str, rank: int) -> tuple[str, RankEntry]:
         device = self._where.get((job, rank))
         if device is None:
             raise SchedulerError(f"job {job!r} rank {rank} is not registered")
         return device, self._devices[device].ranks[(job, rank)]
 
-    def _ranks_of(self, job: str) -> list[_Rank]:
+    def _ranks_of(self, job: str) -> list[RankEntry]:
         return [self._devices[d].ranks[(j, r)] for (j, r), d in self._where.items() if j == job]
 
-    def _dormant(self, r: _Rank, now: float) -> bool:
+    def _dormant(self, r: RankEntry, now: float) -> bool:
         return r.state == IDLE and now - r.since >= self.patience_s
 
     def _offsets(self, job: str) -> list[int]:
         return [r.turn - r.grants for r in self._ranks_of(job)]
 
-    def _key(self, r: _Rank) -> tuple:
+    def _key(self, r: RankEntry) -> tuple:
         return (*self.policy.key(r.turn, r.order, r.weight), r.rank)
 
-    def _set(self, r: _Rank, state: RankState) -> None:
+    def _set(self, r: RankEntry, state: RankState) -> None:
         r.state, r.since = state, self.clock()
 
-    def _next_in_line(self, dev: _Device) -> _Rank | None:
-        active = [r for r in dev.ranks.values() if r.state in _ACTIVE]
+    def _next_in_line(self, dev: DeviceEntry) -> RankEntry | None:
+        active = [r for r in dev.ranks.values() if r.state in ACTIVE]
         return min(active, key=self._key, default=None)
 
-    def _grant(self, device: str, r: _Rank) -> SlotGrant:
+    def _grant(self, device: str, r: RankEntry) -> SlotGrant:
         dev = self._devices[device]
         now = self.clock()
         if dev.holder != r.job and self.exclusive:
@@ -427,7 +375,7 @@ class SlotScheduler:
         self._set(r, HOLDING)
         return SlotGrant(r.job, r.rank, device)
 
-    def _drop_holding(self, device: str, r: _Rank) -> None:
+    def _drop_holding(self, device: str, r: RankEntry) -> None:
         dev = self._devices[device]
         if r.state != HOLDING:
             return

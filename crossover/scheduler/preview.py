@@ -22,8 +22,9 @@ from dataclasses import dataclass, replace
 from enum import Enum
 
 from crossover.protocol import Phase
-from crossover.scheduler.core import HOLDING, IDLE, SKIPPED, SlotGrant, SlotScheduler, _Device
+from crossover.scheduler.core import SlotScheduler
 from crossover.scheduler.policies import Policy
+from crossover.scheduler.state import HOLDING, IDLE, SKIPPED, DeviceEntry, SlotGrant
 
 Key = tuple[str, int]  # (job, rank)
 
@@ -183,7 +184,7 @@ def _scratch(sched: SlotScheduler, device: str) -> SlotScheduler:
     scratch = copy.copy(sched)
     scratch._shifted = False  # set again if the question's event moves a turn alone
     dev = sched._devices[device]
-    scratch._devices = {device: _Device(
+    scratch._devices = {device: DeviceEntry(
         ranks={k: replace(r) for k, r in dev.ranks.items()},
         holder=dev.holder, served=set(dev.served), vtime=dev.vtime,
         hold_start=dev.hold_start, held_s=dict(dev.held_s), blocked_since=dev.blocked_since)}

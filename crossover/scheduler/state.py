@@ -1,0 +1,91 @@
+"""What the slot scheduler keeps per rank and per device, and the grants it hands out.
+
+Plain data: `SlotScheduler` (core.py) owns every instance and is the only writer; the
+fast path's preview (preview.py) copies them to look ahead. A device also sums up how
+long each job has held it and waited for it, for `crossover status`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class RankState(str, Enum):
+    """Where a rank stands on its device (shown by `crossover status`)."""
+
+    NEW = "new"  # registered, has not asked yet
+    WAITING = "waiting"  # asked for the device
+    HOLDING = "holding"  # holds it
+    BUSY = "busy"  # released to communicate (or at a step boundary), back soon
+    IDLE = "idle"  # released for a while (crossover.step() ended)
+    SKIPPED = "skipped"  # passed over after --patience; rejoins at the present turn
+
+    def __str__(self) -> str:
+        return self.value
+
+
+NEW, WAITING, HOLDING = RankState.NEW, RankState.WAITING, RankState.HOLDING
+BUSY, IDLE, SKIPPED = RankState.BUSY, RankState.IDLE, RankState.SKIPPED
+#: The states of a rank a device waits for when its turn comes (see core.py).
+ACTIVE = (NEW, WAITING, BUSY)
+
+
+@dataclass(frozen=True)
+class SlotGrant:
+    """The device is now held by this rank (deliver to the rank's connection)."""
+
+    job: str
+    rank: int
+    device: str
+
+
+@dataclass
+class RankEntry:
+    """One rank registered on a device."""
+
+    job: str
+    rank: int
+    order: int
+    weight: float
+    turn: int  # the key of this rank's next request: its job's offset + `grants`
+    state: RankState = NEW
+    since: float = 0.0  # when the rank entered `state`
+    deadline: float | None = None  # lease end while holding
+    joined: float = 0.0
+    waited_s: float = 0.0  # accumulated time in WAITING
+    grants: int = 0  # grants so far: where the rank is in its job's request sequence
+
+
+@dataclass
+class DeviceEntry:
+    """One device: its ranks, the job holding it, and the hold time per job."""
+
+    ranks: dict[tuple[str, int], RankEntry] = field(default_factory=dict)
+    holder: str | None = None  # the job holding the device (exclusive policies)
+    served: set[int] = field(default_factory=set)  # ranks of `holder` that held this turn
+    vtime: float = 0.0  # virtual time of the latest grant: where newcomers start
+    hold_start: float = 0.0
+    held_s: dict[str, float] = field(default_factory=dict)  # job -> accumulated hold time
+    blocked_since: float | None = None  # free, with waiters, waiting for an active rank
+
+    def held_now(self, now: float) -> dict[str, float]:
+        """Per job, the seconds it has held the device, the present hold included."""
+        held = dict(self.held_s)
+        if self.holder is not None:
+            held[self.holder] = held.get(self.holder, 0.0) + now - self.hold_start
+        return held
+
+    def usage(self, now: float) -> dict[str, dict[str, float]]:
+        """Per job, the % of time since its first rank joined that it held the device
+        and that its ranks (on average) waited for it."""
+        held = self.held_now(now)
+        usage = {}
+        for job in sorted({r.job for r in self.ranks.values()}):
+            ranks = [r for r in self.ranks.values() if r.job == job]
+            span = max(now - min(r.joined for r in ranks), 1e-9)
+            waited = sum(r.waited_s + (now - r.since if r.state == WAITING else 0.0)
+                         for r in ranks) / len(ranks)
+            usage[job] = {"hold_pct": 100 * held.get(job, 0.0) / span,
+                          "wait_pct": 100 * waited / span}
+        return usage
