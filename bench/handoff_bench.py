@@ -181,6 +181,9 @@ def main() -> None:
     parser.add_argument("--pipeline-reps", type=int, default=7)
     parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if min(args.reps, args.pipeline_reps, args.cycles, args.pipeline_iters) < 1:
+        parser.error("--reps, --pipeline-reps, --cycles and --pipeline-iters must be at "
+                     "least 1 (each figure is a median over them)")
     if args.worker:
         job, runtime, cycles, hold_us, out = args.worker
         worker(job, runtime, int(cycles), float(hold_us), out)

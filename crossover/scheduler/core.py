@@ -290,11 +290,7 @@ class SlotScheduler:
     def company(self, device: str) -> set[str]:
         """The jobs on `device` that are not dormant there (module doc): the ones a rank
         shares the device with."""
-        dev = self._devices.get(device)
-        if dev is None:
-            return set()
-        now = self.clock()
-        return {r.job for r in dev.ranks.values() if not self._dormant(r, now)}
+        return {job for job in self.jobs_on(device) if not self.dormant(job, device)}
 
     def dormant(self, job: str, device: str) -> bool:
         """Whether every rank of `job` on `device` has been idle for `patience_s`."""
