@@ -106,7 +106,8 @@ class Daemons:
 def run_jobs(launch: EmulatedCluster | Callable[[list[str]], list[str]], names: list[str],
              workload: list[str], steps: int, env: dict[str, str], log_dir: Path,
              timeout_s: float = 300.0, job_env: dict[str, str] | None = None,
-             first_seed: int = 1, workloads: list[list[str]] | None = None) -> list[dict]:
+             first_seed: int = 1, workloads: list[list[str]] | None = None,
+             job_envs: list[dict[str, str]] | None = None) -> list[dict]:
     """Run the named jobs at once and return their JSON lines (job i gets seed
     `first_seed + i`).
 
@@ -115,6 +116,7 @@ def run_jobs(launch: EmulatedCluster | Callable[[list[str]], list[str]], names: 
             job's command into its launch line (e.g. `cluster.local_gloo_run`).
         job_env: the jobs' base environment (default: JOB_ENV, for one core a host).
         workloads: per job, its own workload arguments (default: `workload` for all).
+        job_envs: per job, variables added to its environment (e.g. CROSSOVER_PRIORITY).
 
     Raises:
         RuntimeError: a job failed (its output is in the message).
@@ -126,7 +128,8 @@ def run_jobs(launch: EmulatedCluster | Callable[[list[str]], list[str]], names: 
         args = workloads[i] if workloads is not None else workload
         cmd = launch([sys.executable, str(JOB), *args, "--steps", str(steps),
                       "--seed", str(first_seed + i)])
-        jobs.append(Job(name, cmd, {**(JOB_ENV if job_env is None else job_env), **env,
+        own = job_envs[i] if job_envs is not None else {}
+        jobs.append(Job(name, cmd, {**(JOB_ENV if job_env is None else job_env), **env, **own,
                                     "CROSSOVER_JOB": name}))
     out = []
     for res in run_together(jobs, timeout_s=timeout_s, log_dir=log_dir):
