@@ -117,6 +117,8 @@ class SlotClient(DaemonLink):
         self._pin_cpu = pin_cpu
         self._pin = False  # set once the daemon has named the device's cores
         self._unpinned = os.sched_getaffinity(0)  # where the launcher put us
+        self._share: list[int] = []  # the job's cores on the host (Company), if any
+        self._placed: list[int] = []  # the share the process is pinned to now
         self._heal: Backoff | None = None  # reconnection attempts, while uncoordinated
         self._next_heal = 0.0
         self.reconnects = 0  # how often the rank took up coordination again
@@ -152,6 +154,7 @@ class SlotClient(DaemonLink):
         if self._wait_s is None:
             self._wait_s = 2 * welcome.lease_s + 5.0
         self._alone, self._mode = False, Mode.ANTIPHASE  # until the daemon's notice
+        self._share = []
         self._pin = self._pin_cpu and bool(self._cores)
         self._place()
 
@@ -254,7 +257,8 @@ class SlotClient(DaemonLink):
                     self.trace.instant(f"mode {mode.value}", time.time(), reason=msg.reason,
                                        device=self.label)
                 self._mode = mode
-                self._place()
+            self._share = msg.cores
+            self._place()
         elif isinstance(msg, P.Error):
             self._fail_open(f"crossover daemon error: {msg.message}")
 
@@ -264,14 +268,39 @@ class SlotClient(DaemonLink):
         rank waiting on its allreduce and a rank computing share one core, and the
         kernel cannot move either to the other core when it idles. An uncoordinated
         rank is co-located too: pinned and uncoordinated, two jobs once ran 100x slower
-        after their daemon died."""
-        if not self._pin:
+        after their daemon died.
+
+        A share of the host's cores for the whole job (`crossover.placement`: CPU jobs
+        on one host, served concurrently) pins every thread of the process, and holds
+        only while the daemon is there to change it when the jobs change."""
+        share = self._share if self._sock is not None else []
+        if share != self._placed:
+            self._pin_process(share or sorted(self._unpinned), share)
+            self._placed = list(share)
+        if not self._pin or share:
             return
         pinned = self._mode == Mode.ANTIPHASE and self._sock is not None
         try:
             os.sched_setaffinity(0, self._cores if pinned else self._unpinned)
         except OSError as exc:  # the launcher's cpuset changed under us: train on
             self._warn(f"cannot set CPU affinity ({exc})")
+
+    def _pin_process(self, cores: list[int], share: list[int]) -> None:
+        """Every thread of the process (Horovod's, MPI's, torch's) onto `cores`; threads
+        made later inherit it from the thread that makes them."""
+        try:
+            for tid in os.listdir("/proc/self/task"):
+                try:
+                    os.sched_setaffinity(int(tid), cores)
+                except ProcessLookupError:
+                    pass  # the thread ended meanwhile
+        except OSError as exc:  # no /proc, or the launcher's cpuset changed: train on
+            self._warn(f"cannot set CPU affinity ({exc})")
+            return
+        if self.trace is not None:
+            self.trace.instant("cores " + (",".join(map(str, share)) or "all"), time.time(),
+                               device=self.label, share=share,
+                               applied=sorted(os.sched_getaffinity(0)))
 
     @property
     def holding(self) -> bool:

@@ -29,8 +29,9 @@ from crossover import protocol as P
 from crossover.daemon_conns import Connections, RankConn
 from crossover.daemon_world import DaemonWorld, default_comm, node_identity
 from crossover.fastpath import TableDaemon
+from crossover.placement import partition
 from crossover.procstats import RankUsage, process_state
-from crossover.protocol import Phase
+from crossover.protocol import Mode, Phase
 from crossover.scheduler import (
     ModeController,
     SlotGrant,
@@ -117,6 +118,7 @@ class Daemon(Connections, DaemonWorld, TableDaemon):
                                     probe_local=mode_probe_local) \
             if self.sched.policy.adaptive else None
         self._mode_reason = "policy " + self.sched.policy.name
+        self._last_shares: dict[str, list[int]] = {}  # for the log
         self._steps: dict[str, int] = {}  # job -> most steps a local rank reported
         self._started = time.monotonic()
         self._usage = RankUsage()
@@ -316,7 +318,7 @@ class Daemon(Connections, DaemonWorld, TableDaemon):
         self._reply(conn, P.Welcome(device, cores, self.node, order, policy.name,
                                     self.sched.lease_s, policy.release_on_communicate,
                                     policy.yield_on_step, table, slot, index))
-        self._tell_company(device)
+        self._tell_company()  # every device: the host's cores may be split anew
 
     def _update_company(self) -> None:
         """A job went dormant (its time ran out) or woke (its request was applied):
@@ -332,14 +334,35 @@ class Daemon(Connections, DaemonWorld, TableDaemon):
     def _tell_company(self, device: str | None = None) -> None:
         """Tell each rank on `device` (None: every device) how many other jobs share it
         and the mode, when that changed."""
+        shares = self._shares()
         for key, conn in list(self._conns.items()):
             mine = self.sched.device_of(*key)
             if mine is None or device not in (None, mine):
                 continue
-            told = (len(self.sched.company(mine) - {key[0]}), self.sched.mode.value)
+            told = (len(self.sched.company(mine) - {key[0]}), self.sched.mode.value,
+                    shares.get(key[0], []))
             if conn.told != told:
                 conn.told = told
-                self._reply(conn, P.Company(*told, self._mode_reason))
+                self._reply(conn, P.Company(told[0], told[1], self._mode_reason, told[2]))
+
+    def _shares(self) -> dict[str, list[int]]:
+        """Each job's cores on this host (`crossover.placement`), while `auto` serves
+        CPU jobs that all live on this host concurrently; otherwise none."""
+        if not (self.sched.policy.adaptive and self.sched.mode == Mode.CONCURRENT):
+            return {}
+        ranks: dict[str, int] = {}
+        for conn in self._conns.values():
+            hello = conn.hello
+            if hello.gpu is not None or hello.local_size != hello.size:
+                return {}  # a GPU job or one that spans hosts: leave the cores alone
+            ranks[hello.job] = ranks.get(hello.job, 0) + 1
+        jobs = sorted(ranks, key=lambda job: self._orders[job])
+        shares = partition(self.cores, [(job, ranks[job]) for job in jobs])
+        if shares != self._last_shares:
+            self._last_shares = shares
+            log.info("cores on node %s: %s", self.node,
+                     ", ".join(f"{j} {c}" for j, c in shares.items()) or "shared by all")
+        return shares
 
     def _cpu_device(self, index: int) -> tuple[str, list[int]]:
         # Device i is every cpu_devices-th core from core i: one core each by default.

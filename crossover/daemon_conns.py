@@ -130,6 +130,6 @@ class Connections:
             if self.fast is not None:
                 self.fast.leave(key)
             if device is not None:
-                self._tell_company(device)
+                self._tell_company()  # every device: the host's cores may be split anew
             if not any(j == key[0] for j, _ in self._conns):
                 self.peers.send(0, ("leave", key[0]))

@@ -17,7 +17,7 @@ from enum import Enum
 from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
 
 #: Bumped on any incompatible change; a client and daemon that differ refuse each other.
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 class ErrorCode(str, Enum):
@@ -132,6 +132,9 @@ class Company(Message):
     others: int
     mode: str = "antiphase"  # `crossover.scheduler.Mode`: concurrent lets every job keep it
     reason: str = ""  # why the daemons chose `mode` (for traces)
+    #: the host's cores this rank's job may run on (`crossover.placement`); empty: where
+    #: its launcher put it
+    cores: list[int] = field(default_factory=list)
 
 
 @dataclass
