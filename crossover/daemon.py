@@ -307,6 +307,11 @@ class Daemon(Connections, DaemonWorld, TableDaemon):
         order = self._orders[hello.job]
         self._before_change(device)
         self.sched.register(hello.job, hello.rank, device, order, hello.weight)
+        if hello.gpu is None and hello.local_size == hello.size and hello.job not in self._steps:
+            # A CPU job all on this host: the leader can serve it concurrently (and split
+            # the cores) now, not after its first steps under the initial antiphase.
+            self._steps[hello.job] = 0
+            self.peers.send(0, ("progress", hello.job, 0, True))
         conn.registered, conn.device = True, device
         place = self.fast.reserve(conn.key, device, hello.pid) if self.fast else None
         table, slot, index = (str(self.fast.path), *place) if place else ("", -1, -1)
