@@ -344,8 +344,9 @@ def main() -> None:
         events = trace.merge(sorted(tdir.glob("*.json")), tdir / "merged.json")
         gantt = RESULTS / f"{name}_gantt.png"
         where = f"{pick['mbit']:g} Mbit/s" if pick["mbit"] else "one host"
+        ranks = "one rank per host" if pick["mbit"] else "both ranks on this host"
         trace.plot_gantt(events, gantt, title=f"{first}, {where}: {args.jobs} jobs under "
-                         f"policy auto (one rank per host)")
+                         f"policy auto ({ranks})")
         gaps = idle_gaps(events)
     speedup_png = RESULTS / f"{name}_speedup.png"
     linked = [r for r in rows if r["mbit"]]

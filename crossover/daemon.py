@@ -257,9 +257,7 @@ class Daemon(Connections, DaemonWorld, TableDaemon):
         elif isinstance(msg, P.Progress):
             if msg.steps > self._steps.get(job, -1):  # the job's other local ranks repeat it
                 self._steps[job] = msg.steps
-                hello = conn.hello  # a CPU job all on this host allreduces in its memory
-                local = hello.gpu is None and hello.local_size == hello.size
-                self.peers.send(0, ("progress", job, msg.steps, local))
+                self.peers.send(0, ("progress", job, msg.steps, conn.on_host_cpu))
         else:
             raise P.ProtocolError(f"unexpected {msg.kind} from a client")
 
@@ -307,9 +305,9 @@ class Daemon(Connections, DaemonWorld, TableDaemon):
         order = self._orders[hello.job]
         self._before_change(device)
         self.sched.register(hello.job, hello.rank, device, order, hello.weight)
-        if hello.gpu is None and hello.local_size == hello.size and hello.job not in self._steps:
-            # A CPU job all on this host: the leader can serve it concurrently (and split
-            # the cores) now, not after its first steps under the initial antiphase.
+        if conn.on_host_cpu and hello.job not in self._steps:
+            # The leader can serve it concurrently (and split the cores) now, not after
+            # its first steps under the initial antiphase.
             self._steps[hello.job] = 0
             self.peers.send(0, ("progress", hello.job, 0, True))
         conn.registered, conn.device = True, device
@@ -356,11 +354,10 @@ class Daemon(Connections, DaemonWorld, TableDaemon):
         if not (self.sched.policy.adaptive and self.sched.mode == Mode.CONCURRENT):
             return {}
         ranks: dict[str, int] = {}
-        for conn in self._conns.values():
-            hello = conn.hello
-            if hello.gpu is not None or hello.local_size != hello.size:
+        for (job, _), conn in self._conns.items():
+            if not conn.on_host_cpu:
                 return {}  # a GPU job or one that spans hosts: leave the cores alone
-            ranks[hello.job] = ranks.get(hello.job, 0) + 1
+            ranks[job] = ranks.get(job, 0) + 1
         jobs = sorted(ranks, key=lambda job: self._orders[job])
         shares = partition(self.cores, [(job, ranks[job]) for job in jobs])
         if shares != self._last_shares:

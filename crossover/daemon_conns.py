@@ -38,12 +38,20 @@ class RankConn:
     hello: P.Hello | None = None
     registered: bool = False
     seq: int = 0  # the rank's outstanding Acquire
-    told: tuple[int, str] | None = None  # (other jobs on its device, mode), as last told
+    #: (other jobs on its device, mode, its job's cores), as last told
+    told: tuple[int, str, list[int]] | None = None
     device: str | None = None  # where the scheduler placed the rank
 
     @property
     def key(self) -> tuple[str, int] | None:
         return (self.hello.job, self.hello.rank) if self.hello else None
+
+    @property
+    def on_host_cpu(self) -> bool:
+        """The rank's job computes on CPUs with every rank on this host, so it allreduces
+        in this host's memory, on the cores that compute."""
+        h = self.hello
+        return h is not None and h.gpu is None and h.local_size == h.size
 
 
 class Connections:

@@ -5,9 +5,9 @@ On one host, CPU jobs that allreduce in the host's memory gain nothing from taki
 their ranks then share every core: a rank is often descheduled while its peer waits for
 it in a collective, and MPI waits by polling, so the waiting burns the time the other
 job needed. Two 2-rank MLP jobs on 2 cores took 7.2-9.4 s together (median 8.15 s over 5
-runs) against 6.6-6.9 s one after the other. Given disjoint cores, each job's ranks share
-only their own cores, where a waiting rank yields to its own peer: 6.8-7.1 s (median 6.81
-s), the sequential time (bench/results/crossover_one_host.json has the rows).
+runs) against 6.6-6.9 s one after the other. Given a core each by hand (taskset), each
+job's ranks share only their own core, where a waiting rank yields to its own peer:
+6.8-7.1 s (median 6.81 s). Under the daemon: bench/results/crossover_one_host.json.
 
 Pure: the daemon calls `partition` whenever the jobs on its host change and tells each
 rank its job's cores (`protocol.Company.cores`).
