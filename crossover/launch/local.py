@@ -67,20 +67,18 @@ class DaemonProcess:
 
     Args:
         runtime_dir: socket directory to use (a fresh one isolates a run).
-        policy, lease_s, idle_shutdown_s, cpu_devices: passed to `crossover daemon`.
+        policy, lease_s, idle_shutdown_s: passed to `crossover daemon`.
         log: file for the daemon's output.
     """
 
     def __init__(self, runtime_dir: Path, policy: str = "auto", lease_s: float = 30.0,
                  idle_shutdown_s: float | None = None, log: Path | None = None,
-                 timeout_s: float = 60.0, cpu_devices: int | None = None) -> None:
+                 timeout_s: float = 60.0) -> None:
         self.runtime_dir = Path(runtime_dir)
         cmd = [sys.executable, "-m", "crossover", "daemon", "--policy", policy,
                "--lease", str(lease_s), "--runtime-dir", str(self.runtime_dir)]
         if idle_shutdown_s is not None:
             cmd += ["--idle-shutdown", str(idle_shutdown_s)]
-        if cpu_devices is not None:
-            cmd += ["--cpu-devices", str(cpu_devices)]
         self._log = open(log or os.devnull, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
