@@ -97,6 +97,12 @@ class SlotClient(DaemonLink):
         self._phase: str | None = None
         self._phase_start = time.time()
         self._seq = 0
+        # This rank's place in its job's request sequence (see `scheduler.core`): the
+        # request points passed, those passed holding (a release kept) included, and the
+        # point of the latest request the daemon has seen.
+        self._points = 0
+        self._asked = 0
+        self._kept = False  # a release was kept since the latest point
         self._sock: socket.socket | None = None
         self._fast: RankPath | None = None  # the node's slot table, when mapped
         self._warned = False
@@ -154,6 +160,7 @@ class SlotClient(DaemonLink):
         if self._wait_s is None:
             self._wait_s = 2 * welcome.lease_s + 5.0
         self._alone, self._mode = False, Mode.ANTIPHASE  # until the daemon's notice
+        self._asked = 0  # this daemon has seen no request of ours yet
         self._share = []
         self._pin = self._pin_cpu and bool(self._cores)
         self._place()
@@ -163,6 +170,8 @@ class SlotClient(DaemonLink):
         """Block until this rank holds its device (or the wait limit passes)."""
         if not self.holding:
             self._request(release_first=False)
+        elif self._kept:  # a point passed holding: a peer told of company asked here
+            self._points, self._kept = self._points + 1, False
 
     def yield_slot(self) -> None:
         """Step boundary: let a waiting job in, then hold the device again.
@@ -177,6 +186,8 @@ class SlotClient(DaemonLink):
         elif self._yield_on_step and not self._keep_alone():
             self._request(release_first=True)
         else:
+            if self._yield_on_step:  # a handover point passed holding
+                self._points += 1
             self.renew()  # kept across the boundary: a long run must not outlive its lease
 
     def release(self, phase: Phase = Phase.COMMUNICATE) -> None:
@@ -192,6 +203,9 @@ class SlotClient(DaemonLink):
         if self.holding and not (phase != Phase.IDLE and self._keep_alone()):
             self._enter(phase.value)
             self._give_up(phase)
+            self._kept = False
+        elif self.holding:
+            self._kept = True
 
     def renew(self) -> None:
         """Keep a long hold alive; cheap to call often (sends at most every lease/3)."""
@@ -318,16 +332,20 @@ class SlotClient(DaemonLink):
         if self._sock is None:
             self._try_heal()
             release_first = False  # a new daemon has granted us nothing to give back
+        self._points += 1
+        self._kept = False
         settled = False
-        if self._sock is not None and self._fast is not None:
+        # The table carries no point: a request after points passed holding goes by socket.
+        if self._sock is not None and self._fast is not None and self._points == self._asked + 1:
             if release_first:
                 self._give_up(Phase.COMPUTE)
                 release_first = False
             settled = self._await_fast_grant()
         if self._sock is not None and not settled:
             self._seq += 1
-            self._send(P.Acquire(self._seq, release_first))
+            self._send(P.Acquire(self._seq, release_first, self._points))
             self._await_grant()
+        self._asked = self._points
         self._enter("hold")
         self._last_renew = time.monotonic()
 

@@ -244,7 +244,7 @@ class Daemon(Connections, DaemonWorld, TableDaemon):
                 self.fast.asked_by_socket(conn.key)
             conn.seq = msg.seq
             grants = self.sched.release(job, rank, Phase.COMPUTE) if msg.release_first else []
-            self._deliver(grants + self.sched.request(job, rank))
+            self._deliver(grants + self.sched.request(job, rank, msg.pos or None))
         elif isinstance(msg, P.Release):
             try:
                 phase = Phase(msg.phase)

@@ -169,18 +169,27 @@ class TablePlane:
                                      (on_release, Step.RELEASE, plan.on_release)):
             for key, granted in answers.items():
                 if self._slot.get(key) in self._attached:
-                    table[self._slot[key]] = self._mask(granted, (key, kind) in plan.wakes)
+                    table[self._slot[key]] = self._mask(granted, (key, kind) in plan.wakes, key)
         chain = []
         for key, kind, granted, wake in plan.chain:
             if self._slot.get(key) not in self._attached:
                 break  # a rank on the socket path: its event never comes through the table
-            chain.append((self._slot[key], KINDS[kind], self._mask(granted, wake)))
+            chain.append((self._slot[key], KINDS[kind], self._mask(granted, wake, key)))
         return self.table.publish(self._devices[device], seq, on_request, on_release, chain,
                                   plan.concurrent, DAEMON_LOCK_S)
 
-    def _mask(self, granted: tuple[Key, ...], wake: bool) -> int:
-        # Ranks on the socket path are left out: the daemon grants them.
-        mask = sum(1 << self._slot[g] for g in granted if self._slot.get(g) in self._attached)
+    def _mask(self, granted: tuple[Key, ...], wake: bool, asker: Key) -> int:
+        """The table's answer to `asker`'s event: the ranks it grants through the table,
+        and the daemon's wake-up if it grants a rank waiting on its socket (one not
+        attached, or whose latest request came over the socket): only the daemon can
+        deliver that grant, and a planned event does not wake it otherwise."""
+        mask = 0
+        for key in granted:
+            slot = self._slot.get(key)
+            if slot in self._attached and (key == asker or self._by_table.get(slot, True)):
+                mask |= 1 << slot
+            else:
+                wake = True
         return mask | (_native.WAKE if wake else 0)
 
     def asked_by_socket(self, key: Key) -> None:

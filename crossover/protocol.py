@@ -17,7 +17,7 @@ from enum import Enum
 from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
 
 #: Bumped on any incompatible change; a client and daemon that differ refuse each other.
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 
 class ErrorCode(str, Enum):
@@ -96,6 +96,9 @@ class Acquire(Message):
     kind: ClassVar[str] = "acquire"
     seq: int  # echoed in the Grant, so a late grant for an abandoned wait is recognised
     release_first: bool = False  # offer the device at a step boundary, then queue: a yield
+    # the request's point in the rank's sequence, points passed holding included (see
+    # `scheduler.core`); 0: the point after the rank's last request
+    pos: int = 0
 
 
 @dataclass

@@ -243,6 +243,26 @@ def test_the_table_grants_what_the_scheduler_grants(tmp_path_factory, policy, la
         assert h.sched.waiting(dev) == h.ref.waiting(dev)
 
 
+def test_a_release_that_hands_over_to_a_rank_asking_by_socket_wakes_the_daemon(tmp_path):
+    """A rank whose request came over its socket (one after points passed holding, or
+    one the table refused) waits for the daemon's Grant message there, so the table
+    event that hands it the device must wake the daemon (regression: the plan granted
+    it through the table, which it does not watch, and it waited for a lease to end)."""
+    h = Harness(tmp_path, "crossover", {"A": ["d0"], "B": ["d0"]})
+    h.request(("A", 0))
+    h.catch_up()
+    assert h.table_holders() == {("A", 0)}
+    h.daemon_change()  # as the daemon does for an Acquire on the socket
+    h.plane.asked_by_socket(("B", 0))
+    assert h.sched.request("B", 0, 1) == []  # A holds: B waits
+    h.catch_up()
+    h.rang = False
+    h.release(("A", 0), M)
+    assert h.rang, "the handover to a socket asker did not wake the daemon"
+    grants, _ = h.plane.drain(h.sched, "d0", invalidate=False)
+    assert [(g.job, g.rank) for g in grants] == [("B", 0)]  # delivered over the socket
+
+
 def test_chain():
     sched, _ = build("crossover", {"A": ["d0"], "B": ["d0"], "C": ["d1"]})
     def fmt(chain):  # "wake": the daemon must see this event at once (patience)

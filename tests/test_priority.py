@@ -28,12 +28,6 @@ def launch(argv: list[str]) -> list[str]:
     return mpirun(2, *argv)
 
 
-# A known bug, not fixed yet: in about one run in four to eight, one job stops being
-# granted (README, Known limits): every grant of the other waits out the patience (1 s)
-# and the jobs pass the 120 s limit. The check still runs every time; a stall reads as
-# an expected failure until the bug is fixed, then strict=True.
-@pytest.mark.xfail(raises=TimeoutError, strict=False,
-                   reason="priority on one host: a job can stop being granted (Known limits)")
 @pytest.mark.timeout(300)
 def test_a_heavier_job_gets_more_turns_while_both_run(tmp_path):
     traces = tmp_path / "traces"

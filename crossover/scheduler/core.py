@@ -18,14 +18,18 @@ hold it together, or one rank would wait for the slot while its peer waits for i
 the allreduce. A rank that held the device in the current turn may not join it again
 while another job waits; that bounds how long a job keeps a device.
 
-One sequence needs one turn offset per job. A rank's turn is its job's offset plus the
-grants it has had, so ranks of a job at the same point of their (identical) request
-sequences have the same key on every device, and every device orders the jobs alike. A
-rank that comes back from a pause (idle, or passed over) starts at its device's present
-turn, which moves its job's offset on that device only: `misaligned` then says so, and
-`realign` (the daemon calls it at once, as a change of every device) gives the job's
-other ranks the same offset. Left crossed, device 0 serves job A while device 1 serves
-job B, and each job's allreduce waits for its rank on the other device.
+One sequence needs one turn offset per job. A rank's turn is its job's offset plus its
+position: the request points it has passed, which the client counts and names in each
+request (`pos`), the points it passed holding included (alone, or served concurrently, a
+rank keeps its device where it would release it, and skips the request after; its peers,
+told of company at other moments, may have asked there). Ranks of a job at the same point
+of their (identical) programs so have the same key on every device, and every device
+orders the jobs alike. A rank that comes back from a pause (idle, passed over, or points
+passed holding) starts at its device's present turn, which moves its job's offset:
+`misaligned` then says so, and `realign` (the daemon calls it at once, as a change of
+every device) gives the job's other ranks the same offset. Left crossed, device 0 serves
+job A while device 1 serves job B, and each job's allreduce waits for its rank on the
+other device.
 """
 
 from __future__ import annotations
@@ -79,7 +83,8 @@ class SlotScheduler:
         # Concurrent serves every request at once, as plain co-location does (see
         # `mode`); an exclusive policy starts in antiphase.
         self.mode = Mode.ANTIPHASE if policy.exclusive else Mode.CONCURRENT
-        self._shifted = False  # a rank's turn moved alone since the last `realign`
+        # job -> the offset a rank back from a pause gave it, until `realign` spreads it
+        self._moved: dict[str, int] = {}
 
     @property
     def exclusive(self) -> bool:
@@ -125,10 +130,11 @@ class SlotScheduler:
         now = max(self.policy.virtual_time(r.turn, r.weight) for r in ranks)
         for job in {r.job for r in ranks}:
             mine = [r for r in ranks if r.job == job]
-            lead = max(r.grants for r in mine)
+            lead = max(r.pos for r in mine)
             offset = self.policy.turn_at(now, mine[0].weight) - lead
             for r in mine:
-                r.turn = offset + r.grants
+                r.turn = offset + r.pos
+        self._moved.clear()
         for dev in self._devices.values():
             if dev.ranks:
                 dev.vtime = now
@@ -156,7 +162,8 @@ class SlotScheduler:
         # The job's offset if it has ranks here already (a rank that registers late
         # starts where its peers started), or the device's present turn.
         offsets = self._offsets(job)
-        turn = max(offsets) if offsets else self.policy.turn_at(dev.vtime, weight)
+        turn = self._moved.get(job, max(offsets)) if offsets \
+            else self.policy.turn_at(dev.vtime, weight)
         self._where[(job, rank)] = device
         now = self.clock()
         dev.ranks[(job, rank)] = RankEntry(job, rank, order, weight, turn, NEW, now, joined=now)
@@ -173,22 +180,31 @@ class SlotScheduler:
         return self._dispatch(device)
 
     # --- the hot path -----------------------------------------------------------------
-    def request(self, job: str, rank: int) -> list[SlotGrant]:
+    def request(self, job: str, rank: int, pos: int | None = None) -> list[SlotGrant]:
         """The rank wants its device for compute; granted now or queued.
 
         A rank that holds already is granted again at once (idempotent).
+
+        Args:
+            pos: the request's point in the rank's sequence (1 for its first), counted by
+                the client; None: the point after its last request.
         """
         device, r = self._lookup(job, rank)
         dev = self._devices[device]
         if r.state == HOLDING:
             r.deadline = self.clock() + self.lease_s
             return [SlotGrant(job, rank, device)]
-        if r.state in (IDLE, SKIPPED):
-            # Back after a pause: start at the present, not with a backlog of turns (on
-            # this device only: the job's other ranks follow at `realign`).
-            present = self.policy.turn_at(dev.vtime, r.weight)
-            if present > r.turn:
-                r.turn, self._shifted = present, True
+        kept = 0 if pos is None else max(0, pos - 1 - r.pos)
+        if r.state in (IDLE, SKIPPED) or kept:
+            # Back after a pause: start at the present, not with a backlog of turns. Points
+            # passed holding count in the position, not in the turn (the rank did not
+            # queue for them), so they lower the offset; on this device only: the job's
+            # other ranks follow at `realign`.
+            r.pos += kept
+            turn = max(r.turn, self.policy.turn_at(dev.vtime, r.weight))
+            if turn != r.turn or kept:
+                r.turn = turn
+                self._moved[job] = r.turn - r.pos
         self._set(r, WAITING)
         return self._dispatch(device)
 
@@ -208,24 +224,22 @@ class SlotScheduler:
     def misaligned(self) -> bool:
         """Whether a job's ranks have different turn offsets (see the module doc): the
         caller should `realign` now. Only exclusive grants use turns."""
-        if not self._shifted:
-            return False
-        if self.exclusive and any(len(set(self._offsets(job))) > 1 for job in self._jobs):
+        if self.exclusive and any(r.turn - r.pos != offset for job, offset in self._moved.items()
+                                  for r in self._ranks_of(job)):
             return True
-        self._shifted = False
+        self._moved.clear()
         return False
 
     def realign(self) -> list[SlotGrant]:
-        """Give every rank of a job its job's latest offset (the largest: a rank that came
-        back at the present moved it); returns the grants that follow.
+        """Give every rank of a job the offset its latest rank back from a pause gave it;
+        returns the grants that follow.
 
         A change of every device at once: the daemon withdraws the plans of all devices
         first (it does the same for a mode switch)."""
-        self._shifted = False
-        for job in self._jobs:
-            offset = max(self._offsets(job), default=0)
+        for job, offset in self._moved.items():
             for r in self._ranks_of(job):
-                r.turn = offset + r.grants
+                r.turn = offset + r.pos
+        self._moved.clear()
         grants: list[SlotGrant] = []
         for name in self._devices:
             grants += self._dispatch(name)
@@ -345,7 +359,7 @@ class SlotScheduler:
         return r.state == IDLE and now - r.since >= self.patience_s
 
     def _offsets(self, job: str) -> list[int]:
-        return [r.turn - r.grants for r in self._ranks_of(job)]
+        return [r.turn - r.pos for r in self._ranks_of(job)]
 
     def _key(self, r: RankEntry) -> tuple:
         return (*self.policy.key(r.turn, r.order, r.weight), r.rank)
@@ -366,7 +380,7 @@ class SlotScheduler:
         r.waited_s += now - r.since
         dev.vtime = max(dev.vtime, self.policy.virtual_time(r.turn, r.weight))
         r.turn += 1
-        r.grants += 1
+        r.pos += 1
         r.deadline = now + self.lease_s
         self._set(r, HOLDING)
         return SlotGrant(r.job, r.rank, device)

@@ -85,7 +85,7 @@ def preview(sched: SlotScheduler, device: str, depth: int = 32) -> Preview:
         else:
             on_request[key] = _keys(scratch.request(*key))
             kind = Step.REQUEST
-        if _blocked(scratch, device) or scratch._shifted or key[0] not in company:
+        if _blocked(scratch, device) or scratch._moved or key[0] not in company:
             # The daemon must act now: patience runs out only on its clock, a rank back
             # from a pause moved its job's turns on this device alone (`realign`), and a
             # dormant job that asks is company again (the others must be told).
@@ -182,7 +182,7 @@ def _scratch(sched: SlotScheduler, device: str) -> SlotScheduler:
     `device`'s state (a copy of the whole scheduler per question would cost the daemon
     far more, and only the device changes)."""
     scratch = copy.copy(sched)
-    scratch._shifted = False  # set again if the question's event moves a turn alone
+    scratch._moved = {}  # set again if the question's event moves its job's turns
     dev = sched._devices[device]
     scratch._devices = {device: DeviceEntry(
         ranks={k: replace(r) for k, r in dev.ranks.items()},

@@ -48,13 +48,14 @@ class RankEntry:
     rank: int
     order: int
     weight: float
-    turn: int  # the key of this rank's next request: its job's offset + `grants`
+    turn: int  # the key of this rank's next request: its job's offset + `pos`
     state: RankState = NEW
     since: float = 0.0  # when the rank entered `state`
     deadline: float | None = None  # lease end while holding
     joined: float = 0.0
     waited_s: float = 0.0  # accumulated time in WAITING
-    grants: int = 0  # grants so far: where the rank is in its job's request sequence
+    pos: int = 0  # requests so far, points passed holding included: where the rank is in
+    # its job's request sequence (the same on every rank of the job at the same point)
 
 
 @dataclass
