@@ -1,11 +1,12 @@
 """Who gets a device next, and when a holder gives it up: the scheduling policies.
 
-Every request carries a turn (how many grants its rank had before). A policy turns
-(turn, the job's global order, its weight) into a sort key; every device grants in key
-order. Because a job's ranks all make the same sequence of requests, and the global
-order is the same on every node, all devices grant in the same sequence: job A's ranks
-compute together on all their devices while job B's ranks communicate, then the roles
-swap. That is the antiphase crossover needs, and it keeps collectives deadlock-free.
+Every request carries a turn (its job's offset plus the rank's position: the request
+points it has passed, see `core`). A policy turns (turn, the job's global order, its
+weight) into a sort key; every device grants in key order. Because a job's ranks all
+make the same sequence of requests, and the global order is the same on every node, all
+devices grant in the same sequence: job A's ranks compute together on all their devices
+while job B's ranks communicate, then the roles swap. That is the antiphase crossover
+needs, and it keeps collectives deadlock-free.
 
 A policy also says at which phase changes a holder gives the device up.
 """
@@ -40,7 +41,7 @@ class Policy:
         """Sort key of a request: lower goes first.
 
         Args:
-            turn: the rank's grants so far (its job's step count, in effect).
+            turn: the rank's offset plus position (its job's step count, in effect).
             order: the job's place in the global order, the same on every node.
             weight: the job's priority weight (> 0).
         """
