@@ -92,8 +92,11 @@ def test_an_exception_inside_tears_everything_down():
     assert c.leftovers() == []
 
 
+# Ctrl-C as in a terminal: a shell that ran the suite in the background leaves SIGINT
+# ignored, and an ignored signal stays ignored in children (then this test hung 60 s).
 HOLD = """
-import sys, time
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, sys.argv[1])
 from cluster import EmulatedCluster
 with EmulatedCluster(mbit=50) as c:
