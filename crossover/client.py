@@ -171,7 +171,7 @@ class SlotClient(DaemonLink):
         if not self.holding:
             self._request(release_first=False)
         elif self._kept:  # a point passed holding: a peer told of company asked here
-            self._points, self._kept = self._points + 1, False
+            self._pass_point()
 
     def yield_slot(self) -> None:
         """Step boundary: let a waiting job in, then hold the device again.
@@ -237,6 +237,11 @@ class SlotClient(DaemonLink):
         if self._sock is not None and not self._alone and now - self._last_report >= REPORT_S:
             self._last_report = now
             self._send(P.Progress(self.steps))
+
+    def _pass_point(self) -> None:
+        """One more point of this rank's request sequence (asked at, or passed holding)."""
+        self._points += 1
+        self._kept = False
 
     def _keep_alone(self) -> bool:
         """Whether to keep the device instead of releasing it: no other job shares it,
@@ -332,8 +337,7 @@ class SlotClient(DaemonLink):
         if self._sock is None:
             self._try_heal()
             release_first = False  # a new daemon has granted us nothing to give back
-        self._points += 1
-        self._kept = False
+        self._pass_point()
         settled = False
         # The table carries no point: a request after points passed holding goes by socket.
         if self._sock is not None and self._fast is not None and self._points == self._asked + 1:

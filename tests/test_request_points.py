@@ -24,14 +24,7 @@ from hypothesis import strategies as st
 
 from crossover.protocol import Phase
 from crossover.scheduler import SlotGrant, SlotScheduler, make_policy
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.test_scheduler import FakeClock
 
 
 class Rank:

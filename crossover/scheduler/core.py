@@ -224,8 +224,8 @@ class SlotScheduler:
     def misaligned(self) -> bool:
         """Whether a job's ranks have different turn offsets (see the module doc): the
         caller should `realign` now. Only exclusive grants use turns."""
-        if self.exclusive and any(r.turn - r.pos != offset for job, offset in self._moved.items()
-                                  for r in self._ranks_of(job)):
+        if self.exclusive and any(o != offset for job, offset in self._moved.items()
+                                  for o in self._offsets(job)):
             return True
         self._moved.clear()
         return False
