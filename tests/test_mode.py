@@ -17,10 +17,16 @@ M = Phase.COMMUNICATE
 
 def simulate(ctl: ModeController, clock: FakeClock, rates: dict, until: float,
              steps: dict | None = None) -> list[tuple[float, str]]:
-    """Jobs step at rates[job][mode] steps/s (the mode in force when a step starts) and
-    report every step; returns [(time, mode switched to)]."""
+    """Jobs step at rates[job][mode] steps/s (the mode in force when a step starts; a
+    number, or a function of the time) and report every step; returns [(time, mode
+    switched to)]."""
     steps = steps if steps is not None else {}
-    due = {j: clock.now + 1 / r[ctl.mode] for j, r in rates.items()}
+
+    def rate(job: str) -> float:
+        r = rates[job][ctl.mode]
+        return r(clock.now) if callable(r) else r
+
+    due = {j: clock.now + 1 / rate(j) for j in rates}
     out, ticked = [], None
     while True:
         job = min(due, key=due.get)
@@ -36,7 +42,7 @@ def simulate(ctl: ModeController, clock: FakeClock, rates: dict, until: float,
         clock.now = due[job]
         steps[job] = steps.get(job, 0) + 1
         out += [(clock.now, s.mode.value) for s in ctl.progress(job, steps[job])]
-        due[job] = clock.now + 1 / rates[job][ctl.mode]
+        due[job] = clock.now + 1 / rate(job)
 
 
 def controller(**kw) -> tuple[ModeController, FakeClock]:
@@ -48,23 +54,65 @@ def controller(**kw) -> tuple[ModeController, FakeClock]:
 SHORT_COMM = {"a": {A: 6.0, C: 10.0}, "b": {A: 5.0, C: 8.0}}  # sharing cores: taking turns loses
 LONG_COMM = {"a": {A: 13.0, C: 10.0}, "b": {A: 10.0, C: 8.0}}  # idle links: antiphase fills gaps
 TIE = {"a": {A: 10.1, C: 10.0}, "b": {A: 8.0, C: 8.0}}  # within the margin: do no harm
+GAIN = {"a": {A: 11.5, C: 10.0}, "b": {A: 9.2, C: 8.0}}  # a 15 % gain
+EQUAL = {"a": {A: 10.0, C: 10.0}, "b": {A: 8.0, C: 8.0}}
+
+
+def scaled(rates: dict, speed) -> dict:
+    """`rates` with the host's speed, a function of the time, applied to every job."""
+    return {j: {m: (lambda t, r=r: r * speed(t)) for m, r in by_mode.items()}
+            for j, by_mode in rates.items()}
+
 
 TABLE = [
-    # (name, rates, mode after 10 s, the switches in order)
+    # (name, rates, mode decided, the switches in order); windows of 2 s from 0.1 s
     ("short communication -> concurrent", SHORT_COMM, C, ["concurrent", "antiphase", "concurrent"]),
     ("long idle communication -> antiphase", LONG_COMM, A,
      ["concurrent", "antiphase", "antiphase"]),
-    ("a gain within the margin -> concurrent", TIE, C, ["concurrent", "antiphase", "concurrent"]),
+    # Close calls measure two more pairs, in reverse order (the first window of each
+    # continues the mode just measured): C A | A C | C A.
+    ("a gain within the margin -> three pairs, concurrent", TIE, C,
+     ["concurrent", "antiphase", "antiphase", "concurrent", "concurrent", "antiphase",
+      "concurrent"]),
+    ("a host that slowed in the first antiphase window -> three pairs, antiphase",
+     scaled(GAIN, lambda t: 0.87 if 2.1 <= t < 4.1 else 1.0), A,
+     ["concurrent", "antiphase", "antiphase", "concurrent", "concurrent", "antiphase",
+      "antiphase"]),
+    # A host that speeds up 3 % a second favours the later window of a pair: measured
+    # always concurrent first, no gain would look like 1.05x; the reversed pairs cancel.
+    ("a steady drift of the host's speed -> no gain found, concurrent",
+     scaled(EQUAL, lambda t: 1 + 0.03 * t), C,
+     ["concurrent", "antiphase", "antiphase", "concurrent", "concurrent", "antiphase",
+      "concurrent"]),
 ]
 
 
 @pytest.mark.parametrize("name,rates,mode,switches", TABLE, ids=[t[0] for t in TABLE])
 def test_mode_decision(name, rates, mode, switches):
     ctl, clock = controller()
-    got = simulate(ctl, clock, rates, until=10.0)
+    got = simulate(ctl, clock, rates, until=20.0)
     assert ctl.mode == mode and ctl.state == "hold", ctl.snapshot()
     assert [m for _, m in got] == switches
     assert ctl.reason.endswith(mode.value)
+
+
+def test_one_pair_alone_is_fooled_by_a_slow_moment():
+    """The trap the repeated pairs avoid: with one pair the slow window above decides."""
+    ctl, clock = controller(max_pairs=1)
+    simulate(ctl, clock, scaled(GAIN, lambda t: 0.87 if 2.1 <= t < 4.1 else 1.0), until=20.0)
+    assert ctl.mode == C and len(ctl.snapshot()["pairs"]) == 1
+
+
+def test_a_close_call_says_why_it_measures_again():
+    ctl, clock = controller()
+    steps: dict = {}
+    got = simulate(ctl, clock, TIE, until=5.0, steps=steps)
+    assert [m for _, m in got] == ["concurrent", "antiphase", "antiphase"]
+    assert ctl.state == "probe" and ctl.reason == (
+        "antiphase 1.00x concurrent after 1 pair, within the noise of 1.03x: probing "
+        "again, antiphase"), ctl.reason
+    simulate(ctl, clock, TIE, until=20.0, steps=steps)
+    assert "over 3 pairs" in ctl.reason and ctl.reason.endswith(": concurrent"), ctl.reason
 
 
 def test_decision_reason_names_each_jobs_speedup():
@@ -171,8 +219,10 @@ def test_phase_lengths_that_change_re_probe_at_once():
 def test_a_job_slower_than_the_window_is_measured_at_the_timeout():
     ctl, clock = controller(max_probe_s=4.0)
     rates = {"a": {A: 10.0, C: 10.0}, "b": {A: 0.3, C: 0.4}}  # b: 3 s steps
-    simulate(ctl, clock, rates, until=12.0)
+    simulate(ctl, clock, rates, until=30.0)  # (a close call: three pairs of 4 s windows)
     assert ctl.state == "hold" and ctl.mode == C, ctl.snapshot()
+    # b made a step in some windows and none in others: it is not measured, a decides
+    assert all(set(p) == {"a"} for p in ctl.snapshot()["pairs"]), ctl.snapshot()
 
 
 def test_reports_out_of_order_are_ignored():
@@ -185,6 +235,8 @@ def test_reports_out_of_order_are_ignored():
 def test_bad_settings_are_named():
     with pytest.raises(ValueError, match="probe_s=0"):
         ModeController(FakeClock(), probe_s=0)
+    with pytest.raises(ValueError, match="max_pairs=0"):
+        ModeController(FakeClock(), max_pairs=0)
 
 
 # --- the scheduler's switch ---------------------------------------------------------

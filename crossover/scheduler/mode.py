@@ -11,15 +11,23 @@ every job's step rate is measured from the progress its ranks report (after sett
 steps, over at least `min_steps` steps and `probe_s` seconds). The first window, served
 concurrently as plain co-location would, settles for `warmup_steps`: a job that has
 just started (or whose neighbour has) runs its first steps slowly, and measuring them
-once made a run choose antiphase on one host, where it loses. Antiphase is chosen when
-the jobs' mean speedup under it, each job's rate normalised by its own rate under
-concurrent grants, is at least 1 + `margin`; otherwise concurrent, which is what plain
-co-location does (do no harm). The decision holds for `hold_s`, doubled each time a
-re-probe confirms it (up to `max_hold_s`); meanwhile longer windows in the held mode
-(`watch_s`) watch the rates, and a job whose rate differs by more than `drift` from the
-first watch window after the decision (its phase lengths changed) starts a re-probe at
-once. Short probe windows are noisy on a busy host; watch windows compare like with
-like.
+once made a run choose antiphase on one host, where it loses. A pair of windows (one
+per mode) gives each job's speedup under antiphase, its rate normalised by its own rate
+under concurrent grants. Antiphase is chosen when the jobs' mean speedup is at least
+1 + `margin`; otherwise concurrent, which is what plain co-location does (do no harm).
+
+One pair is noisy on a busy host (two windows of 2 s differed by 10-20 % on this
+project's VM with nothing changed), so a mean speedup closer to the margin than
+`pair_noise` / sqrt(pairs) is measured again, by another pair in the reverse order
+(C A, A C, C A: a steady drift of the host's speed biases the pairs in opposite
+directions), up to `max_pairs`; the decision takes the mean over the pairs. A close
+call costs little: the two modes are then nearly as fast.
+
+The decision holds for `hold_s`, doubled each time a re-probe confirms it (up to
+`max_hold_s`); meanwhile longer windows in the held mode (`watch_s`) watch the rates,
+and a job whose rate differs by more than `drift` from the first watch window after the
+decision (its phase lengths changed) starts a re-probe at once. Short probe windows
+are noisy on a busy host; watch windows compare like with like.
 
 Jobs whose ranks all share one host's CPU are not probed: their allreduce is memory
 copying on the very cores the other job computes on, so there is no gap to fill, and a
@@ -59,6 +67,10 @@ class _Window:
     first: dict[str, tuple[int, float]] = field(default_factory=dict)  # after settling
     last: dict[str, tuple[int, float]] = field(default_factory=dict)
 
+    def measured(self, job: str, min_steps: int) -> bool:
+        """Whether `job` made `min_steps` steps after settling in this window."""
+        return job in self.first and self.last[job][0] - self.first[job][0] >= min_steps
+
     def rate(self, job: str, now: float) -> float:
         """Steps per second of `job` in this window (from the window's start if it never
         made two reports after settling)."""
@@ -84,6 +96,9 @@ class ModeController:
         max_hold_s: the longest hold, after repeated confirmations.
         margin: antiphase must beat concurrent by this fraction to be chosen.
         drift: relative change of a job's rate, in the held mode, that re-probes.
+        pair_noise: the relative noise of one pair's speedup: a probe decides once the
+            mean speedup is this far from 1 + margin, divided by sqrt(pairs).
+        max_pairs: a probe decides after this many pairs whatever they measured.
         cutoff: a probe window ends early, after `min_steps`, once every job runs slower
             than under the other mode by this fraction.
         probe_local: probe jobs that communicate inside one host's CPU too.
@@ -93,30 +108,38 @@ class ModeController:
                  settle_steps: int = 2, warmup_steps: int = 8, max_probe_s: float = 15.0,
                  hold_s: float = 30.0,
                  watch_s: float = 5.0, max_hold_s: float = 240.0, margin: float = 0.03,
-                 drift: float = 0.5, cutoff: float = 0.25, probe_local: bool = False) -> None:
+                 drift: float = 0.5, cutoff: float = 0.25, pair_noise: float = 0.1,
+                 max_pairs: int = 3, probe_local: bool = False) -> None:
         if not (0 < probe_s <= max_probe_s and min_steps >= 1 and settle_steps >= 0
-                and 0 < hold_s <= max_hold_s and margin >= 0 and drift > 0):
+                and 0 < hold_s <= max_hold_s and margin >= 0 and drift > 0
+                and pair_noise >= 0 and max_pairs >= 1):
             raise ValueError(
                 f"mode controller: need 0 < probe_s <= max_probe_s, min_steps >= 1, "
-                f"settle_steps >= 0, 0 < hold_s <= max_hold_s, margin >= 0, drift > 0; got "
-                f"probe_s={probe_s}, max_probe_s={max_probe_s}, min_steps={min_steps}, "
+                f"settle_steps >= 0, 0 < hold_s <= max_hold_s, margin >= 0, drift > 0, "
+                f"pair_noise >= 0, max_pairs >= 1; got probe_s={probe_s}, "
+                f"max_probe_s={max_probe_s}, min_steps={min_steps}, "
                 f"settle_steps={settle_steps}, hold_s={hold_s}, max_hold_s={max_hold_s}, "
-                f"margin={margin}, drift={drift}")
+                f"margin={margin}, drift={drift}, pair_noise={pair_noise}, "
+                f"max_pairs={max_pairs}")
         self.clock = clock
         self.probe_s, self.min_steps, self.settle_steps = probe_s, min_steps, settle_steps
         self.warmup_steps = max(warmup_steps, settle_steps)
         self.max_probe_s, self.base_hold_s, self.max_hold_s = max_probe_s, hold_s, max_hold_s
         self.watch_s = max(watch_s, probe_s)
         self.margin, self.drift, self.cutoff = margin, drift, cutoff
+        self.pair_noise, self.max_pairs = pair_noise, max_pairs
         self.probe_local = probe_local
         self._local: dict[str, bool] = {}  # job -> all its ranks on one host's CPU
         self.mode = Mode.ANTIPHASE
         self.state = "solo"  # solo (fewer than two jobs), fixed (local jobs), probe, hold
         self.reason = "fewer than two jobs"
         self._steps: dict[str, int] = {}  # each job's latest reported step count
-        self._plan: list[Mode] = []  # the probe windows still to run
+        self._plan: list[Mode] = []  # the probe windows still to run in this pair
+        self._order: list[Mode] = []  # the modes of this pair, in the order measured
         self._window: _Window | None = None
-        self._rates: dict[Mode, dict[str, float]] = {}
+        self._rates: dict[Mode, dict[str, float]] = {}  # the latest window of each mode
+        self._measured: dict[Mode, set[str]] = {}  # its jobs that made min_steps steps
+        self._pairs: list[dict[str, float]] = []  # each job's speedup in each pair so far
         self._hold_s = hold_s
         self._hold_until: float | None = None
         self._decided: Mode | None = None  # the last probe's decision
@@ -162,11 +185,13 @@ class ModeController:
     def snapshot(self) -> dict:
         """The current mode, state and measurements, JSON-ready (for status)."""
         return {"mode": self.mode.value, "state": self.state, "reason": self.reason,
-                "rates": {m.value: dict(r) for m, r in self._rates.items()}}
+                "rates": {m.value: dict(r) for m, r in self._rates.items()},
+                "pairs": [dict(p) for p in self._pairs]}
 
     # --- internals ------------------------------------------------------------------
     def _restart(self, why: str) -> list[ModeSwitch]:
         self._rates, self._hold_until, self._decided = {}, None, None
+        self._pairs = []
         if len(self._steps) < 2:
             self.state, self.reason, self._plan, self._window = "solo", why, [], None
             return []
@@ -181,8 +206,8 @@ class ModeController:
                            self.warmup_steps)
 
     def _probe(self, plan: list[Mode], why: str, settle: int | None = None) -> list[ModeSwitch]:
-        self.state, self._plan, self._hold_until = "probe", plan[1:], None
-        self._watched = {}
+        self.state, self._order, self._plan, self._hold_until = "probe", plan, plan[1:], None
+        self._watched, self._pairs = {}, []
         return self._open(plan[0], f"{why} {plan[0].value}", settle=settle)
 
     def _open(self, mode: Mode, why: str, min_s: float | None = None,
@@ -210,17 +235,17 @@ class ModeController:
         if self.state == "hold":
             return self._watch(rates)
         self._rates[w.mode] = rates
+        self._measured[w.mode] = {job for job in rates if w.measured(job, self.min_steps)}
         if self._plan:
             nxt = self._plan.pop(0)
             return self._open(nxt, f"probing {nxt.value}")
-        return self._decide()
+        return self._pair_done()
 
     def _window_done(self, w: _Window, now: float) -> bool:
         if now - w.start >= self.max_probe_s:
             return True
         jobs = [job for job in w.base if job in self._steps]
-        if not all(job in w.first and w.last[job][0] - w.first[job][0] >= self.min_steps
-                   for job in jobs):
+        if not all(w.measured(job, self.min_steps) for job in jobs):
             return False
         if now - w.start >= w.min_s:
             return True
@@ -233,15 +258,45 @@ class ModeController:
         ratios = [w.rate(job, now) / other[job] for job in jobs if other.get(job)]
         return bool(ratios) and max(ratios) < 1 - self.cutoff
 
-    def _decide(self) -> list[ModeSwitch]:
+    def _pair_done(self) -> list[ModeSwitch]:
+        """Both modes measured once more: decide, or measure another pair if the mean
+        speedup so far is within the noise of the margin (module doc)."""
         anti, conc = self._rates[Mode.ANTIPHASE], self._rates[Mode.CONCURRENT]
-        jobs = sorted(set(anti) & set(conc))
-        speedups = {j: anti[j] / conc[j] if conc[j] > 0 else float("inf") if anti[j] > 0
-                    else 1.0 for j in jobs}
-        mean = sum(speedups.values()) / max(len(speedups), 1)
+        # A job too slow to make min_steps steps in a window (max_probe_s ended it) has
+        # a rate of one step or none, which says nothing: the others decide, if any.
+        jobs = set(anti) & set(conc)
+        jobs = (jobs & self._measured[Mode.ANTIPHASE] & self._measured[Mode.CONCURRENT]) or jobs
+        self._pairs.append({j: anti[j] / conc[j] if conc[j] > 0 else
+                            float("inf") if anti[j] > 0 else 1.0 for j in sorted(jobs)})
+        n = len(self._pairs)
+        mean = self._mean_speedup()
+        if n >= self.max_pairs or abs(mean - 1 - self.margin) >= self.pair_noise / n ** 0.5:
+            return self._decide()
+        # The reverse order: the first window continues the mode just measured.
+        self._order = self._order[::-1]
+        self._plan = self._order[1:]
+        why = (f"antiphase {mean:.2f}x concurrent after {n} pair{'s' if n > 1 else ''}, "
+               f"within the noise of {1 + self.margin:.2f}x: probing again, "
+               f"{self._order[0].value}")
+        self._open(self._order[0], why, settle=0)
+        self.reason = why
+        return [ModeSwitch(self.mode, why)]  # (the mode does not change: this is news)
+
+    def _mean_speedup(self) -> float:
+        """The jobs' mean speedup under antiphase, each job's averaged over the pairs."""
+        per_job = self._per_job()
+        return sum(per_job.values()) / max(len(per_job), 1)
+
+    def _per_job(self) -> dict[str, float]:
+        jobs = set.intersection(*(set(p) for p in self._pairs)) if self._pairs else set()
+        return {j: sum(p[j] for p in self._pairs) / len(self._pairs) for j in sorted(jobs)}
+
+    def _decide(self) -> list[ModeSwitch]:
+        mean, n = self._mean_speedup(), len(self._pairs)
         best = Mode.ANTIPHASE if mean >= 1 + self.margin else Mode.CONCURRENT
-        detail = ", ".join(f"{j} {s:.2f}x" for j, s in speedups.items())
-        why = f"antiphase {mean:.2f}x concurrent ({detail}): {best.value}"
+        detail = ", ".join(f"{j} {s:.2f}x" for j, s in self._per_job().items())
+        pairs = f" over {n} pairs" if n > 1 else ""
+        why = f"antiphase {mean:.2f}x concurrent{pairs} ({detail}): {best.value}"
         # A re-probe that confirms the last decision holds it twice as long.
         self._hold_s = min(2 * self._hold_s, self.max_hold_s) if best == self._decided \
             else self.base_hold_s
