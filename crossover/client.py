@@ -186,8 +186,8 @@ class SlotClient(DaemonLink):
         elif self._yield_on_step and not self._keep_alone():
             self._request(release_first=True)
         else:
-            if self._yield_on_step:  # a handover point passed holding
-                self._points += 1
+            if self._yield_on_step:  # a handover point passed holding (a kept release
+                self._pass_point()   # before it is the same point: a peer asks once)
             self.renew()  # kept across the boundary: a long run must not outlive its lease
 
     def release(self, phase: Phase = Phase.COMMUNICATE) -> None:

@@ -339,6 +339,26 @@ def test_a_job_alone_keeps_its_device_until_another_arrives(cluster: Cluster):
         a.close()
 
 
+def test_a_yield_passed_holding_counts_one_point_like_the_request_it_skips(cluster: Cluster):
+    """A hand-marked loop under `priority` (acquire, release to communicate, yield at the
+    step boundary) asks once a step with company: at the yield. Alone it keeps its device
+    at the release and the yield, and must count one point a step too, or its turns run
+    ahead of its peers' (scheduler.core). It counted two: the kept release and the kept
+    yield."""
+    with cluster.daemon(policy="priority"):
+        a = client(cluster, "a")
+        a.acquire()
+        start = a._points
+        for _ in range(3):
+            a.acquire()
+            a.release(Phase.COMMUNICATE)
+            assert a.holding, "alone: the device is kept through communication"
+            a.yield_slot()
+        a.acquire()
+        assert a._points - start == 3
+        a.close()
+
+
 def test_wakeups_never_block_when_the_pipe_is_full(tmp_path):
     """The peer thread and the signal handler wake the daemon through a pipe; with the
     pipe full (nobody draining it) a wake-up must return, not block."""
