@@ -19,6 +19,7 @@ from crossover import protocol as P
 from crossover.backoff import Backoff
 from crossover.daemon_link import CrossoverVersionError, DaemonLink  # noqa: F401 - re-exported
 from crossover.fastpath import RankPath
+from crossover.placement import pin_process
 from crossover.protocol import Mode, Phase
 from crossover.trace import TraceRecorder
 from crossover.transport import recv_msg, socket_path
@@ -305,14 +306,9 @@ class SlotClient(DaemonLink):
             self._warn(f"cannot set CPU affinity ({exc})")
 
     def _pin_process(self, cores: list[int], share: list[int]) -> None:
-        """Every thread of the process (Horovod's, MPI's, torch's) onto `cores`; threads
-        made later inherit it from the thread that makes them."""
+        """Every thread of the process onto `cores` (`share`: the job's, for the trace)."""
         try:
-            for tid in os.listdir("/proc/self/task"):
-                try:
-                    os.sched_setaffinity(int(tid), cores)
-                except ProcessLookupError:
-                    pass  # the thread ended meanwhile
+            pin_process(cores)
         except OSError as exc:  # no /proc, or the launcher's cpuset changed: train on
             self._warn(f"cannot set CPU affinity ({exc})")
             return

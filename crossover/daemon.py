@@ -32,12 +32,7 @@ from crossover.fastpath import TableDaemon
 from crossover.placement import partition
 from crossover.procstats import RankUsage, process_state
 from crossover.protocol import Mode, Phase
-from crossover.scheduler import (
-    ModeController,
-    SlotGrant,
-    SlotScheduler,
-    make_policy,
-)
+from crossover.scheduler import ModeController, SlotGrant, SlotScheduler, make_policy
 from crossover.transport import PeerChannel, socket_path
 
 log = logging.getLogger("crossover.daemon")

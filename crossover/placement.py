@@ -9,12 +9,13 @@ runs) against 6.6-6.9 s one after the other. Given a core each by hand (taskset)
 job's ranks share only their own core, where a waiting rank yields to its own peer:
 6.8-7.1 s (median 6.81 s). Under the daemon: bench/results/crossover_one_host.json.
 
-Pure: the daemon calls `partition` whenever the jobs on its host change and tells each
-rank its job's cores (`protocol.Company.cores`).
+The daemon calls `partition` (pure) whenever the jobs on its host change and tells each
+rank its job's cores (`protocol.Company.cores`); the rank applies them with `pin_process`.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 
@@ -49,3 +50,17 @@ def partition(cores: Sequence[int], jobs: Sequence[tuple[str, int]]) -> dict[str
         out[job] = list(cores[start:start + size])
         start += size
     return out
+
+
+def pin_process(cores: Sequence[int]) -> None:
+    """Put every thread of this process (Horovod's, MPI's, torch's) on `cores`; threads
+    made later inherit it from the thread that makes them.
+
+    Raises:
+        OSError: no /proc, or `cores` are outside the launcher's cpuset.
+    """
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except ProcessLookupError:
+            pass  # the thread ended meanwhile

@@ -260,7 +260,7 @@ def test_message_tags_stay_small_on_large_graphs():
     20000 ops cut in 4 stages has 3 crossing tensors (it once needed tags past 32767, the
     bound the MPI standard guarantees)."""
     from crossover.pipeline import Plan, Stage
-    from crossover.pipeline.runner import check_tags, edge_tensor_ids, message_tag
+    from crossover.pipeline.tags import check_tags, edge_tensor_ids, message_tag
 
     ops = [f"op{i}" for i in range(20000)]
     plan = Plan([Stage(tuple(ops[i:i + 5000])) for i in range(0, 20000, 5000)],

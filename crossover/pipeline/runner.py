@@ -18,8 +18,8 @@ matching ranges. Each replica weights its loss by its share of the micro-batch, 
 parameter gradients are its part of the single-process sum; at the end of the step the
 replicas sum them with a Horovod allreduce over one process set per replicated stage.
 
-Where stages run and how replicas split a micro-batch is `placement`; the command line
-is `python -m crossover.pipeline` (`__main__`).
+Where stages run and how replicas split a micro-batch is `placement`, the messages'
+tags are `tags`, and the command line is `python -m crossover.pipeline` (`__main__`).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from crossover.pipeline.schedule import (
     Schedule,
     ScheduleError,
 )
+from crossover.pipeline.tags import check_tags, edge_tensor_ids, message_tag, tag_upper_bound
 from crossover.protocol import Phase
 
 Feeds = Callable[[int], Mapping[str, torch.Tensor]]
@@ -353,40 +354,6 @@ class StageRunner:
             seeds.append(torch.ones_like(loss))
         if roots:
             torch.autograd.backward(roots, seeds)
-
-
-def edge_tensor_ids(plan: Plan) -> dict[str, int]:
-    """A small number for every tensor that crosses a stage edge (message tags are built
-    from these, not from op indices, so they stay small on large graphs)."""
-    crossing = sorted({n for names in plan.edges.values() for n in names})
-    return {n: i for i, n in enumerate(crossing)}
-
-
-def message_tag(tensor: int, backward: bool, micro: int, num_micro: int) -> int:
-    """The MPI tag of one piece: unique per (tensor, direction, micro-batch); two ranks
-    exchange at most one piece of a tensor per micro-batch, so the rank pair completes
-    the key."""
-    return (tensor * 2 + int(backward)) * num_micro + micro
-
-
-def tag_upper_bound(comm: Any) -> int:
-    """The largest tag the MPI library allows (at least 32767 by the standard)."""
-    try:
-        from mpi4py import MPI
-
-        bound = comm.Get_attr(MPI.TAG_UB)
-    except (AttributeError, ImportError):
-        bound = None
-    return int(bound) if bound else 32767
-
-
-def check_tags(tensors: int, num_micro: int, bound: int) -> None:
-    """Raise ValueError if the largest tag would pass the library's bound."""
-    top = message_tag(tensors - 1, True, num_micro - 1, num_micro) if tensors else 0
-    if top > bound:
-        raise ValueError(f"{tensors} tensors crossing stage edges x {num_micro} micro-batches "
-                         f"need MPI tags up to {top}, above this MPI's bound {bound}: use "
-                         f"fewer micro-batches or fewer stages")
 
 
 def _wait(req: Any, timeout: float, what: str) -> None:
