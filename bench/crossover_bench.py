@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -156,7 +157,7 @@ def jain(xs: list[float]) -> float:
 def measure(launch: Callable[[list[str]], list[str]], runtimes: dict[str, Path], wl: str,
             mbit: float, measured_mbit: float | None, reps: int, steps: int, tmp: Path,
             trace_dir: Path | None, n_jobs: int = 2,
-            job_env: dict[str, str] | None = None) -> dict:
+            job_env: dict[str, str] | None = None, auto_log: Path | None = None) -> dict:
     """One workload in one setting: all arms, `reps` times, interleaved, for `n_jobs`.
 
     Args:
@@ -165,6 +166,8 @@ def measure(launch: Callable[[list[str]], list[str]], runtimes: dict[str, Path],
             hooks run, the scheduler grants everything at once: uncoordinated).
         wl: a workload name, or names joined by "+" (job i runs the i-th, cycling).
         measured_mbit: the link's measured rate; None on one host (no link).
+        auto_log: the auto daemon's log: each repetition's mode switches and their
+            reasons go into the row (`auto_decisions`).
     """
     kinds = wl.split("+")
     per_job = [WORKLOADS[kinds[i % len(kinds)]] for i in range(n_jobs)]
@@ -175,6 +178,8 @@ def measure(launch: Callable[[list[str]], list[str]], runtimes: dict[str, Path],
                                              *POLICY_ARMS)}
     logs = tmp / "logs"
     logs.mkdir(exist_ok=True)
+    decisions: list[list[str]] = []  # per repetition, the auto daemon's switches
+    read = 0  # how much of its log earlier repetitions read
 
     def run(names: list[str], env: dict[str, str], first: int = 0) -> list[dict]:
         return run_jobs(launch, names, per_job[first], steps, env, logs, job_env=job_env,
@@ -191,12 +196,18 @@ def measure(launch: Callable[[list[str]], list[str]], runtimes: dict[str, Path],
             if trace_dir is not None and rep == reps - 1 and arm == "auto":
                 env["CROSSOVER_TRACE"] = str(trace_dir)
             arms[arm].append(run([f"{tag}{arm[0].upper()}{x}" for x in letters], env))
+            if arm == "auto" and auto_log is not None:
+                text = auto_log.read_text(errors="replace")
+                decisions.append(re.findall(r" mode (?:antiphase|concurrent): (.*)$",
+                                            text[read:], re.M))
+                read = len(text)
         solo_s = "+".join(f"{arms[a][-1]['seconds']:.2f}" for a in solo_arms)
         print(f"  {wl} {mbit or 'one host'} rep {rep}: solo {solo_s} s, plain together "
               f"{makespan(arms['plain_together'][-1]):.2f} s, uncoordinated "
               f"{makespan(arms['together'][-1]):.2f} s, crossover "
               f"{makespan(arms['crossover'][-1]):.2f} s, auto "
-              f"{makespan(arms['auto'][-1]):.2f} s", flush=True)
+              f"{makespan(arms['auto'][-1]):.2f} s"
+              + (f" ({decisions[-1][-1]})" if decisions and decisions[-1] else ""), flush=True)
     med = statistics.median
     per_rep = list(zip(*(arms[a] for a in solo_arms), strict=True))  # the solos of a rep
     solos = [med(r["seconds"] for r in arms[a]) for a in solo_arms]
@@ -240,6 +251,7 @@ def measure(launch: Callable[[list[str]], list[str]], runtimes: dict[str, Path],
         "slowdown_vs_solo": slow,
         "jain_speedups": {arm: jain([1 / x for x in xs]) for arm, xs in slow.items()},
         "single_job_overhead": overhead,
+        "auto_decisions": decisions,
         "raw": arms,
     }
 
@@ -320,7 +332,8 @@ def main() -> None:
                         print(f"link {mbit:g} Mbit/s (measured {measured:.0f})", flush=True)
                         for wl in workloads:
                             rows.append(_row(launch, {d.policy: d.runtime for d in daemons},
-                                             wl, mbit, measured, args, tmp, traces))
+                                             wl, mbit, measured, args, tmp, traces,
+                                             auto_log=tmp / "daemons-auto.log"))
                 finally:
                     for d in daemons:
                         d.stop()
@@ -332,7 +345,8 @@ def main() -> None:
                 for wl in workloads:
                     rows.append(_row(lambda argv: mpirun(2, *argv),
                                      {p: tmp / f"local-{p}" for p in POLICY_ARMS.values()},
-                                     wl, 0.0, None, args, tmp, traces, ONE_HOST_ENV))
+                                     wl, 0.0, None, args, tmp, traces, ONE_HOST_ENV,
+                                     auto_log=tmp / "local-auto.log"))
             finally:
                 for d in local:
                     d.stop()
@@ -379,11 +393,12 @@ def main() -> None:
 
 def _row(launch: Callable[[list[str]], list[str]], runtimes: dict[str, Path], wl: str,
          mbit: float, measured: float | None, args: argparse.Namespace, tmp: Path,
-         traces: Path, job_env: dict[str, str] | None = None) -> dict:
+         traces: Path, job_env: dict[str, str] | None = None,
+         auto_log: Path | None = None) -> dict:
     tdir = traces / f"{wl}-{mbit:g}"
     tdir.mkdir(parents=True)
     row = measure(launch, runtimes, wl, mbit, measured, args.reps, args.steps, tmp, tdir,
-                  args.jobs, job_env)
+                  args.jobs, job_env, auto_log)
     row["measured_mbit"] = measured
     where = f"{mbit:g} Mbit/s" if mbit else "one host"
     print(f"{wl} {where}: auto {row['auto_vs_sequential']:.2f}x sequential, "
