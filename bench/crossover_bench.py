@@ -179,7 +179,8 @@ def measure(launch: Callable[[list[str]], list[str]], runtimes: dict[str, Path],
     logs = tmp / "logs"
     logs.mkdir(exist_ok=True)
     decisions: list[list[str]] = []  # per repetition, the auto daemon's switches
-    read = 0  # how much of its log earlier repetitions read
+    # The daemon serves every row: start after what earlier rows wrote.
+    read = len(auto_log.read_text(errors="replace")) if auto_log and auto_log.exists() else 0
 
     def run(names: list[str], env: dict[str, str], first: int = 0) -> list[dict]:
         return run_jobs(launch, names, per_job[first], steps, env, logs, job_env=job_env,
