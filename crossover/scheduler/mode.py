@@ -17,9 +17,9 @@ under concurrent grants. Antiphase is chosen when the jobs' mean speedup is at l
 1 + `margin`; otherwise concurrent, which is what plain co-location does (do no harm).
 
 One pair is noisy on a busy host (on this project's 2-core VM a single pair of 2 s
-windows chose concurrent in runs where antiphase was faster; docs/benchmark.md, twelfth
-session), so a mean speedup closer to the margin than
-`pair_noise` / sqrt(pairs) is measured again, by another pair in the reverse order
+windows chose concurrent in runs where antiphase was faster, and the pairs of one run
+differed by up to 0.23x: docs/benchmark.md), so a mean speedup closer to the margin
+than `pair_noise` / sqrt(pairs) is measured again, by another pair in the reverse order
 (C A, A C, C A: a steady drift of the host's speed biases the pairs in opposite
 directions), up to `max_pairs`; the decision takes the mean over the pairs. A close
 call costs little: the two modes are then nearly as fast.
