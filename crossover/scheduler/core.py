@@ -301,6 +301,9 @@ class SlotScheduler(SchedulerViews):
     def _offsets(self, job: str) -> list[int]:
         return [r.turn - r.pos for r in self._ranks_of(job)]
 
+    def _key(self, r: RankEntry) -> tuple:
+        return (*self.policy.key(r.turn, r.order, r.weight), r.rank)
+
     def _set(self, r: RankEntry, state: RankState) -> None:
         r.state, r.since = state, self.clock()
 

@@ -191,8 +191,8 @@ class ModeController:
 
     # --- internals ------------------------------------------------------------------
     def _restart(self, why: str) -> list[ModeSwitch]:
-        self._rates, self._hold_until, self._decided = {}, None, None
-        self._pairs = []
+        self._rates, self._measured, self._pairs = {}, {}, []
+        self._hold_until, self._decided = None, None
         if len(self._steps) < 2:
             self.state, self.reason, self._plan, self._window = "solo", why, [], None
             return []

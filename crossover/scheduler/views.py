@@ -24,6 +24,7 @@ class SchedulerViews:
     _where: dict[tuple[str, int], str]
     _jobs: dict[str, tuple[int, float]]
     _devices: dict[str, DeviceEntry]
+    _key: Callable[[RankEntry], tuple]  # the grant order (core.py)
 
     def device_of(self, job: str, rank: int) -> str | None:
         """The device the rank is registered on, None if it is not."""
@@ -84,6 +85,3 @@ class SchedulerViews:
 
     def _dormant(self, r: RankEntry, now: float) -> bool:
         return r.state == IDLE and now - r.since >= self.patience_s
-
-    def _key(self, r: RankEntry) -> tuple:
-        return (*self.policy.key(r.turn, r.order, r.weight), r.rank)
