@@ -44,6 +44,11 @@ class Mode(str, Enum):
     ANTIPHASE = "antiphase"  # one job computes at a time, in the global sequence
     CONCURRENT = "concurrent"  # every job computes at once (plain co-location)
 
+    @property
+    def other(self) -> Mode:
+        """The mode this one is compared with."""
+        return Mode.CONCURRENT if self == Mode.ANTIPHASE else Mode.ANTIPHASE
+
 
 class ProtocolError(RuntimeError):
     """A malformed message, or one from an incompatible version."""

@@ -228,8 +228,7 @@ class ModeController:
         w = self._window
         assert w is not None, "probe and hold always keep a window open"
         if self.state == "hold" and self._hold_until is not None and now >= self._hold_until:
-            other = Mode.CONCURRENT if self.mode == Mode.ANTIPHASE else Mode.ANTIPHASE
-            return self._probe([other, self.mode], "re-probing after the hold:")
+            return self._probe([self.mode.other, self.mode], "re-probing after the hold:")
         if not self._window_done(w, now):
             return []
         rates = {job: w.rate(job, now) for job in w.base if job in self._steps}
@@ -252,8 +251,7 @@ class ModeController:
             return True
         # A probe that is losing by far need not run its full length: every step of it
         # is a step slower than the other mode (on one host antiphase runs at 0.2-0.7x).
-        other = self._rates.get(Mode.CONCURRENT if w.mode == Mode.ANTIPHASE
-                                else Mode.ANTIPHASE)
+        other = self._rates.get(w.mode.other)
         if self.state != "probe" or not other:
             return False
         ratios = [w.rate(job, now) / other[job] for job in jobs if other.get(job)]
@@ -312,8 +310,7 @@ class ModeController:
             ref = self._watched.get(job)
             if ref and abs(rate / ref - 1) > self.drift:
                 return self._probe(
-                    [Mode.CONCURRENT if self.mode == Mode.ANTIPHASE else Mode.ANTIPHASE,
-                     self.mode],
+                    [self.mode.other, self.mode],
                     f"job {job}'s rate went from {ref:.2f} to {rate:.2f} steps/s: re-probing")
         self._watched = self._watched or rates  # the first watch window after a decision
         return self._open(self.mode, self.reason, self.watch_s)  # the next watch window
