@@ -194,8 +194,10 @@ def measure(launch: Callable[[list[str]], list[str]], runtimes: dict[str, Path],
         arms["plain_together"].append(run([f"{tag}P{x}" for x in letters], plain))
         for arm, policy in POLICY_ARMS.items():
             env = {"CROSSOVER_RUNTIME_DIR": str(runtimes[policy])}
-            if trace_dir is not None and rep == reps - 1 and arm == "auto":
-                env["CROSSOVER_TRACE"] = str(trace_dir)
+            if trace_dir is not None and arm in ("crossover", "auto"):
+                # the last auto run's traces make the Gantt chart (main)
+                last = rep == reps - 1 and arm == "auto"
+                env["CROSSOVER_TRACE"] = str(trace_dir if last else trace_dir / f"{arm}{rep}")
             arms[arm].append(run([f"{tag}{arm[0].upper()}{x}" for x in letters], env))
             if arm == "auto" and auto_log is not None:
                 text = auto_log.read_text(errors="replace")
@@ -230,6 +232,9 @@ def measure(launch: Callable[[list[str]], list[str]], runtimes: dict[str, Path],
     overhead = 1 - med(r["samples_per_s"] for r in arms["solo_daemon"]) / \
         med(r["samples_per_s"] for r in arms["solo_a"])
     best_baseline = min(sequential, spans["plain_together"])
+    skew = {} if trace_dir is None else {arm: [rank_skew_ms(
+        trace_dir if arm == "auto" and rep == reps - 1 else trace_dir / f"{arm}{rep}")
+        for rep in range(reps)] for arm in ("crossover", "auto")}
     return {
         "workload": wl, "mbit": mbit, "jobs": n_jobs, "params": params,
         "solo_s": solos, "sequential_s": sequential,
@@ -257,6 +262,8 @@ def measure(launch: Callable[[list[str]], list[str]], runtimes: dict[str, Path],
         "jain_speedups": {arm: jain([1 / x for x in xs]) for arm, xs in slow.items()},
         "single_job_overhead": overhead,
         "auto_decisions": decisions,
+        # per repetition: how far apart a job's ranks start their holds (median, ms)
+        "rank_skew_ms": skew,
         "raw": arms,
     }
 
@@ -411,6 +418,15 @@ def _row(launch: Callable[[list[str]], list[str]], runtimes: dict[str, Path], wl
           f"the better); crossover {row['crossover_vs_sequential']:.2f}x sequential; "
           f"comm share {100 * row['comm_share']:.0f}%", flush=True)
     return row
+
+
+def rank_skew_ms(trace_dir: Path) -> float | None:
+    """The median over jobs of `trace.rank_skew`'s median: how far apart (ms) a job's
+    ranks on different devices start their holds in one traced run (None: no job had
+    ranks on two devices). Served concurrently, a rank holds its device throughout."""
+    skews = trace.rank_skew([ev for path in sorted(trace_dir.glob("*.json"))
+                             for ev in trace.load(path)])
+    return statistics.median(s["median_ms"] for s in skews.values()) if skews else None
 
 
 def idle_gaps(events: list[dict]) -> dict:

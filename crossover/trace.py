@@ -122,6 +122,40 @@ def holds_by_device(events: Iterable[dict]) -> dict[str, list[tuple[float, float
     return {dev: sorted(spans) for dev, spans in sorted(out.items())}
 
 
+def rank_skew(events: Iterable[dict]) -> dict[str, dict[str, float]]:
+    """How far apart in time a job's ranks on different devices start their holds.
+
+    In antiphase a job's ranks should hold their devices together (the same turn of the
+    global sequence on every device): a rank that starts later delays the job's
+    allreduce, which waits for the last gradient. For each hold of a rank other than
+    the job's lowest, the skew is the distance to the nearest hold start of that lowest
+    rank on another device. Returns {job: {"median_ms", "p90_ms", "hold_ms" (the
+    job's median hold), "holds"}} for jobs with ranks on two or more devices.
+    """
+    by_rank: dict[tuple[str, int], list[tuple[float, float, str]]] = defaultdict(list)
+    for dev, spans in holds_by_device(events).items():
+        for start, end, job, rank in spans:
+            by_rank[(job, rank)].append((start, end - start, dev))
+    out = {}
+    for job in sorted({job for job, _ in by_rank}):
+        ranks = sorted(r for j, r in by_rank if j == job)
+        first = sorted(by_rank[(job, ranks[0])])
+        skews = []
+        for rank in ranks[1:]:
+            for start, _, dev in by_rank[(job, rank)]:
+                near = [abs(start - s0) for s0, _, d0 in first if d0 != dev]
+                if near:
+                    skews.append(min(near) / 1e3)
+        if skews:
+            holds = sorted(h / 1e3 for spans in (by_rank[(job, r)] for r in ranks)
+                           for _, h, _ in spans)
+            skews.sort()
+            out[job] = {"median_ms": skews[len(skews) // 2],
+                        "p90_ms": skews[int(0.9 * (len(skews) - 1))],
+                        "hold_ms": holds[len(holds) // 2], "holds": len(skews)}
+    return out
+
+
 def overlaps(events: Iterable[dict]) -> list[tuple[str, tuple, tuple]]:
     """Pairs of holds by different jobs on one device that overlap in time."""
     found = []

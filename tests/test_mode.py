@@ -325,3 +325,33 @@ def test_switching_modes_keeps_antiphase_exclusive_and_loses_no_request(events):
         check(grants, held())
         granted |= {(g.job, g.rank) for g in grants}
     assert waiting <= granted, f"never granted: {waiting - granted}"
+
+
+def test_the_benchmarks_reading_of_the_decisions_recovers_each_pairs_speedup():
+    """bench/pair_noise.py reads each pair's speedup back from the daemon's logged
+    reasons (running means); it must agree with what the controller measured."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from pair_noise import pairs_of
+
+    reasons: list[str] = []
+
+    class Logged(ModeController):
+        def progress(self, job, steps, local=False):
+            out = super().progress(job, steps, local)
+            reasons.extend(s.reason for s in out)
+            return out
+
+        def tick(self):
+            out = super().tick()
+            reasons.extend(s.reason for s in out)
+            return out
+
+    clock = FakeClock()
+    ctl = Logged(clock)
+    simulate(ctl, clock, TIE, until=20.0)
+    measured = [sum(p.values()) / len(p) for p in ctl.snapshot()["pairs"]]
+    assert len(measured) == 3
+    assert pairs_of(reasons) == pytest.approx(measured, abs=0.03 * len(measured))

@@ -33,6 +33,26 @@ def test_overlaps_finds_only_holds_of_different_jobs_on_one_device(tmp_path):
     assert dev == "n/cpu0" and {first[2], second[2]} == {"a", "b"}
 
 
+def test_rank_skew_measures_how_far_apart_a_jobs_ranks_start_their_holds(tmp_path):
+    paths = []
+    for job, rank, device, lag in [("a", 0, "n0/cpu0", 0.0), ("a", 1, "n1/cpu0", 0.05),
+                                   ("b", 0, "n0/cpu0", 0.5), ("b", 1, "n1/cpu0", 0.5),
+                                   ("c", 0, "n0/cpu1", 0.0)]:
+        rec = TraceRecorder(job, rank, tmp_path / f"{job}{rank}.json")
+        for step in range(10):  # a's rank 1 starts 50 ms late 4 times, then 30 ms early
+            start = step + lag - (0.08 if job == "a" and rank == 1 and step >= 4 else 0.0)
+            rec.span("hold", start, start + 0.2, device=device)
+        rec.flush()
+        paths.append(tmp_path / f"{job}{rank}.json")
+    skew = trace.rank_skew(trace.merge(paths, tmp_path / "m.json"))
+    assert set(skew) == {"a", "b"}  # c has one rank
+    assert skew["a"]["median_ms"] == pytest.approx(30.0, abs=0.01)
+    assert skew["a"]["p90_ms"] == pytest.approx(50.0, abs=0.01)
+    assert skew["a"]["holds"] == 10
+    assert skew["b"] == {"median_ms": 0.0, "p90_ms": 0.0, "hold_ms": pytest.approx(200.0),
+                         "holds": 10}
+
+
 def test_a_long_hold_is_compared_with_every_later_one(tmp_path):
     a = spans(tmp_path, "a", [(0.0, 10.0)])
     b = spans(tmp_path, "b", [(1.0, 2.0), (5.0, 6.0)])
