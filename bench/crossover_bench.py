@@ -67,6 +67,8 @@ ONE_HOST_ENV = {**JOB_ENV, "OMPI_MCA_mpi_yield_when_idle": "1"}
 
 #: The arms run together under a daemon, and the daemon policy of each.
 POLICY_ARMS = {"together": "off", "crossover": "crossover", "auto": "auto"}
+#: The arms whose every run is traced (for `rank_skew_ms`).
+TRACED_ARMS = ("crossover", "auto")
 
 
 class Daemons:
@@ -182,6 +184,11 @@ def measure(launch: Callable[[list[str]], list[str]], runtimes: dict[str, Path],
     # The daemon serves every row: start after what earlier rows wrote.
     read = len(auto_log.read_text(errors="replace")) if auto_log and auto_log.exists() else 0
 
+    def traces_of(arm: str, rep: int) -> Path:
+        """Where a traced run writes: the last auto run's make the Gantt chart (main)."""
+        assert trace_dir is not None
+        return trace_dir if (arm, rep) == ("auto", reps - 1) else trace_dir / f"{arm}{rep}"
+
     def run(names: list[str], env: dict[str, str], first: int = 0) -> list[dict]:
         return run_jobs(launch, names, per_job[first], steps, env, logs, job_env=job_env,
                         first_seed=1 + first, workloads=per_job[first:first + len(names)])
@@ -194,10 +201,8 @@ def measure(launch: Callable[[list[str]], list[str]], runtimes: dict[str, Path],
         arms["plain_together"].append(run([f"{tag}P{x}" for x in letters], plain))
         for arm, policy in POLICY_ARMS.items():
             env = {"CROSSOVER_RUNTIME_DIR": str(runtimes[policy])}
-            if trace_dir is not None and arm in ("crossover", "auto"):
-                # the last auto run's traces make the Gantt chart (main)
-                last = rep == reps - 1 and arm == "auto"
-                env["CROSSOVER_TRACE"] = str(trace_dir if last else trace_dir / f"{arm}{rep}")
+            if trace_dir is not None and arm in TRACED_ARMS:
+                env["CROSSOVER_TRACE"] = str(traces_of(arm, rep))
             arms[arm].append(run([f"{tag}{arm[0].upper()}{x}" for x in letters], env))
             if arm == "auto" and auto_log is not None:
                 text = auto_log.read_text(errors="replace")
@@ -232,9 +237,8 @@ def measure(launch: Callable[[list[str]], list[str]], runtimes: dict[str, Path],
     overhead = 1 - med(r["samples_per_s"] for r in arms["solo_daemon"]) / \
         med(r["samples_per_s"] for r in arms["solo_a"])
     best_baseline = min(sequential, spans["plain_together"])
-    skew = {} if trace_dir is None else {arm: [rank_skew_ms(
-        trace_dir if arm == "auto" and rep == reps - 1 else trace_dir / f"{arm}{rep}")
-        for rep in range(reps)] for arm in ("crossover", "auto")}
+    skew = {} if trace_dir is None else {
+        arm: [rank_skew_ms(traces_of(arm, rep)) for rep in range(reps)] for arm in TRACED_ARMS}
     return {
         "workload": wl, "mbit": mbit, "jobs": n_jobs, "params": params,
         "solo_s": solos, "sequential_s": sequential,

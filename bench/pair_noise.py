@@ -35,7 +35,12 @@ def pairs_of(reasons: list[str]) -> list[float]:
 def main(paths: list[str]) -> None:
     errors = []
     for path in paths:
-        for row in json.loads(Path(path).read_text())["rows"]:
+        try:
+            rows = json.loads(Path(path).read_text())["rows"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            sys.exit(f"{path}: not a crossover_bench result ({exc!r}); pass the JSON files "
+                     f"bench/crossover_bench.py writes, e.g. bench/results/crossover.json")
+        for row in rows:
             if not row["mbit"]:
                 continue  # one host: no probe
             truth = row["plain_uncoordinated_s"] / row["crossover_s"]
