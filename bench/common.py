@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import shlex
@@ -38,3 +39,18 @@ def write_result(name: str, payload: dict) -> Path:
            "when": datetime.now(timezone.utc).isoformat(timespec="seconds"), **payload}
     out.write_text(json.dumps(doc, indent=2) + "\n")
     return out
+
+
+def rotation(n: int, rep: int) -> list[int]:
+    """The order in which to run `n` arms in repetition `rep`.
+
+    Arms run one after another on a machine whose speed drifts (another tenant, the
+    thermal state); in a fixed order the last arm always meets the drift first. Each
+    repetition starts one stride further on, with a stride near n/2 and coprime with n,
+    so over a few repetitions every arm takes early, middle and late places.
+    """
+    if n < 1 or rep < 0:
+        raise ValueError(f"rotation of {n} arms for repetition {rep}: need n >= 1, rep >= 0")
+    stride = next(s for s in range(max(n // 2, 1), 0, -1) if math.gcd(s, n) == 1)
+    start = rep * stride % n
+    return [(start + i) % n for i in range(n)]

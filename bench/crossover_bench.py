@@ -40,7 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cluster import EmulatedCluster  # noqa: E402
-from common import RESULTS, write_result  # noqa: E402
+from common import RESULTS, rotation, write_result  # noqa: E402
 
 from crossover import trace  # noqa: E402
 from crossover.launch.local import DaemonProcess, Job, mpirun, run_together, terminate_group  # noqa: E402, E501
@@ -160,7 +160,8 @@ def measure(launch: Callable[[list[str]], list[str]], runtimes: dict[str, Path],
             mbit: float, measured_mbit: float | None, reps: int, steps: int, tmp: Path,
             trace_dir: Path | None, n_jobs: int = 2,
             job_env: dict[str, str] | None = None, auto_log: Path | None = None) -> dict:
-    """One workload in one setting: all arms, `reps` times, interleaved, for `n_jobs`.
+    """One workload in one setting: all arms, `reps` times, interleaved (each repetition
+    in another order: `common.rotation`), for `n_jobs`.
 
     Args:
         launch: turns a job's command into its launch line.
@@ -193,22 +194,34 @@ def measure(launch: Callable[[list[str]], list[str]], runtimes: dict[str, Path],
         return run_jobs(launch, names, per_job[first], steps, env, logs, job_env=job_env,
                         first_seed=1 + first, workloads=per_job[first:first + len(names)])
 
-    for rep in range(reps):
-        tag = f"{wl.replace('+', '')}{int(mbit)}r{rep}{n_jobs}"
+    def run_solos(tag: str) -> None:
         for i, (x, arm) in enumerate(zip(letters, solo_arms, strict=True)):
             arms[arm] += run([f"{tag}{x}"], plain, i)
         arms["solo_daemon"] += run([f"{tag}D"], {"CROSSOVER_RUNTIME_DIR": str(runtimes["auto"])})
-        arms["plain_together"].append(run([f"{tag}P{x}" for x in letters], plain))
-        for arm, policy in POLICY_ARMS.items():
-            env = {"CROSSOVER_RUNTIME_DIR": str(runtimes[policy])}
-            if trace_dir is not None and arm in TRACED_ARMS:
-                env["CROSSOVER_TRACE"] = str(traces_of(arm, rep))
-            arms[arm].append(run([f"{tag}{arm[0].upper()}{x}" for x in letters], env))
-            if arm == "auto" and auto_log is not None:
-                text = auto_log.read_text(errors="replace")
-                decisions.append(re.findall(r" mode (?:antiphase|concurrent): (.*)$",
-                                            text[read:], re.M))
-                read = len(text)
+
+    def run_arm(tag: str, arm: str, rep: int) -> None:
+        nonlocal read
+        if arm == "plain_together":
+            arms[arm].append(run([f"{tag}P{x}" for x in letters], plain))
+            return
+        env = {"CROSSOVER_RUNTIME_DIR": str(runtimes[POLICY_ARMS[arm]])}
+        if trace_dir is not None and arm in TRACED_ARMS:
+            env["CROSSOVER_TRACE"] = str(traces_of(arm, rep))
+        arms[arm].append(run([f"{tag}{arm[0].upper()}{x}" for x in letters], env))
+        if arm == "auto" and auto_log is not None:
+            text = auto_log.read_text(errors="replace")
+            decisions.append(re.findall(r" mode (?:antiphase|concurrent): (.*)$",
+                                        text[read:], re.M))
+            read = len(text)
+
+    blocks = ["solos", "plain_together", *POLICY_ARMS]
+    for rep in range(reps):
+        tag = f"{wl.replace('+', '')}{int(mbit)}r{rep}{n_jobs}"
+        for block in (blocks[i] for i in rotation(len(blocks), rep)):  # (see `rotation`)
+            if block == "solos":
+                run_solos(tag)
+            else:
+                run_arm(tag, block, rep)
         solo_s = "+".join(f"{arms[a][-1]['seconds']:.2f}" for a in solo_arms)
         print(f"  {wl} {mbit or 'one host'} rep {rep}: solo {solo_s} s, plain together "
               f"{makespan(arms['plain_together'][-1]):.2f} s, uncoordinated "
