@@ -31,8 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--cpu-devices", type=int, default=None, metavar="N",
                    help="split this node's cores into N devices (default: one per core)")
     d.add_argument("--mode-probe", type=float, default=2.0, metavar="S",
-                   help="policy auto: how long each mode is measured in a probe window, "
-                        "after the jobs settle (default 2)")
+                   help="policy auto: shortest window measuring each mode (default 2)")
     d.add_argument("--mode-hold", type=float, default=30.0, metavar="S",
                    help="policy auto: how long a mode decision holds before it is probed "
                         "again; doubled at each confirmation (default 30)")

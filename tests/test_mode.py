@@ -65,8 +65,7 @@ def scaled(rates: dict, speed) -> dict:
 
 
 TABLE = [
-    # (name, rates, mode decided, the switches in order); 2 s measured in a window after
-    # settling (the first window, 0.1-3.1 s, settles for 8 steps; the next for 2)
+    # (name, rates, mode decided, the switches in order); windows of 2 s from 0.1 s
     ("short communication -> concurrent", SHORT_COMM, C, ["concurrent", "antiphase", "concurrent"]),
     ("long idle communication -> antiphase", LONG_COMM, A,
      ["concurrent", "antiphase", "antiphase"]),
@@ -76,7 +75,7 @@ TABLE = [
      ["concurrent", "antiphase", "antiphase", "concurrent", "concurrent", "antiphase",
       "concurrent"]),
     ("a host that slowed in the first antiphase window -> three pairs, antiphase",
-     scaled(GAIN, lambda t: 0.87 if 3.2 <= t < 5.3 else 1.0), A,
+     scaled(GAIN, lambda t: 0.87 if 2.1 <= t < 4.1 else 1.0), A,
      ["concurrent", "antiphase", "antiphase", "concurrent", "concurrent", "antiphase",
       "antiphase"]),
     # A host that speeds up 3 % a second favours the later window of a pair: measured
@@ -100,14 +99,14 @@ def test_mode_decision(name, rates, mode, switches):
 def test_one_pair_alone_is_fooled_by_a_slow_moment():
     """The trap the repeated pairs avoid: with one pair the slow window above decides."""
     ctl, clock = controller(max_pairs=1)
-    simulate(ctl, clock, scaled(GAIN, lambda t: 0.87 if 3.2 <= t < 5.3 else 1.0), until=20.0)
+    simulate(ctl, clock, scaled(GAIN, lambda t: 0.87 if 2.1 <= t < 4.1 else 1.0), until=20.0)
     assert ctl.mode == C and len(ctl.snapshot()["pairs"]) == 1
 
 
 def test_a_close_call_says_why_it_measures_again():
     ctl, clock = controller()
     steps: dict = {}
-    got = simulate(ctl, clock, TIE, until=6.0, steps=steps)
+    got = simulate(ctl, clock, TIE, until=5.0, steps=steps)
     assert [m for _, m in got] == ["concurrent", "antiphase", "antiphase"]
     assert ctl.state == "probe" and ctl.reason == (
         "antiphase 1.00x concurrent after 1 pair, within the noise of 1.03x: probing "
@@ -124,13 +123,10 @@ def test_decision_reason_names_each_jobs_speedup():
 
 
 def test_probing_takes_few_steps_of_each_mode():
-    """A probe window ends once every job made settle + min_steps steps and was measured
-    for probe_s after the last job settled."""
+    """The probe ends once every job made settle + min_steps steps and probe_s passed."""
     ctl, clock = controller(probe_s=1.0, min_steps=3, settle_steps=1)
     got = simulate(ctl, clock, LONG_COMM, until=10.0)
-    # b is the slower job: 8 warm-up steps at 8/s, then 1 s; 1 settling step at 10/s,
-    # then 1 s (the others' steps end on b's)
-    assert [t for t, _ in got] == pytest.approx([0.1, 2.1, 3.2], abs=0.02), got
+    assert got[-1][0] < 2.6, got  # two windows of about 1 s each (b's 4th step at 0.5 s)
 
 
 def test_a_probe_that_loses_by_far_ends_early():
@@ -157,17 +153,6 @@ def test_slow_first_steps_are_not_measured():
         simulate(ctl, clock, SHORT_COMM, until=20.0, steps=steps)
         decided[warmup] = ctl.mode
     assert decided == {1: A, 8: C}
-
-
-def test_the_warm_up_window_still_measures_probe_s():
-    """The first window settles for warmup_steps: at 5 steps/s that is 1.6 s of a 2 s
-    window counted from its opening, which left 2 or 3 steps of a job to measure (the
-    first pair's concurrent rate was the noisiest). The 2 s are counted after settling."""
-    five = {"a": {A: 5.0, C: 5.0}, "b": {A: 5.0, C: 5.0}}
-    ctl, clock = controller(probe_s=2.0, warmup_steps=8)
-    got = simulate(ctl, clock, five, until=4.0)
-    # the window opens at 0.2 s (b's first report); 8 steps later (1.8 s), 2 s more
-    assert got == [(0.2, "concurrent"), (pytest.approx(3.8), "antiphase")], got
 
 
 def test_jobs_inside_one_hosts_cpu_are_served_concurrently_without_a_probe():
@@ -210,9 +195,12 @@ def test_a_hold_ends_in_a_re_probe_and_a_confirmation_holds_longer():
     modes = [m for _, m in got]
     # probe (C, A, decision A), hold 5 s, re-probe, hold 10 s, re-probe, hold 20 s, ...
     assert modes[:9] == ["concurrent", "antiphase", "antiphase"] * 3, got
-    # Each round: the decision (its third switch), then the hold until the next probe.
-    holds = [nxt[0] - decided[0] for decided, nxt in zip(got[2::3], got[3::3], strict=False)]
-    assert holds[:3] == pytest.approx([5.0, 10.0, 20.0], abs=0.01), got
+    # Probes take the same time each round, so the holds show in the differences of
+    # the times between successive probes.
+    starts = [t for t, m in got if m == "concurrent"]
+    rounds = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    assert rounds[1] - rounds[0] == pytest.approx(5.0, abs=0.3), got
+    assert rounds[2] - rounds[1] == pytest.approx(10.0, abs=0.3), got
 
 
 def test_phase_lengths_that_change_re_probe_at_once():

@@ -8,11 +8,10 @@ tells the two apart in advance, so the controller measures.
 
 Probing: when the set of co-located jobs changes, each mode gets a window; in a window
 every job's step rate is measured from the progress its ranks report (after settling
-steps, over at least `min_steps` steps and, once every job settled, `probe_s` seconds).
-The first window, served concurrently as plain co-location would, settles for
-`warmup_steps`: a job that has just started (or whose neighbour has) runs its first
-steps slowly, and measuring them once made a run choose antiphase on one host, where
-it loses. A pair of windows (one
+steps, over at least `min_steps` steps and `probe_s` seconds). The first window, served
+concurrently as plain co-location would, settles for `warmup_steps`: a job that has
+just started (or whose neighbour has) runs its first steps slowly, and measuring them
+once made a run choose antiphase on one host, where it loses. A pair of windows (one
 per mode) gives each job's speedup under antiphase, its rate normalised by its own rate
 under concurrent grants. Antiphase is chosen when the jobs' mean speedup is at least
 1 + `margin`; otherwise concurrent, which is what plain co-location does (do no harm).
@@ -63,7 +62,7 @@ class _Window:
 
     mode: Mode
     start: float
-    min_s: float  # the shortest measurement, after every job settled
+    min_s: float  # the window's shortest length
     settle: int  # steps ignored after the window opened
     base: dict[str, int]  # each job's steps when the window opened
     first: dict[str, tuple[int, float]] = field(default_factory=dict)  # after settling
@@ -72,12 +71,6 @@ class _Window:
     def measured(self, job: str, min_steps: int) -> bool:
         """Whether `job` made `min_steps` steps after settling in this window."""
         return job in self.first and self.last[job][0] - self.first[job][0] >= min_steps
-
-    def settled_at(self, jobs: list[str]) -> float | None:
-        """When the last of `jobs` settled (its first report counted), None if one has not."""
-        if not all(job in self.first for job in jobs):
-            return None
-        return max((self.first[job][1] for job in jobs), default=self.start)
 
     def rate(self, job: str, now: float) -> float:
         """Steps per second of `job` in this window (from the window's start if it never
@@ -94,7 +87,7 @@ class ModeController:
 
     Args:
         clock: monotonic seconds.
-        probe_s: the shortest measurement in a window, after settling.
+        probe_s: shortest measurement window.
         min_steps: steps every job must make in a window (after settling).
         settle_steps: steps ignored after a switch (the pipeline drains and refills).
         warmup_steps: steps ignored at the start of a probe after the job mix changed.
@@ -254,10 +247,7 @@ class ModeController:
         jobs = [job for job in w.base if job in self._steps]
         if not all(w.measured(job, self.min_steps) for job in jobs):
             return False
-        # min_s of measurement, after settling: the first window settles for warmup_steps
-        # (about 1.6 s at 5 steps/s), and a 2 s window counted from its opening measured
-        # 2 or 3 steps of a job.
-        if now - (w.settled_at(jobs) or w.start) >= w.min_s:
+        if now - w.start >= w.min_s:
             return True
         # A probe that is losing by far need not run its full length: every step of it
         # is a step slower than the other mode (on one host antiphase runs at 0.2-0.7x).
