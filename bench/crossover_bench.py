@@ -447,7 +447,9 @@ def rank_skew_ms(trace_dir: Path) -> float | None:
 
 
 def idle_gaps(events: list[dict]) -> dict:
-    """From a merged trace: per device, the time no job held it while some job waited."""
+    """From a merged trace: per device, the time some job held it (`held_s`, holds that
+    overlap counted once: concurrent grants) and the time no job held it while some job
+    waited for it (`idle_while_waiting_s`)."""
     holds = trace.holds_by_device(events)
     out = {}
     for dev, spans in holds.items():
@@ -455,13 +457,15 @@ def idle_gaps(events: list[dict]) -> dict:
                  if e.get("name") == "slot wait" and e.get("ph") == "X"
                  and e.get("args", {}).get("device") == dev]
         spans = sorted(spans)
-        gaps = 0.0
-        for (_, end, *_), (start, *_) in zip(spans, spans[1:], strict=False):
-            if start > end and any(ws < start and we > end for ws, we in waits):
-                gaps += start - end
-        busy = sum(e - s for s, e, *_ in spans)
+        busy = gaps = 0.0
+        covered = spans[0][0]  # the end of the holds so far (their union)
+        for start, end, *_ in spans:
+            if start > covered and any(ws < start and we > covered for ws, we in waits):
+                gaps += start - covered
+            busy += max(end, covered) - max(start, covered)
+            covered = max(covered, end)
         out[dev] = {"held_s": busy / 1e6, "idle_while_waiting_s": gaps / 1e6,
-                    "span_s": (max(e for _, e, *_ in spans) - spans[0][0]) / 1e6}
+                    "span_s": (covered - spans[0][0]) / 1e6}
     return {"devices": out}
 
 

@@ -32,3 +32,31 @@ def test_every_arm_takes_every_place_once_in_n_repetitions(n: int) -> None:
 def test_bad_counts_are_named() -> None:
     with pytest.raises(ValueError, match="rotation of 0 arms"):
         rotation(0, 1)
+
+
+def _hold(job: int, start_ms: float, end_ms: float) -> dict:
+    return {"ph": "X", "name": "hold", "pid": job, "tid": 0, "ts": start_ms * 1e3,
+            "dur": (end_ms - start_ms) * 1e3, "args": {"device": "h0/cpu0"}}
+
+
+def _wait(job: int, start_ms: float, end_ms: float) -> dict:
+    return {**_hold(job, start_ms, end_ms), "name": "slot wait"}
+
+
+@pytest.mark.parametrize(("events", "held_ms", "idle_ms", "span_ms"), [
+    # antiphase: B waits from 5 ms, gets the device 2 ms after A's release at 10 ms
+    ([_hold(1, 0, 10), _wait(2, 5, 12), _hold(2, 12, 20)], 18, 2, 20),
+    # a gap nobody waits through is not the scheduler's idle time
+    ([_hold(1, 0, 10), _hold(2, 12, 20)], 18, 0, 20),
+    # concurrent: B's short hold inside A's long one leaves no gap, and counts once
+    ([_hold(1, 0, 10), _hold(2, 1, 3), _wait(2, 4, 8), _hold(2, 8, 9)], 10, 0, 10),
+    # overlapping, then a real gap after the later end
+    ([_hold(1, 0, 10), _hold(2, 5, 15), _wait(1, 12, 17), _hold(1, 17, 20)], 18, 2, 20),
+])
+def test_idle_gaps_count_overlapping_holds_once(events: list[dict], held_ms: float,
+                                                idle_ms: float, span_ms: float) -> None:
+    from crossover_bench import idle_gaps
+
+    dev = idle_gaps(events)["devices"]["h0/cpu0"]
+    assert dev == pytest.approx({"held_s": held_ms / 1e3, "idle_while_waiting_s": idle_ms / 1e3,
+                                 "span_s": span_ms / 1e3})
