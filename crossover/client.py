@@ -232,8 +232,12 @@ class SlotClient(DaemonLink):
     # --- internals ---------------------------------------------------------------------
     def _count_step(self) -> None:
         """A step boundary: count it, and report the count while the device is shared
-        (at most every REPORT_S; one small one-way message)."""
+        (at most every REPORT_S; one small one-way message). Only the job's rank 0
+        reports: its ranks step together, and each report costs CPU on the cores the
+        jobs compute on (the rank's send, the daemon's forwarding to the leader)."""
         self.steps += 1
+        if self.info.rank != 0:
+            return
         now = time.monotonic()
         if self._sock is not None and not self._alone and now - self._last_report >= REPORT_S:
             self._last_report = now

@@ -250,7 +250,9 @@ class Daemon(Connections, DaemonWorld, TableDaemon):
         elif isinstance(msg, P.Renew):
             self.sched.renew(job, rank)
         elif isinstance(msg, P.Progress):
-            if msg.steps > self._steps.get(job, -1):  # the job's other local ranks repeat it
+            # Only the mode decision (an adaptive policy's leader) reads step counts; a
+            # client of an older version may still send them from every rank.
+            if self.modes is not None and msg.steps > self._steps.get(job, -1):
                 self._steps[job] = msg.steps
                 self.peers.send(0, ("progress", job, msg.steps, conn.on_host_cpu))
         else:

@@ -148,7 +148,8 @@ class Company(Message):
 @dataclass
 class Progress(Message):
     """Rank -> daemon, one-way: the job has made `steps` training steps. The daemons
-    measure step rates from these to choose the mode (only ranks with company send)."""
+    measure step rates from these to choose the mode (only a job's rank 0 sends, and
+    only while it has company)."""
 
     kind: ClassVar[str] = "progress"
     steps: int

@@ -339,6 +339,27 @@ def test_a_job_alone_keeps_its_device_until_another_arrives(cluster: Cluster):
         a.close()
 
 
+def test_only_a_jobs_rank_0_reports_progress(cluster: Cluster):
+    """Every rank of a job steps together: one report per step is enough, and each costs
+    CPU on the cores the jobs compute on. (Policy crossover: under auto the daemon
+    would give these in-process clients a share of the cores, pinning pytest.)"""
+    with cluster.daemon():
+        # both on cpu0, with b: neither is alone on its device
+        ranks = [SlotClient("a", RankInfo(r, 2, 0, 2), runtime_dir=cluster.runtime,
+                            pin_cpu=False) for r in range(2)]
+        b = client(cluster, "b")
+        sent: dict[int, list] = {0: [], 1: []}
+        for r, rank in enumerate(ranks):
+            rank._send = sent[r].append
+            wait_for(lambda rank=rank: rank._keep_alone() is not None and not rank._alone,
+                     30, "the daemon to tell job a of its company")
+            rank._count_step()
+        assert [type(m) for m in sent[0]] == [P.Progress] and sent[1] == []
+        assert ranks[1].steps == 1, "every rank counts its steps"
+        for c in (*ranks, b):
+            c.close()
+
+
 def test_a_yield_passed_holding_counts_one_point_like_the_request_it_skips(cluster: Cluster):
     """A hand-marked loop under `priority` (acquire, release to communicate, yield at the
     step boundary) asks once a step with company: at the yield. Alone it keeps its device
