@@ -241,7 +241,7 @@ class SlotClient(DaemonLink):
         now = time.monotonic()
         if self._sock is not None and not self._alone and now - self._last_report >= REPORT_S:
             self._last_report = now
-            self._send(P.Progress(self.steps))
+            self._send(P.Progress(self.steps, self._points))
 
     def _pass_point(self) -> None:
         """One more point of this rank's request sequence (asked at, or passed holding)."""

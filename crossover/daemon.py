@@ -115,6 +115,7 @@ class Daemon(Connections, DaemonWorld, TableDaemon):
         self._mode_reason = "policy " + self.sched.policy.name
         self._last_shares: dict[str, list[int]] = {}  # for the log
         self._steps: dict[str, int] = {}  # job -> most steps a local rank reported
+        self._points: dict[str, int] = {}  # leader: job -> its request points, reported
         self._started = time.monotonic()
         self._usage = RankUsage()
         # The native fast path (see `fastpath`): its table, and the devices whose events
@@ -254,7 +255,8 @@ class Daemon(Connections, DaemonWorld, TableDaemon):
             # client of an older version may still send them from every rank.
             if self.modes is not None and msg.steps > self._steps.get(job, -1):
                 self._steps[job] = msg.steps
-                self.peers.send(0, ("progress", job, msg.steps, conn.on_host_cpu))
+                self.peers.send(0, ("progress", job, msg.steps, conn.on_host_cpu,
+                                    msg.points))
         else:
             raise P.ProtocolError(f"unexpected {msg.kind} from a client")
 
@@ -306,7 +308,7 @@ class Daemon(Connections, DaemonWorld, TableDaemon):
             # The leader can serve it concurrently (and split the cores) now, not after
             # its first steps under the initial antiphase.
             self._steps[hello.job] = 0
-            self.peers.send(0, ("progress", hello.job, 0, True))
+            self.peers.send(0, ("progress", hello.job, 0, True, 0))
         conn.registered, conn.device = True, device
         place = self.fast.reserve(conn.key, device, hello.pid) if self.fast else None
         table, slot, index = (str(self.fast.path), *place) if place else ("", -1, -1)

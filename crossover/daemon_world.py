@@ -5,8 +5,9 @@ to all. Mixed into `Daemon`, whose connections and scheduler these methods read.
 Messages between daemons are small tuples on `transport.PeerChannel`:
     ("join", job) / ("leave", job)        to the leader: a job's first / last rank here
     ("order", job, n) / ("forget", job)   from the leader: the job's place, or it is gone
-    ("progress", job, steps, local)       to the leader: a job's step count (mode)
-    ("mode", mode, reason)                from the leader: serve devices in `mode`
+    ("progress", job, steps, local, points)  to the leader: a job's step count (mode)
+    ("mode", mode, reason, points)        from the leader: serve devices in `mode`; to
+                                          antiphase, turns restart from the jobs' points
     ("status?", token) / ("status!", token, node, snapshot)
     ("shutdown",)                         from the leader: idle for idle_shutdown_s
 """
@@ -62,7 +63,8 @@ class DaemonWorld:
         """Leader: announce the mode decisions to every daemon (itself included)."""
         for switch in switches:
             log.info("mode %s: %s", switch.mode.value, switch.reason)
-            self.peers.broadcast(("mode", switch.mode.value, switch.reason))
+            self.peers.broadcast(("mode", switch.mode.value, switch.reason,
+                                  dict(self._points)))
 
     def _handle_peers(self) -> None:
         while not self.peers.inbox.empty():
@@ -86,16 +88,18 @@ class DaemonWorld:
                 if not members:
                     self._members.pop(msg[1], None)
                     self._decided.pop(msg[1], None)
+                    self._points.pop(msg[1], None)
                     self.peers.broadcast(("forget", msg[1]))
                     if self.modes is not None:
                         self._apply_modes(self.modes.leave(msg[1]))
             elif kind == "progress":  # leader: a job's step count, for the mode decision
                 if self.modes is not None and msg[1] in self._members:
+                    self._points[msg[1]] = max(msg[4], self._points.get(msg[1], 0))
                     self._apply_modes(self.modes.progress(msg[1], msg[2], msg[3]))
             elif kind == "mode":
                 self._mode_reason = msg[2]
                 self._before_change()
-                self._deliver(self.sched.set_mode(Mode(msg[1])))
+                self._deliver(self.sched.set_mode(Mode(msg[1]), msg[3]))
                 self._tell_company()
             elif kind == "order":
                 self._orders[msg[1]] = msg[2]

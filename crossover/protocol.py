@@ -17,7 +17,7 @@ from enum import Enum
 from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
 
 #: Bumped on any incompatible change; a client and daemon that differ refuse each other.
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 
 class ErrorCode(str, Enum):
@@ -147,12 +147,14 @@ class Company(Message):
 
 @dataclass
 class Progress(Message):
-    """Rank -> daemon, one-way: the job has made `steps` training steps. The daemons
-    measure step rates from these to choose the mode (only a job's rank 0 sends, and
-    only while it has company)."""
+    """Rank -> daemon, one-way: the job has made `steps` training steps and passed
+    `points` request points (`Acquire.pos`). The daemons measure step rates from these
+    to choose the mode, and restart antiphase turns from the points on every node alike
+    (only a job's rank 0 sends, and only while it has company)."""
 
     kind: ClassVar[str] = "progress"
     steps: int
+    points: int = 0
 
 
 @dataclass

@@ -340,8 +340,8 @@ def test_a_job_alone_keeps_its_device_until_another_arrives(cluster: Cluster):
 
 
 def test_only_a_jobs_rank_0_reports_progress(cluster: Cluster):
-    """Every rank of a job steps together: one report per step is enough, and each costs
-    CPU on the cores the jobs compute on. (Policy crossover: under auto the daemon
+    """Every rank of a job steps together: one report per step (with the job's request
+    points) is enough, and each costs CPU on the cores the jobs compute on. (Policy crossover: under auto the daemon
     would give these in-process clients a share of the cores, pinning pytest.)"""
     with cluster.daemon():
         # both on cpu0, with b: neither is alone on its device
@@ -353,8 +353,10 @@ def test_only_a_jobs_rank_0_reports_progress(cluster: Cluster):
             rank._send = sent[r].append
             wait_for(lambda rank=rank: rank._keep_alone() is not None and not rank._alone,
                      30, "the daemon to tell job a of its company")
+            rank._pass_point()  # (as at a request or a point passed holding)
             rank._count_step()
-        assert [type(m) for m in sent[0]] == [P.Progress] and sent[1] == []
+        # with its request points: a switch to antiphase restarts the turns from them
+        assert sent[0] == [P.Progress(steps=1, points=1)] and sent[1] == []
         assert ranks[1].steps == 1, "every rank counts its steps"
         for c in (*ranks, b):
             c.close()

@@ -168,7 +168,8 @@ def _signature(sched: SlotScheduler, device: str, depth: int) -> tuple | None:
     base = min(turns.values(), default=0)
     company = sched.company(device)
     ranks = tuple(sorted((k, r.state, turns[k] - base, r.order, r.weight, turns[k] > r.turn,
-                          k[0] in company) for k, r in dev.ranks.items()))
+                          k[0] in company, r.anchor is not None, r.anchor_ends)
+                         for k, r in dev.ranks.items()))
     return (sched.policy.name, sched.mode, depth, ranks, dev.holder,
             tuple(sorted(dev.served)), dev.vtime - base, dev.blocked_since is None)
 

@@ -56,6 +56,11 @@ class RankEntry:
     waited_s: float = 0.0  # accumulated time in WAITING
     pos: int = 0  # requests so far, points passed holding included: where the rank is in
     # its job's request sequence (the same on every rank of the job at the same point)
+    # Its job's turn offset from a switch to antiphase, set from the job's points as the
+    # leader knew them (the same on every node), until its next request: points passed
+    # holding before then count in its turn, not as a pause (`SlotScheduler.set_mode`)
+    anchor: int | None = None
+    anchor_ends: bool = False  # it released since: it knows, its next request is the last
 
 
 @dataclass
