@@ -341,8 +341,9 @@ def test_a_job_alone_keeps_its_device_until_another_arrives(cluster: Cluster):
 
 def test_only_a_jobs_rank_0_reports_progress(cluster: Cluster):
     """Every rank of a job steps together: one report per step (with the job's request
-    points) is enough, and each costs CPU on the cores the jobs compute on. (Policy crossover: under auto the daemon
-    would give these in-process clients a share of the cores, pinning pytest.)"""
+    points) is enough, and each costs CPU on the cores the jobs compute on. (Policy
+    crossover: under auto the daemon would give these in-process clients a share of the
+    cores, pinning pytest.)"""
     with cluster.daemon():
         # both on cpu0, with b: neither is alone on its device
         ranks = [SlotClient("a", RankInfo(r, 2, 0, 2), runtime_dir=cluster.runtime,
