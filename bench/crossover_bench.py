@@ -67,7 +67,7 @@ ONE_HOST_ENV = {**JOB_ENV, "OMPI_MCA_mpi_yield_when_idle": "1"}
 
 #: The arms run together under a daemon, and the daemon policy of each.
 POLICY_ARMS = {"together": "off", "crossover": "crossover", "auto": "auto"}
-#: The arms whose every run is traced (for `rank_skew_ms`).
+#: The arms whose every run is traced (for `rank_skew_ms` and `ranks_apart`).
 TRACED_ARMS = ("crossover", "auto")
 
 
@@ -250,8 +250,8 @@ def measure(launch: Callable[[list[str]], list[str]], runtimes: dict[str, Path],
     overhead = 1 - med(r["samples_per_s"] for r in arms["solo_daemon"]) / \
         med(r["samples_per_s"] for r in arms["solo_a"])
     best_baseline = min(sequential, spans["plain_together"])
-    skew = {} if trace_dir is None else {
-        arm: [rank_skew_ms(traces_of(arm, rep)) for rep in range(reps)] for arm in TRACED_ARMS}
+    skews = {} if trace_dir is None else {
+        arm: [rank_skew(traces_of(arm, rep)) for rep in range(reps)] for arm in TRACED_ARMS}
     return {
         "workload": wl, "mbit": mbit, "jobs": n_jobs, "params": params,
         "solo_s": solos, "sequential_s": sequential,
@@ -279,8 +279,12 @@ def measure(launch: Callable[[list[str]], list[str]], runtimes: dict[str, Path],
         "jain_speedups": {arm: jain([1 / x for x in xs]) for arm, xs in slow.items()},
         "single_job_overhead": overhead,
         "auto_decisions": decisions,
-        # per repetition: how far apart a job's ranks start their holds (median, ms)
-        "rank_skew_ms": skew,
+        # per repetition: how far apart a job's ranks start their holds (median, ms), and
+        # the share of holds more than half a hold apart (the hosts' phases crossed)
+        "rank_skew_ms": {arm: [None if s is None else s[0] for s in runs]
+                         for arm, runs in skews.items()},
+        "ranks_apart": {arm: [None if s is None else s[1] for s in runs]
+                        for arm, runs in skews.items()},
         "raw": arms,
     }
 
@@ -433,17 +437,30 @@ def _row(launch: Callable[[list[str]], list[str]], runtimes: dict[str, Path], wl
     print(f"{wl} {where}: auto {row['auto_vs_sequential']:.2f}x sequential, "
           f"{row['auto_vs_plain']:.2f}x plain together ({row['auto_vs_best_baseline']:.2f}x "
           f"the better); crossover {row['crossover_vs_sequential']:.2f}x sequential; "
-          f"comm share {100 * row['comm_share']:.0f}%", flush=True)
+          f"comm share {100 * row['comm_share']:.0f}%{_apart(row)}", flush=True)
     return row
 
 
-def rank_skew_ms(trace_dir: Path) -> float | None:
-    """The median over jobs of `trace.rank_skew`'s median: how far apart (ms) a job's
-    ranks on different devices start their holds in one traced run (None: no job had
-    ranks on two devices). Served concurrently, a rank holds its device throughout."""
+def _apart(row: dict) -> str:
+    """The runs' shares of holds a job's ranks started more than half a hold apart, if
+    any job had ranks on two devices."""
+    shares = {arm: [f"{100 * x:.0f}%" for x in runs if x is not None]
+              for arm, runs in row["ranks_apart"].items()}
+    shown = [f"{arm} {'/'.join(xs)}" for arm, xs in shares.items() if xs]
+    return "; ranks apart " + ", ".join(shown) if shown else ""
+
+
+def rank_skew(trace_dir: Path) -> tuple[float, float] | None:
+    """The medians over jobs of `trace.rank_skew`'s median (ms) and `apart` share: how far
+    apart a job's ranks on different devices start their holds in one traced run (None:
+    no job had ranks on two devices). Served concurrently, a rank holds its device
+    throughout."""
     skews = trace.rank_skew([ev for path in sorted(trace_dir.glob("*.json"))
                              for ev in trace.load(path)])
-    return statistics.median(s["median_ms"] for s in skews.values()) if skews else None
+    if not skews:
+        return None
+    return (statistics.median(s["median_ms"] for s in skews.values()),
+            statistics.median(s["apart"] for s in skews.values()))
 
 
 def idle_gaps(events: list[dict]) -> dict:

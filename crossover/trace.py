@@ -130,7 +130,10 @@ def rank_skew(events: Iterable[dict]) -> dict[str, dict[str, float]]:
     allreduce, which waits for the last gradient. For each hold of a rank other than
     the job's lowest, the skew is the distance to the nearest hold start of that lowest
     rank on another device. Returns {job: {"median_ms", "p90_ms", "hold_ms" (the
-    job's median hold), "holds"}} for jobs with ranks on two or more devices.
+    job's median hold), "holds", "apart"}} for jobs with ranks on two or more devices.
+    `apart` is the share of holds more than half the median hold from the nearest: with
+    two jobs alternating, hosts that far apart run different jobs at once, and every
+    step of both waits for both jobs' holds (docs/benchmark.md, eighteenth session).
     """
     by_rank: dict[tuple[str, int], list[tuple[float, float, str]]] = defaultdict(list)
     for dev, spans in holds_by_device(events).items():
@@ -150,9 +153,11 @@ def rank_skew(events: Iterable[dict]) -> dict[str, dict[str, float]]:
             holds = sorted(h / 1e3 for spans in (by_rank[(job, r)] for r in ranks)
                            for _, h, _ in spans)
             skews.sort()
+            hold_ms = holds[len(holds) // 2]
             out[job] = {"median_ms": skews[len(skews) // 2],
                         "p90_ms": skews[int(0.9 * (len(skews) - 1))],
-                        "hold_ms": holds[len(holds) // 2], "holds": len(skews)}
+                        "hold_ms": hold_ms, "holds": len(skews),
+                        "apart": sum(s > hold_ms / 2 for s in skews) / len(skews)}
     return out
 
 

@@ -50,7 +50,24 @@ def test_rank_skew_measures_how_far_apart_a_jobs_ranks_start_their_holds(tmp_pat
     assert skew["a"]["p90_ms"] == pytest.approx(50.0, abs=0.01)
     assert skew["a"]["holds"] == 10
     assert skew["b"] == {"median_ms": 0.0, "p90_ms": 0.0, "hold_ms": pytest.approx(200.0),
-                         "holds": 10}
+                         "holds": 10, "apart": 0.0}
+    assert skew["a"]["apart"] == 0.0  # 30-50 ms: less than half a hold (100 ms)
+
+
+def test_rank_skew_counts_the_holds_a_hold_apart(tmp_path):
+    """Two hosts a hold apart run different jobs at once (each step waits for both jobs'
+    holds): the share of holds more than half the job's hold from its other rank's."""
+    paths = []
+    for rank, device in [(0, "n0/cpu0"), (1, "n1/cpu0")]:
+        rec = TraceRecorder("a", rank, tmp_path / f"a{rank}.json")
+        for step in range(10):  # rank 1 one hold (150 ms) late in steps 6-9
+            start = step * 0.4 + (0.15 if rank == 1 and step >= 6 else 0.01 * rank)
+            rec.span("hold", start, start + 0.15, device=device)
+        rec.flush()
+        paths.append(tmp_path / f"a{rank}.json")
+    skew = trace.rank_skew(trace.merge(paths, tmp_path / "m.json"))
+    assert skew["a"]["apart"] == pytest.approx(0.4)
+    assert skew["a"]["median_ms"] == pytest.approx(10.0, abs=0.01)
 
 
 def test_a_long_hold_is_compared_with_every_later_one(tmp_path):
