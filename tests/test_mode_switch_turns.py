@@ -18,11 +18,12 @@ request after the switch counts the points it passed holding in its turn.
 from __future__ import annotations
 
 import random
+from functools import partial
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from crossover.protocol import Mode, Phase
+from crossover.protocol import Mode
 from crossover.scheduler import SlotGrant, SlotScheduler, make_policy
 from tests.test_request_points import Rank
 from tests.test_scheduler import FakeClock
@@ -81,22 +82,7 @@ def simulate(picks: list[int], switch_at: tuple[int, int], notices: list[int],
             movable = [r for r in ranks if enabled(r)]
             assert movable, f"stuck at event {i}"
         r = movable[pick % len(movable)]
-        sched = scheds[r.rank]
-        op = r.op
-        r.advance()
-        if op == "ask":
-            if not r.holding:
-                r.points, r.kept, r.waiting = r.points + 1, False, True
-                granted(sched.request(r.job, r.rank, r.points), i)
-            elif r.kept:
-                r.points, r.kept = r.points + 1, False
-        elif op == "communicate":
-            at_comm[(r.job, r.step)] = at_comm.get((r.job, r.step), 0) + 1
-            if r.alone:
-                r.kept = True
-            else:
-                r.holding = False
-                granted(sched.release(r.job, r.rank, Phase.COMMUNICATE), i)
+        r.act(scheds[r.rank], at_comm, partial(granted, when=i))
         for sched in scheds:
             if sched.misaligned():
                 granted(sched.realign(), i)

@@ -17,6 +17,7 @@ follow from the same points on every rank.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
@@ -48,6 +49,42 @@ class Rank:
         if self.pc == len(self.ops):
             self.pc, self.step = 0, self.step + 1
 
+    def act(self, sched: SlotScheduler, at_comm: dict[tuple[str, int], int],
+            granted: Callable[[list[SlotGrant]], None], informed: bool = True) -> None:
+        """Carry out this rank's next operation on its node's scheduler. `granted` takes
+        the grants of every scheduler call; `at_comm` counts each (job, step)'s ranks
+        that reached the allreduce; `informed`: requests name their point (False: the
+        old protocol, for a control)."""
+        op = self.op
+        self.advance()
+        if op == "ask":
+            if not self.holding:
+                self._ask(sched, granted, informed)
+            elif self.kept:  # a point passed holding: the release before it was kept
+                self.points, self.kept = self.points + 1, False
+        elif op == "communicate":
+            at_comm[(self.job, self.step)] = at_comm.get((self.job, self.step), 0) + 1
+            if self.alone:
+                self.kept = True
+            else:
+                self.holding = False
+                granted(sched.release(self.job, self.rank, Phase.COMMUNICATE))
+        elif op == "yield":
+            if self.alone:
+                self.points += 1
+            else:
+                self.holding = False
+                granted(sched.release(self.job, self.rank, Phase.COMPUTE))
+                self._ask(sched, granted, informed)
+
+    def _ask(self, sched: SlotScheduler, granted: Callable[[list[SlotGrant]], None],
+             informed: bool) -> None:
+        self.points += 1
+        self.kept = False
+        self.waiting = True
+        granted(sched.request(self.job, self.rank, self.points) if informed
+                else sched.request(self.job, self.rank))
+
 
 def simulate(policy: str, picks: list[int], join: int, notices: tuple[int, int],
              informed: bool = True, nodes: int = 1) -> list[int]:
@@ -76,14 +113,6 @@ def simulate(policy: str, picks: list[int], join: int, notices: tuple[int, int],
             r = by_key[(g.job, g.rank)]
             r.holding, r.waiting = True, False
 
-    def ask(r: Rank) -> None:
-        r.points += 1
-        r.kept = False
-        r.waiting = True
-        sched = scheds[r.rank % nodes]
-        granted(sched.request(r.job, r.rank, r.points) if informed
-                else sched.request(r.job, r.rank))
-
     def enabled(r: Rank) -> bool:
         if r.waiting:
             return False
@@ -108,28 +137,7 @@ def simulate(policy: str, picks: list[int], join: int, notices: tuple[int, int],
             movable = [r for r in ranks if enabled(r)]
             assert movable, f"stuck at event {i}: {sched.snapshot()}"
         r = movable[pick % len(movable)]
-        sched = scheds[r.rank % nodes]
-        op = r.op
-        r.advance()
-        if op == "ask":
-            if not r.holding:
-                ask(r)
-            elif r.kept:  # a point passed holding: the release before it was kept
-                r.points, r.kept = r.points + 1, False
-        elif op == "communicate":
-            at_comm[(r.job, r.step)] = at_comm.get((r.job, r.step), 0) + 1
-            if r.alone:
-                r.kept = True
-            else:
-                r.holding = False
-                granted(sched.release(r.job, r.rank, Phase.COMMUNICATE))
-        elif op == "yield":
-            if r.alone:
-                r.points += 1
-            else:
-                r.holding = False
-                granted(sched.release(r.job, r.rank, Phase.COMPUTE))
-                ask(r)
+        r.act(scheds[r.rank % nodes], at_comm, granted, informed)
         for sched in scheds:
             if sched.misaligned():
                 granted(sched.realign())
