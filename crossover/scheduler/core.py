@@ -34,7 +34,7 @@ other device.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 from crossover.protocol import Mode, Phase
 from crossover.scheduler.policies import Policy
@@ -49,16 +49,14 @@ from crossover.scheduler.state import (
     DeviceEntry,
     RankEntry,
     RankState,
+    SchedulerError,
     SlotGrant,
 )
+from crossover.scheduler.switch import ModeSwitching
 from crossover.scheduler.views import SchedulerViews
 
 
-class SchedulerError(ValueError):
-    """A call that does not fit the scheduler's state (a client bug, reported back)."""
-
-
-class SlotScheduler(SchedulerViews):
+class SlotScheduler(ModeSwitching, SchedulerViews):
     """Arbitrates exclusive use of devices among the ranks of several jobs.
 
     Args:
@@ -86,69 +84,6 @@ class SlotScheduler(SchedulerViews):
         self.mode = Mode.ANTIPHASE if policy.exclusive else Mode.CONCURRENT
         # job -> the offset a rank back from a pause gave it, until `realign` spreads it
         self._moved: dict[str, int] = {}
-
-    @property
-    def exclusive(self) -> bool:
-        """Whether devices are held by one job at a time now (policy and mode)."""
-        return self.policy.exclusive and self.mode == Mode.ANTIPHASE
-
-    def set_mode(self, mode: Mode, points: Mapping[str, int] | None = None) -> list[SlotGrant]:
-        """Serve devices in `mode` from now on; returns the grants that follows.
-
-        Going to concurrent grants every waiting rank. Going to antiphase grants
-        nothing new on a device while two jobs still hold it (they drain at their next
-        release); a device held by one job keeps it as the holder of the turn.
-
-        Args:
-            points: going to antiphase, each job's request points so far, the same on
-                every node (the leader's, from the jobs' reports): the turns restart from
-                them. Without them each node restarts from where its own ranks are,
-                and nodes that apply the switch at different moments (ranks that passed
-                different points holding) order the jobs differently: each job's ranks
-                then compute one turn apart, and every step waits out both jobs'
-                communication (seen at 0.83-0.92x concurrent on the emulated hosts).
-
-        Raises:
-            SchedulerError: antiphase under a policy that is never exclusive (off).
-        """
-        if mode == Mode.ANTIPHASE and not self.policy.exclusive:
-            raise SchedulerError(f"policy {self.policy.name!r} cannot serve in antiphase")
-        if mode == self.mode:
-            return []
-        self.mode = mode
-        now = self.clock()
-        grants: list[SlotGrant] = []
-        for dev in self._devices.values():
-            if mode == Mode.CONCURRENT and dev.holder is not None:
-                dev.held_s[dev.holder] = dev.held_s.get(dev.holder, 0.0) + now - dev.hold_start
-            dev.holder, dev.served = None, set()  # antiphase: _dispatch finds the holder
-        if mode == Mode.ANTIPHASE:
-            self._restart_turns(points or {})
-        for name in self._devices:
-            grants += self._dispatch(name)
-        return grants
-
-    def _restart_turns(self, points: Mapping[str, int]) -> None:
-        """Start the turn sequence afresh: turns drift apart while jobs step at their own
-        rates, and a job behind would take every turn until it caught up. Every job's
-        next point (from `points`, else its leading rank's) gets the present turn; its
-        ranks keep their distance to it in the job's sequence, so every device orders
-        the jobs alike (global order breaks ties)."""
-        ranks = [r for dev in self._devices.values() for r in dev.ranks.values()]
-        if not ranks:
-            return
-        now = max(self.policy.virtual_time(r.turn, r.weight) for r in ranks)
-        for job in {r.job for r in ranks}:
-            mine = [r for r in ranks if r.job == job]
-            lead = points.get(job, max(r.pos for r in mine))
-            offset = self.policy.turn_at(now, mine[0].weight) - lead
-            for r in mine:
-                r.turn, r.anchor = offset + r.pos, offset if job in points else None
-                r.anchor_ends = False
-        self._moved.clear()
-        for dev in self._devices.values():
-            if dev.ranks:
-                dev.vtime = now
 
     # --- membership -------------------------------------------------------------------
     def register(self, job: str, rank: int, device: str, order: int, weight: float = 1.0):
@@ -291,6 +226,11 @@ class SlotScheduler(SchedulerViews):
                 blocker = self._next_in_line(dev)
                 if blocker is not None and blocker.state != WAITING:
                     self._set(blocker, SKIPPED)
+            late = [r for r in self._behind_kept_over(dev) if now - r.since >= self.patience_s]
+            if late:
+                first = min(late, key=self._key)
+                dev.holder = None  # served beside the hold, as in the mode it was granted
+                grants += [self._grant(device, r) for r in late if r.job == first.job]
             grants += self._dispatch(device)
         return revoked, grants
 
@@ -300,6 +240,8 @@ class SlotScheduler(SchedulerViews):
                 if r.state == HOLDING and r.deadline is not None]
         ends += [dev.blocked_since + self.patience_s for dev in self._devices.values()
                  if dev.blocked_since is not None]
+        ends += [r.since + self.patience_s for dev in self._devices.values()
+                 for r in self._behind_kept_over(dev)]
         # a rank turning dormant changes its device's company: the daemon tells the others
         now = self.clock()
         ends += [r.since + self.patience_s for dev in self._devices.values()
@@ -352,7 +294,7 @@ class SlotScheduler(SchedulerViews):
         if r.state != HOLDING:
             return
         self._set(r, BUSY)
-        r.deadline = None
+        r.deadline, r.kept_over = None, False
         if self.exclusive and not self.holders(device):
             if dev.holder == r.job:  # (after a switch to antiphase, nobody may own the turn)
                 dev.held_s[r.job] = dev.held_s.get(r.job, 0.0) + self.clock() - dev.hold_start

@@ -31,6 +31,10 @@ BUSY, IDLE, SKIPPED = RankState.BUSY, RankState.IDLE, RankState.SKIPPED
 ACTIVE = (NEW, WAITING, BUSY)
 
 
+class SchedulerError(ValueError):
+    """A call that does not fit the scheduler's state (a client bug, reported back)."""
+
+
 @dataclass(frozen=True)
 class SlotGrant:
     """The device is now held by this rank (deliver to the rank's connection)."""
@@ -61,6 +65,9 @@ class RankEntry:
     # holding before then count in its turn, not as a pause (`SlotScheduler.set_mode`)
     anchor: int | None = None
     anchor_ends: bool = False  # it released since: it knows, its next request is the last
+    # It holds since before the latest switch to antiphase (granted concurrently) and has
+    # not released since: its hold excludes other jobs only for a while (`expire`)
+    kept_over: bool = False
 
 
 @dataclass
