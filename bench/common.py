@@ -8,8 +8,10 @@ import os
 import platform
 import shlex
 import sys
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -54,3 +56,14 @@ def rotation(n: int, rep: int) -> list[int]:
     stride = next(s for s in range(max(n // 2, 1), 0, -1) if math.gcd(s, n) == 1)
     start = rep * stride % n
     return [(start + i) % n for i in range(n)]
+
+
+def stop_all(daemons: Sequence[Any]) -> None:
+    """Stop every daemon (each has `stop()`), even when a signal interrupts one stop:
+    a second Ctrl-C during the teardown left the other arms' daemons running."""
+    if not daemons:
+        return
+    try:
+        daemons[0].stop()
+    finally:
+        stop_all(daemons[1:])

@@ -40,7 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cluster import EmulatedCluster  # noqa: E402
-from common import RESULTS, rotation, write_result  # noqa: E402
+from common import RESULTS, rotation, stop_all, write_result  # noqa: E402
 
 from crossover import trace  # noqa: E402
 from crossover.launch.local import DaemonProcess, Job, mpirun, run_together, terminate_group  # noqa: E402, E501
@@ -368,8 +368,7 @@ def main() -> None:
                                              wl, mbit, measured, args, tmp, traces,
                                              auto_log=tmp / "daemons-auto.log"))
                 finally:
-                    for d in daemons:
-                        d.stop()
+                    stop_all(daemons)
         if args.one_host:
             print("one host (no shaped link, as make demo)", flush=True)
             local = [DaemonProcess(tmp / f"local-{p}", p, log=tmp / f"local-{p}.log")
@@ -381,8 +380,7 @@ def main() -> None:
                                      wl, 0.0, None, args, tmp, traces, ONE_HOST_ENV,
                                      auto_log=tmp / "local-auto.log"))
             finally:
-                for d in local:
-                    d.stop()
+                stop_all(local)
         RESULTS.mkdir(parents=True, exist_ok=True)
         # The Gantt chart: the comm-heaviest setting of the first workload.
         first = rows[0]["workload"]

@@ -1,4 +1,5 @@
-"""The order in which a benchmark runs its arms, repetition by repetition (pure)."""
+"""The order in which a benchmark runs its arms, repetition by repetition (pure), and
+the teardown of its daemons."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from common import rotation  # noqa: E402
+from common import rotation, stop_all  # noqa: E402
+
+from crossover.launch.local import DaemonProcess  # noqa: E402
 
 
 @pytest.mark.parametrize(("n", "reps", "orders"), [
@@ -60,3 +63,19 @@ def test_idle_gaps_count_overlapping_holds_once(events: list[dict], held_ms: flo
     dev = idle_gaps(events)["devices"]["h0/cpu0"]
     assert dev == pytest.approx({"held_s": held_ms / 1e3, "idle_while_waiting_s": idle_ms / 1e3,
                                  "span_s": span_ms / 1e3})
+
+
+class Interrupted:
+    """A daemon whose stop is cut short by Ctrl-C (a second signal during the teardown)."""
+
+    def stop(self) -> None:
+        raise KeyboardInterrupt
+
+
+def test_a_signal_during_the_teardown_still_stops_every_daemon(tmp_path: Path) -> None:
+    """Regression: the benchmark stopped its arms' daemons in a plain loop, so a Ctrl-C
+    while one stopped left the next arm's daemon running."""
+    daemon = DaemonProcess(tmp_path / "run", policy="off")
+    with pytest.raises(KeyboardInterrupt):
+        stop_all([Interrupted(), daemon])
+    assert daemon.proc.poll() is not None, "the daemon after the interrupted one still runs"
