@@ -38,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--mode-probe-local", action="store_true",
                    help="policy auto: probe jobs whose ranks all share this host's CPU too "
                         "(by default they are served concurrently: nothing to fill)")
+    d.add_argument("--align-phases", action="store_true",
+                   help="keep the nodes' antiphase turns in step: a node whose turns run "
+                        "ahead hands its device over later, once (from the ranks' "
+                        "allreduce waits; experimental, off by default)")
 
     d.add_argument("--hello-timeout", type=float, default=10.0, metavar="S",
                    help="drop a connection that sends no hello within S seconds (default 10)")
@@ -85,7 +89,7 @@ def _daemon(args: argparse.Namespace) -> int:
                         idle_shutdown_s=args.idle_shutdown, runtime_dir=args.runtime_dir,
                         cpu_devices=args.cpu_devices, mode_probe_s=args.mode_probe,
                         mode_hold_s=args.mode_hold, mode_probe_local=args.mode_probe_local,
-                        hello_timeout_s=args.hello_timeout)
+                        align_phases=args.align_phases, hello_timeout_s=args.hello_timeout)
     except (ValueError, PermissionError) as exc:  # a bad setting, or runtime directory
         print(f"crossover daemon: {exc}", file=sys.stderr)
         return 2

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import select
 import socket
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -26,6 +27,9 @@ from crossover.transport import recv_msg, socket_path
 
 #: Shortest time between two progress reports of a rank.
 REPORT_S = 0.05
+#: Shortest time between two reports of a rank's allreduce waits, and the fewest waits
+#: one reports the median of (a single step's wait carries its hold's jitter).
+WAIT_REPORT_S, WAIT_REPORT_MIN = 0.5, 3
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,8 @@ class SlotClient(DaemonLink):
         self._keep_when_alone = E.flag(E.KEEP_WHEN_ALONE)
         self.steps = 0  # training steps so far (step boundaries), reported for the mode
         self._last_report = 0.0
+        self._waits: list[float] = []  # allreduce waits since the last report of them
+        self._last_wait_report = 0.0
         self._wait_s = wait_s
         self._pin_cpu = pin_cpu
         self._pin = False  # set once the daemon has named the device's cores
@@ -223,6 +229,23 @@ class SlotClient(DaemonLink):
             self._sock = None
         if self.trace is not None:
             self.trace.flush()
+
+    def note_wait(self, seconds: float) -> None:
+        """This step's allreduces finished `seconds` after the rank released its device
+        for them (the hooks measure it). While the device is shared in antiphase, the
+        median of a few is reported to the daemons, which keep the nodes' turn
+        sequences in step from it (`crossover.scheduler.phase`); one small one-way
+        message every WAIT_REPORT_S at most."""
+        if self._sock is None or self._alone or self._mode != Mode.ANTIPHASE \
+                or not self._release_on_communicate:
+            self._waits.clear()  # measured in another mode: not about the turns
+            return
+        self._waits.append(seconds)
+        now = time.monotonic()
+        if len(self._waits) >= WAIT_REPORT_MIN and now - self._last_wait_report >= WAIT_REPORT_S:
+            self._last_wait_report = now
+            self._send(P.Waited(statistics.median(self._waits)))
+            self._waits.clear()
 
     def keeps_device(self) -> bool:
         """True while this rank keeps its device through communication: no other job

@@ -33,6 +33,7 @@ from crossover.placement import partition
 from crossover.procstats import RankUsage, process_state
 from crossover.protocol import Mode, Phase
 from crossover.scheduler import ModeController, SlotGrant, SlotScheduler, make_policy
+from crossover.scheduler.phase import PhaseAligner
 from crossover.transport import PeerChannel, socket_path
 
 log = logging.getLogger("crossover.daemon")
@@ -73,6 +74,7 @@ class Daemon(Connections, DaemonWorld, TableDaemon):
         mode_probe_s: float = 2.0,
         mode_hold_s: float = 30.0,
         mode_probe_local: bool = False,
+        align_phases: bool = False,
         hello_timeout_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -113,6 +115,10 @@ class Daemon(Connections, DaemonWorld, TableDaemon):
                                     probe_local=mode_probe_local) \
             if self.sched.policy.adaptive else None
         self._mode_reason = "policy " + self.sched.policy.name
+        # Leader: keeps the nodes' antiphase sequences in step (`align_phases`)
+        self.aligner = PhaseAligner(clock, max_delay_s=min(0.25, patience_s)) \
+            if align_phases and self.sched.policy.exclusive else None
+        self.handovers_delayed = 0  # on this node, by the leader's corrections
         self._last_shares: dict[str, list[int]] = {}  # for the log
         self._steps: dict[str, int] = {}  # job -> most steps a local rank reported
         self._points: dict[str, int] = {}  # leader: job -> its request points, reported
@@ -250,6 +256,9 @@ class Daemon(Connections, DaemonWorld, TableDaemon):
             self._deliver(self.sched.release(job, rank, phase))
         elif isinstance(msg, P.Renew):
             self.sched.renew(job, rank)
+        elif isinstance(msg, P.Waited):
+            if self.aligner is not None:  # (the leader's: every daemon has the setting)
+                self.peers.send(0, ("waited", job, msg.wait_s))
         elif isinstance(msg, P.Progress):
             # Only the mode decision (an adaptive policy's leader) reads step counts; a
             # client of an older version may still send them from every rank.

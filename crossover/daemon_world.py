@@ -73,6 +73,8 @@ class DaemonWorld:
             if kind == "join":  # leader: a job's first rank arrived on `source`
                 job = msg[1]
                 if job not in self._members:
+                    if self.aligner is not None:
+                        self.aligner.reset()  # a new job mix: new phases
                     self._members[job] = set()
                     self._decided[job] = self._next_order
                     self._next_order += 1
@@ -92,11 +94,17 @@ class DaemonWorld:
                     self.peers.broadcast(("forget", msg[1]))
                     if self.modes is not None:
                         self._apply_modes(self.modes.leave(msg[1]))
+            elif kind == "waited":  # leader: a rank's allreduce waits (`align_phases`)
+                self._align(msg[1], source, msg[2])
+            elif kind == "delay":  # this node's turns ran ahead: hand over later, once
+                self._delay_handovers(msg[1], msg[2])
             elif kind == "progress":  # leader: a job's step count, for the mode decision
                 if self.modes is not None and msg[1] in self._members:
                     self._points[msg[1]] = max(msg[4], self._points.get(msg[1], 0))
                     self._apply_modes(self.modes.progress(msg[1], msg[2], msg[3]))
             elif kind == "mode":
+                if self.aligner is not None:
+                    self.aligner.reset()  # waits of the old mode say nothing of the new
                 self._mode_reason = msg[2]
                 self._before_change()
                 self._deliver(self.sched.set_mode(Mode(msg[1]), msg[3]))
@@ -112,6 +120,8 @@ class DaemonWorld:
             elif kind == "status?":
                 snap = self.sched.snapshot()
                 snap["mode_reason"] = self._mode_reason
+                # the nodes' phases: hand-overs this node delayed to get back in step
+                snap["handovers_delayed"] = self.handovers_delayed
                 if self.modes is not None and self.peers.rank == 0:
                     snap["mode_decision"] = self.modes.snapshot()
                 snap["devices_cores"] = {self._cpu_device(i)[0]: self._cpu_device(i)[1]
@@ -132,6 +142,29 @@ class DaemonWorld:
                     wait[1][msg[2]] = msg[3]
             elif kind == "shutdown":
                 self.stop()
+
+    def _align(self, job: str, node: int, wait_s: float) -> None:
+        """Leader: a rank of `job` on daemon `node` reported its allreduce waits; tell
+        a node whose turns run ahead to hand over later (`crossover.scheduler.phase`)."""
+        members = self._members.get(job, set())
+        if self.aligner is None or not self.sched.exclusive or len(members) < 2:
+            return
+        correction = self.aligner.report(job, node, wait_s, self._members)
+        if correction is not None:
+            self.peers.send(correction.node, ("delay", correction.delay_s, correction.lead_s))
+
+    def _delay_handovers(self, delay_s: float, lead_s: float) -> None:
+        """Hand every shared device of this node to its next job `delay_s` later."""
+        if not self.sched.exclusive:
+            return  # the mode changed since the leader decided
+        self._before_change()
+        shared = [device for device in self.sched.devices()
+                  if len(self.sched.company(device)) > 1]
+        for device in shared:
+            self.sched.delay_handover(device, delay_s)
+        self.handovers_delayed += 1
+        log.info("turns %.0f ms ahead of another node's: next hand-over of %s %.0f ms later",
+                 1000 * lead_s, ", ".join(shared) or "no device", 1000 * delay_s)
 
     def _start_status(self, conn: Any) -> None:  # a `daemon._Conn`
         self._status_token += 1

@@ -17,7 +17,7 @@ from enum import Enum
 from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
 
 #: Bumped on any incompatible change; a client and daemon that differ refuse each other.
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 
 class ErrorCode(str, Enum):
@@ -158,6 +158,17 @@ class Progress(Message):
 
 
 @dataclass
+class Waited(Message):
+    """Rank -> daemon, one-way: the median time the rank's recent allreduces took to
+    finish after it released its device for them, while it was served in antiphase. A
+    job's allreduce ends at once on all its ranks, so its ranks' waits differ by how far
+    their nodes' turn sequences are apart (`crossover.scheduler.phase`)."""
+
+    kind: ClassVar[str] = "waited"
+    wait_s: float
+
+
+@dataclass
 class Release(Message):
     kind: ClassVar[str] = "release"
     phase: str
@@ -188,8 +199,8 @@ class Error(Message):
 
 KINDS: dict[str, type[Message]] = {
     cls.kind: cls
-    for cls in (Hello, Welcome, Acquire, Attached, Ring, Grant, Company, Progress, Release,
-                Renew, Status, StatusReport, Error)
+    for cls in (Hello, Welcome, Acquire, Attached, Ring, Grant, Company, Progress, Waited,
+                Release, Renew, Status, StatusReport, Error)
 }
 
 

@@ -88,6 +88,7 @@ class SlotLifecycle:
         self.device = device
         #: Moving average of the waits for the allreduces (s); None before the first.
         self.wait_ema_s: float | None = None
+        self._released = False  # this step's end_backward gave the device up
 
     def begin_compute(self) -> None:
         """Forward and backward hold the device (waits for the grant)."""
@@ -111,6 +112,7 @@ class SlotLifecycle:
         if self.optimizers is None or allreduces_in_flight(self.optimizers):
             device_sync(self.device)
             self.client.release(Phase.COMMUNICATE)
+            self._released = not self.client.holding
 
     def wait_for_gradients(self, optimizer: Any,
                            synchronize: Callable[[], Any] | None = None) -> Any:
@@ -132,6 +134,9 @@ class SlotLifecycle:
         waited = time.monotonic() - start
         self.wait_ema_s = waited if self.wait_ema_s is None else (
             self.wait_ema_s + WAIT_EMA_WEIGHT * (waited - self.wait_ema_s))
+        if self._released:  # the wait started as the device went to the other job
+            self.client.note_wait(waited)
+            self._released = False
         return result
 
     def begin_update(self) -> None:

@@ -501,3 +501,45 @@ def test_a_dormant_job_is_no_company_until_it_asks_again(cluster: Cluster, nativ
         assert b.holding and not b._warned
         a.close()
         b.close()
+
+
+def test_the_leader_tells_the_node_that_runs_ahead_to_hand_over_later(tmp_path):
+    """`--align-phases`: ranks' allreduce waits reach the leader, which sends a delay to
+    the node whose turns run ahead; that node delays its shared devices' hand-over."""
+    from crossover.daemon import Daemon
+
+    daemon = Daemon(runtime_dir=tmp_path / "run", policy="crossover", align_phases=True)
+    sent = []
+    daemon.peers.send = lambda dest, obj: sent.append((dest, obj))
+    daemon.peers.broadcast = lambda obj: sent.extend((d, obj) for d in (0, 1))
+    for node in (0, 1):
+        for job in ("A", "B"):
+            daemon.peers.inbox.put((node, ("join", job)))
+    # node 0's ranks wait 40 ms longer for both jobs' allreduces: its turns run ahead
+    for node, job, wait_s in [(0, "A", 0.06), (1, "A", 0.02), (0, "B", 0.065),
+                              (1, "B", 0.02)]:
+        daemon.peers.inbox.put((node, ("waited", job, wait_s)))
+    daemon._handle_peers()
+    delays = [(dest, msg) for dest, msg in sent if msg[0] == "delay"]
+    assert delays == [(0, ("delay", pytest.approx(0.04), pytest.approx(0.04)))]
+    # this node, told so, delays the next hand-over of a device two jobs share
+    for job, order in (("A", 0), ("B", 1)):
+        daemon.sched.register(job, 0, "cpu0", order)
+    daemon.sched.register("C", 0, "cpu1", 2)
+    daemon.peers.inbox.put((0, ("delay", 0.04, 0.04)))
+    daemon._handle_peers()
+    assert daemon.handovers_delayed == 1
+    assert daemon.sched._devices["cpu0"].handover_delay == 0.04
+    assert daemon.sched._devices["cpu1"].handover_delay == 0.0  # no company there
+
+
+def test_without_align_phases_waits_are_not_forwarded(tmp_path):
+    from crossover.daemon import Daemon
+
+    daemon = Daemon(runtime_dir=tmp_path / "run", policy="crossover")
+    assert daemon.aligner is None
+    sent = []
+    daemon.peers.send = lambda dest, obj: sent.append((dest, obj))
+    daemon.peers.inbox.put((1, ("waited", "A", 0.5)))
+    daemon._handle_peers()
+    assert sent == []

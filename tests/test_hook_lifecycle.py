@@ -40,6 +40,9 @@ class RecordingClient:
     def keeps_device(self) -> bool:
         return self.keeps
 
+    def note_wait(self, seconds: float) -> None:
+        self.calls.append(f"waited {seconds:g}")
+
 
 def horovod_opt(*handles) -> types.SimpleNamespace:
     """An object shaped like hvd.DistributedOptimizer: `_handles` and `synchronize`."""
@@ -58,8 +61,9 @@ def test_one_step_in_order():
     life.begin_update()
     life.end_step()
     life.close()
-    assert client.calls == ["acquire", "renew", "release communicate", "acquire", "yield",
-                            "release idle"]
+    calls = [c for c in client.calls if not c.startswith("waited")]
+    assert calls == ["acquire", "renew", "release communicate", "acquire", "yield",
+                     "release idle"]
 
 
 def test_release_only_with_allreduces_in_flight():
@@ -123,6 +127,23 @@ def test_wait_ema_follows_the_waits(monkeypatch):
     for _ in range(100):
         life.wait_for_gradients(None, wait(0.5))
     assert life.wait_ema_s == pytest.approx(0.5)
+
+
+def test_the_wait_is_reported_only_after_a_release(monkeypatch):
+    # (the daemons compare it across nodes: a wait with the device kept says nothing)
+    now = [0.0]
+    monkeypatch.setattr(_lifecycle, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    client = RecordingClient(keeps=True)  # (Horovod's own wait: no handles to poll)
+    life = SlotLifecycle(client, None)
+
+    def wait(seconds: float):
+        return lambda: now.__setitem__(0, now[0] + seconds)
+
+    life.begin_compute()
+    life.end_backward()
+    life.wait_for_gradients(None, wait(0.25))
+    life.wait_for_gradients(None, wait(0.5))  # no release before this one
+    assert client.calls == ["acquire", "release communicate", "waited 0.25"]
 
 
 @pytest.mark.parametrize("pays", [True, False])

@@ -162,9 +162,11 @@ def test_jobs_reconnect_to_a_restarted_daemon_and_keep_their_math(cluster: Clust
     assert same_weights(b.weights, solo["Blong"])
 
 
-def test_daemons_on_two_nodes_agree_on_the_job_order(cluster: Cluster, solo):
-    """Two daemon processes (fake nodes, one MPI world); each job rank on its own node."""
-    with cluster.daemon(nodes=2):
+@pytest.mark.parametrize("extra", [(), ("--align-phases",)], ids=["", "align-phases"])
+def test_daemons_on_two_nodes_agree_on_the_job_order(cluster: Cluster, solo, extra):
+    """Two daemon processes (fake nodes, one MPI world); each job rank on its own node.
+    Aligning the nodes' phases (delayed hand-overs) keeps the math and the exclusion."""
+    with cluster.daemon(nodes=2, extra=extra):
         a, b = cluster.jobs_together(("A", 1, STEPS), ("B", 2, STEPS))
         a.wait(180)
         b.wait(180)
@@ -182,3 +184,5 @@ def test_daemons_on_two_nodes_agree_on_the_job_order(cluster: Cluster, solo):
     assert trace.overlaps(events) == []
     assert same_weights(a.weights, solo["A"])
     assert same_weights(b.weights, solo["B"])
+    for job in (a, b):  # the ranks' wait reports are part of the protocol
+        assert "uncoordinated" not in job.output()

@@ -200,6 +200,24 @@ class SlotScheduler(ModeSwitching, SchedulerViews):
             grants += self._dispatch(name)
         return grants
 
+    def delay_handover(self, device: str, seconds: float) -> None:
+        """Hand `device` to the next job `seconds` later than it would be, once.
+
+        The daemons align the nodes' phases with it: a node whose turns run ahead of
+        another's (its jobs' allreduces wait for their ranks there) leaves its device
+        free that long at the next hand-over, and its sequence then starts where the
+        other node's does. Only exclusive grants hand over; a mode switch drops it.
+
+        Raises:
+            SchedulerError: an unknown device, or `seconds` not in (0, patience].
+        """
+        if device not in self._devices:
+            raise SchedulerError(f"device {device!r} has no rank registered")
+        if not 0 < seconds <= self.patience_s:
+            raise SchedulerError(f"a hand-over delay must be in (0, patience "
+                                 f"{self.patience_s} s], got {seconds}")
+        self._devices[device].handover_delay = seconds
+
     def renew(self, job: str, rank: int) -> None:
         """Extend the rank's lease on the device it holds (no-op if it holds none)."""
         _, r = self._lookup(job, rank)
@@ -242,6 +260,8 @@ class SlotScheduler(ModeSwitching, SchedulerViews):
                  if dev.blocked_since is not None]
         ends += [r.since + self.patience_s for dev in self._devices.values()
                  for r in self._behind_kept_over(dev)]
+        ends += [dev.closed_until for dev in self._devices.values()
+                 if dev.closed_until is not None]
         # a rank turning dormant changes its device's company: the daemon tells the others
         now = self.clock()
         ends += [r.since + self.patience_s for dev in self._devices.values()
@@ -324,6 +344,10 @@ class SlotScheduler(ModeSwitching, SchedulerViews):
             others_wait = any(r.job != dev.holder for r in waiting)
             return [self._grant(device, r) for r in sorted(waiting, key=self._key)
                     if r.job == dev.holder and not (others_wait and r.rank in dev.served)]
+        if dev.closed_until is not None:
+            if self.clock() < dev.closed_until:
+                return []  # a delayed hand-over (`delay_handover`): `expire` opens it
+            dev.closed_until = None
         first = self._next_in_line(dev)
         if first is None or first.state != WAITING:
             # The device waits for the active rank whose turn it is (see module doc).
@@ -331,6 +355,10 @@ class SlotScheduler(ModeSwitching, SchedulerViews):
                 dev.blocked_since = self.clock()
             return []
         dev.blocked_since = None
+        if dev.handover_delay > 0:
+            dev.closed_until = self.clock() + dev.handover_delay
+            dev.handover_delay = 0.0
+            return []
         # The whole gang of the chosen job that is waiting now, in key order.
         return [self._grant(device, r) for r in sorted(waiting, key=self._key)
                 if r.job == first.job]

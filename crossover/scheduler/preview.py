@@ -117,8 +117,10 @@ def _chain(sched: SlotScheduler, device: str, depth: int
 
 
 def _blocked(scratch: SlotScheduler, device: str) -> bool:
-    """The device is free and waits for an active rank whose turn it is (patience)."""
-    return scratch._devices[device].blocked_since is not None
+    """The device is free and waits for an active rank whose turn it is (patience), or
+    for a delayed hand-over to end."""
+    dev = scratch._devices[device]
+    return dev.blocked_since is not None or dev.closed_until is not None
 
 
 class PlanCache:
@@ -159,6 +161,8 @@ def _signature(sched: SlotScheduler, device: str, depth: int) -> tuple | None:
     if type(sched.policy).key is not Policy.key:
         return None
     dev = sched._devices[device]
+    if dev.handover_delay or dev.closed_until is not None:
+        return None  # rare and short-lived: not worth a place in the cache
     # A rank away (idle or skipped) is in nobody's way, and comes back at the present:
     # only that turn counts, or an idle neighbour's fixed turn would make every state new.
     # Whether it comes back behind the present counts too: that answer wakes the daemon.
@@ -188,5 +192,6 @@ def _scratch(sched: SlotScheduler, device: str) -> SlotScheduler:
     scratch._devices = {device: DeviceEntry(
         ranks={k: replace(r) for k, r in dev.ranks.items()},
         holder=dev.holder, served=set(dev.served), vtime=dev.vtime,
-        hold_start=dev.hold_start, held_s=dict(dev.held_s), blocked_since=dev.blocked_since)}
+        hold_start=dev.hold_start, held_s=dict(dev.held_s), blocked_since=dev.blocked_since,
+        handover_delay=dev.handover_delay, closed_until=dev.closed_until)}
     return scratch

@@ -81,6 +81,10 @@ class DeviceEntry:
     hold_start: float = 0.0
     held_s: dict[str, float] = field(default_factory=dict)  # job -> accumulated hold time
     blocked_since: float | None = None  # free, with waiters, waiting for an active rank
+    # The next hand-over to another job waits this long (`SlotScheduler.delay_handover`),
+    # and until when the device, free, is closed because of it
+    handover_delay: float = 0.0
+    closed_until: float | None = None
 
     def held_now(self, now: float) -> dict[str, float]:
         """Per job, the seconds it has held the device, the present hold included."""

@@ -68,6 +68,7 @@ class ModeSwitching:
             if mode == Mode.CONCURRENT and dev.holder is not None:
                 dev.held_s[dev.holder] = dev.held_s.get(dev.holder, 0.0) + now - dev.hold_start
             dev.holder, dev.served = None, set()  # antiphase: _dispatch finds the holder
+            dev.handover_delay, dev.closed_until = 0.0, None  # phases of the old mode
         if mode == Mode.ANTIPHASE:
             self._restart_turns(points or {})
             for dev in self._devices.values():
