@@ -68,7 +68,9 @@ ONE_HOST_ENV = {**JOB_ENV, "OMPI_MCA_mpi_yield_when_idle": "1"}
 #: The arms run together under a daemon, and the daemon policy of each.
 POLICY_ARMS = {"together": "off", "crossover": "crossover", "auto": "auto"}
 #: The arms whose every run is traced (for `rank_skew_ms` and `ranks_apart`).
-TRACED_ARMS = ("crossover", "auto")
+TRACED_ARMS = ["crossover", "auto"]
+#: `--aligned-arm`: always antiphase with the nodes' phases kept in step (emulated hosts).
+ALIGNED_ARM = ("aligned", "crossover --align-phases")
 
 
 class Daemons:
@@ -85,8 +87,8 @@ class Daemons:
     def __init__(self, cluster: EmulatedCluster, runtime: Path, policy: str, log: Path,
                  timeout_s: float = 60.0) -> None:
         self.runtime, self.policy = runtime, policy
-        cmd = cluster.mpirun([sys.executable, "-m", "crossover", "daemon", "--policy", policy,
-                              "--runtime-dir", str(runtime)])
+        cmd = cluster.mpirun([sys.executable, "-m", "crossover", "daemon", "--policy",
+                              *policy.split(), "--runtime-dir", str(runtime)])
         self._log = log.open("w")
         env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1",
                "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "PYTHONPATH": str(REPO)}
@@ -207,7 +209,8 @@ def measure(launch: Callable[[list[str]], list[str]], runtimes: dict[str, Path],
         env = {"CROSSOVER_RUNTIME_DIR": str(runtimes[POLICY_ARMS[arm]])}
         if trace_dir is not None and arm in TRACED_ARMS:
             env["CROSSOVER_TRACE"] = str(traces_of(arm, rep))
-        arms[arm].append(run([f"{tag}{arm[0].upper()}{x}" for x in letters], env))
+        letter = "L" if arm == ALIGNED_ARM[0] else arm[0].upper()  # (auto has "A")
+        arms[arm].append(run([f"{tag}{letter}{x}" for x in letters], env))
         if arm == "auto" and auto_log is not None:
             text = auto_log.read_text(errors="replace")
             decisions.append(re.findall(r" mode (?:antiphase|concurrent): (.*)$",
@@ -228,6 +231,7 @@ def measure(launch: Callable[[list[str]], list[str]], runtimes: dict[str, Path],
               f"{makespan(arms['together'][-1]):.2f} s, crossover "
               f"{makespan(arms['crossover'][-1]):.2f} s, auto "
               f"{makespan(arms['auto'][-1]):.2f} s"
+              + (f", aligned {makespan(arms['aligned'][-1]):.2f} s" if "aligned" in arms else "")
               + (f" ({decisions[-1][-1]})" if decisions and decisions[-1] else ""), flush=True)
     med = statistics.median
     per_rep = list(zip(*(arms[a] for a in solo_arms), strict=True))  # the solos of a rep
@@ -260,7 +264,7 @@ def measure(launch: Callable[[list[str]], list[str]], runtimes: dict[str, Path],
         "sequential_wall_s": med(rep[-1]["end"] - rep[0]["start"] for rep in per_rep),
         "uncoordinated_s": spans["together"],
         "plain_uncoordinated_s": spans["plain_together"], "crossover_s": spans["crossover"],
-        "auto_s": spans["auto"], "bound_s": bound,
+        "auto_s": spans["auto"], "aligned_s": spans.get("aligned"), "bound_s": bound,
         "compute_s": compute, "comm_s": comm, "comm_share": comm / (compute + comm),
         "link_bound_s": link, "bound_with_link_s": max(bound, link),
         "bound_with_link_fraction": max(bound, link) / spans["auto"],
@@ -337,7 +341,16 @@ def main() -> None:
                         help="jobs sharing the two hosts (each has one rank per host)")
     parser.add_argument("--name", default=None, help="result name (default crossover, "
                         "crossover_<N>jobs for N != 2, with _quick under --quick)")
+    parser.add_argument("--aligned-arm", action="store_true",
+                        help="add an arm: always antiphase with the nodes' phases aligned "
+                             "(daemon --align-phases; emulated hosts only)")
     args = parser.parse_args()
+    if args.aligned_arm:
+        if args.one_host:
+            parser.error("--aligned-arm aligns nodes' phases: it needs the emulated hosts, "
+                         "not --one-host")
+        POLICY_ARMS[ALIGNED_ARM[0]] = ALIGNED_ARM[1]
+        TRACED_ARMS.append(ALIGNED_ARM[0])
     if args.quick:
         args.reps, args.workloads, args.mbit, args.one_host = 1, "mlp", "500", True
     workloads = args.workloads.split(",")
