@@ -116,7 +116,7 @@ class Daemon(Connections, DaemonWorld, TableDaemon):
             if self.sched.policy.adaptive else None
         self._mode_reason = "policy " + self.sched.policy.name
         # Leader: keeps the nodes' antiphase sequences in step (`align_phases`)
-        self.aligner = PhaseAligner(clock, max_delay_s=min(0.25, patience_s)) \
+        self.aligner = PhaseAligner(clock, min(0.015, patience_s), min(0.25, patience_s)) \
             if align_phases and self.sched.policy.exclusive else None
         self.handovers_delayed = 0  # on this node, by the leader's corrections
         self._last_shares: dict[str, list[int]] = {}  # for the log

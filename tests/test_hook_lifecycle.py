@@ -51,6 +51,16 @@ def horovod_opt(*handles) -> types.SimpleNamespace:
     return opt
 
 
+def fake_waits(monkeypatch):
+    """Freeze the lifecycle's clock; returns `wait(s)`: a synchronize that takes s."""
+    now = [0.0]
+    monkeypatch.setattr(_lifecycle, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+
+    def wait(seconds: float):
+        return lambda: now.__setitem__(0, now[0] + seconds)
+    return wait
+
+
 def test_one_step_in_order():
     client, opt = RecordingClient(keeps=True), horovod_opt("h1")
     life = SlotLifecycle(client, [opt])
@@ -112,12 +122,8 @@ def test_crossover_off_still_synchronizes():
 
 
 def test_wait_ema_follows_the_waits(monkeypatch):
-    now = [0.0]
-    monkeypatch.setattr(_lifecycle, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    wait = fake_waits(monkeypatch)
     life = SlotLifecycle(RecordingClient(keeps=True), [])
-
-    def wait(seconds: float):
-        return lambda: now.__setitem__(0, now[0] + seconds)
 
     assert life.wait_ema_s is None
     life.wait_for_gradients(None, wait(1.0))
@@ -131,13 +137,9 @@ def test_wait_ema_follows_the_waits(monkeypatch):
 
 def test_the_wait_is_reported_only_after_a_release(monkeypatch):
     # (the daemons compare it across nodes: a wait with the device kept says nothing)
-    now = [0.0]
-    monkeypatch.setattr(_lifecycle, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    wait = fake_waits(monkeypatch)
     client = RecordingClient(keeps=True)  # (Horovod's own wait: no handles to poll)
     life = SlotLifecycle(client, None)
-
-    def wait(seconds: float):
-        return lambda: now.__setitem__(0, now[0] + seconds)
 
     life.begin_compute()
     life.end_backward()
