@@ -213,6 +213,46 @@ def test_phase_lengths_that_change_re_probe_at_once():
     assert ctl.mode == C and "concurrent" in ctl.reason  # (5/9 + 10/8) / 2 < 1.03
 
 
+def by_mode_and_time(fast: dict, slow: dict, until: float) -> dict:
+    """Rates that are `fast` before `until` seconds and `slow` after, per job and mode."""
+    return {j: {m: (lambda t, f=fast[j][m], s=slow[j][m]: f if t < until else s)
+                for m in fast[j]} for j in fast}
+
+
+def test_antiphase_that_stops_paying_in_its_hold_gives_way_to_concurrent():
+    """The probe measured aligned turns (1.3x); from 5 s on the nodes drifted apart and
+    antiphase ran at 0.8x the probe's concurrent rates (0.88x over the hold so far): the
+    first watch window ends the hold, without waiting for the re-probe."""
+    drifted = {"a": {A: 8.0, C: 10.0}, "b": {A: 6.4, C: 8.0}}
+    ctl, clock = controller(hold_s=100.0)
+    got = simulate(ctl, clock, by_mode_and_time(LONG_COMM, drifted, 5.0), until=30.0)
+    assert [m for _, m in got] == ["concurrent", "antiphase", "antiphase", "concurrent"], got
+    assert 9.0 < got[3][0] < 10.5, got  # the first 5 s watch window after the decision
+    assert ctl.state == "hold" and ctl.mode == C
+    assert ctl.reason.startswith("antiphase held ran 0.88x") and "a 0.88x" in ctl.reason \
+        and ctl.reason.endswith(": concurrent"), ctl.reason
+
+
+def test_the_hold_check_counts_the_whole_hold_not_one_window():
+    """A 15 % gain with one slow spell (0.9x for a 5 s watch window) keeps antiphase:
+    over the hold so far the jobs still run faster than the probe's concurrent rates."""
+    spell = scaled(GAIN, lambda t: 0.9 / 1.15 if 20.0 <= t < 26.0 else 1.0)
+    ctl, clock = controller(hold_s=100.0)
+    got = simulate(ctl, clock, spell, until=40.0)
+    assert [m for _, m in got] == ["concurrent", "antiphase", "antiphase"], got
+    assert ctl.mode == A and ctl.state == "hold"
+
+
+def test_a_concurrent_hold_is_not_checked_against_the_probes_antiphase_rates():
+    """The probe's antiphase windows read high (aligned turns), so a concurrent hold
+    that runs below them does not switch: only the re-probe may."""
+    slower = {"a": {A: 6.0, C: 7.0}, "b": {A: 5.0, C: 6.0}}
+    ctl, clock = controller(hold_s=100.0)
+    got = simulate(ctl, clock, by_mode_and_time(SHORT_COMM, slower, 5.0), until=40.0)
+    assert [m for _, m in got] == ["concurrent", "antiphase", "concurrent"], got
+    assert ctl.mode == C and ctl.state == "hold"
+
+
 def test_a_job_slower_than_the_window_is_measured_at_the_timeout():
     ctl, clock = controller(max_probe_s=4.0)
     rates = {"a": {A: 10.0, C: 10.0}, "b": {A: 0.3, C: 0.4}}  # b: 3 s steps
@@ -234,6 +274,8 @@ def test_bad_settings_are_named():
         ModeController(FakeClock(), probe_s=0)
     with pytest.raises(ValueError, match="max_pairs=0"):
         ModeController(FakeClock(), max_pairs=0)
+    with pytest.raises(ValueError, match="keep_margin=1"):
+        ModeController(FakeClock(), keep_margin=1)
 
 
 # --- the scheduler's switch ---------------------------------------------------------

@@ -30,6 +30,19 @@ and a job whose rate differs by more than `drift` from the first watch window af
 decision (its phase lengths changed) starts a re-probe at once. Short probe windows
 are noisy on a busy host; watch windows compare like with like.
 
+Antiphase must keep paying while it holds. A probe's antiphase window starts with the
+nodes' turns aligned (a switch restarts them together), and across nodes only each
+job's allreduce ties the nodes' timing, so over a long hold their turns can drift apart
+and lose what the probe measured (docs/benchmark.md: at 2000 Mbit/s pairs read 1.08-
+1.16x where always antiphase ran 0.83-0.98x plain co-location end to end). So each watch
+window also compares the jobs' rates over the whole hold so far with the probe's
+concurrent rates (the mean over its pairs): when the mean speedup falls below
+1 - `keep_margin`, the controller serves concurrently for a hold (the safe mode: what
+plain co-location does). The hold's rate accumulates, so its noise shrinks as the hold
+goes on. Concurrent is not checked against the probe's antiphase rates the same way:
+those read high (above), so the check would trade a mode measured over the long run for
+one measured in its best seconds.
+
 Jobs whose ranks all share one host's CPU are not probed: their allreduce is memory
 copying on the very cores the other job computes on, so there is no gap to fill, and a
 probe in antiphase there cost one-host runs up to 2x (stragglers pinned while the rest
@@ -68,6 +81,15 @@ class _Window:
     first: dict[str, tuple[int, float]] = field(default_factory=dict)  # after settling
     last: dict[str, tuple[int, float]] = field(default_factory=dict)
 
+    def note(self, job: str, steps: int, now: float) -> None:
+        """`job` reached `steps` steps at `now` (steps before settling are not counted)."""
+        if job not in self.base:
+            return
+        if job in self.first:
+            self.last[job] = (steps, now)
+        elif steps >= self.base[job] + self.settle:
+            self.first[job] = self.last[job] = (steps, now)
+
     def measured(self, job: str, min_steps: int) -> bool:
         """Whether `job` made `min_steps` steps after settling in this window."""
         return job in self.first and self.last[job][0] - self.first[job][0] >= min_steps
@@ -97,6 +119,8 @@ class ModeController:
         max_hold_s: the longest hold, after repeated confirmations.
         margin: antiphase must beat concurrent by this fraction to be chosen.
         drift: relative change of a job's rate, in the held mode, that re-probes.
+        keep_margin: a hold in antiphase ends, for concurrent, once the jobs' mean rate
+            over the hold falls this fraction below the probe's concurrent rates.
         pair_noise: the relative noise of one pair's speedup: a probe decides once the
             mean speedup is this far from 1 + margin, divided by sqrt(pairs).
         max_pairs: a probe decides after this many pairs whatever they measured.
@@ -109,25 +133,27 @@ class ModeController:
                  settle_steps: int = 2, warmup_steps: int = 8, max_probe_s: float = 15.0,
                  hold_s: float = 30.0,
                  watch_s: float = 5.0, max_hold_s: float = 240.0, margin: float = 0.03,
-                 drift: float = 0.5, cutoff: float = 0.25, pair_noise: float = 0.1,
-                 max_pairs: int = 3, probe_local: bool = False) -> None:
+                 drift: float = 0.5, keep_margin: float = 0.03, cutoff: float = 0.25,
+                 pair_noise: float = 0.1, max_pairs: int = 3,
+                 probe_local: bool = False) -> None:
         if not (0 < probe_s <= max_probe_s and min_steps >= 1 and settle_steps >= 0
                 and 0 < hold_s <= max_hold_s and margin >= 0 and drift > 0
-                and pair_noise >= 0 and max_pairs >= 1):
+                and 0 <= keep_margin < 1 and pair_noise >= 0 and max_pairs >= 1):
             raise ValueError(
                 f"mode controller: need 0 < probe_s <= max_probe_s, min_steps >= 1, "
                 f"settle_steps >= 0, 0 < hold_s <= max_hold_s, margin >= 0, drift > 0, "
-                f"pair_noise >= 0, max_pairs >= 1; got probe_s={probe_s}, "
-                f"max_probe_s={max_probe_s}, min_steps={min_steps}, "
+                f"0 <= keep_margin < 1, pair_noise >= 0, max_pairs >= 1; "
+                f"got probe_s={probe_s}, max_probe_s={max_probe_s}, min_steps={min_steps}, "
                 f"settle_steps={settle_steps}, hold_s={hold_s}, max_hold_s={max_hold_s}, "
-                f"margin={margin}, drift={drift}, pair_noise={pair_noise}, "
-                f"max_pairs={max_pairs}")
+                f"margin={margin}, drift={drift}, keep_margin={keep_margin}, "
+                f"pair_noise={pair_noise}, max_pairs={max_pairs}")
         self.clock = clock
         self.probe_s, self.min_steps, self.settle_steps = probe_s, min_steps, settle_steps
         self.warmup_steps = max(warmup_steps, settle_steps)
         self.max_probe_s, self.base_hold_s, self.max_hold_s = max_probe_s, hold_s, max_hold_s
         self.watch_s = max(watch_s, probe_s)
         self.margin, self.drift, self.cutoff = margin, drift, cutoff
+        self.keep_margin = keep_margin
         self.pair_noise, self.max_pairs = pair_noise, max_pairs
         self.probe_local = probe_local
         self._local: dict[str, bool] = {}  # job -> all its ranks on one host's CPU
@@ -141,6 +167,8 @@ class ModeController:
         self._rates: dict[Mode, dict[str, float]] = {}  # the latest window of each mode
         self._measured: dict[Mode, set[str]] = {}  # its jobs that made min_steps steps
         self._pairs: list[dict[str, float]] = []  # each job's speedup in each pair so far
+        self._concurrent: list[dict[str, float]] = []  # the concurrent rates of those pairs
+        self._held: _Window | None = None  # the whole hold so far, in antiphase
         self._hold_s = hold_s
         self._hold_until: float | None = None
         self._decided: Mode | None = None  # the last probe's decision
@@ -156,13 +184,10 @@ class ModeController:
         if steps <= self._steps[job]:
             return []  # another rank of the job, or a report out of date
         self._steps[job] = steps
-        w, now = self._window, self.clock()
-        if w is not None and job in w.base:
-            if job not in w.first:
-                if steps >= w.base[job] + w.settle:
-                    w.first[job] = w.last[job] = (steps, now)
-            else:
-                w.last[job] = (steps, now)
+        now = self.clock()
+        for w in (self._window, self._held):
+            if w is not None:
+                w.note(job, steps, now)
         return self._advance()
 
     def leave(self, job: str) -> list[ModeSwitch]:
@@ -191,8 +216,8 @@ class ModeController:
 
     # --- internals ------------------------------------------------------------------
     def _restart(self, why: str) -> list[ModeSwitch]:
-        self._rates, self._measured, self._pairs = {}, {}, []
-        self._hold_until, self._decided = None, None
+        self._rates, self._measured, self._pairs, self._concurrent = {}, {}, [], []
+        self._hold_until, self._decided, self._held = None, None, None
         if len(self._steps) < 2:
             self.state, self.reason, self._plan, self._window = "solo", why, [], None
             return []
@@ -208,7 +233,7 @@ class ModeController:
 
     def _probe(self, plan: list[Mode], why: str, settle: int | None = None) -> list[ModeSwitch]:
         self.state, self._order, self._plan, self._hold_until = "probe", plan, plan[1:], None
-        self._watched, self._pairs = {}, []
+        self._watched, self._pairs, self._concurrent, self._held = {}, [], [], None
         return self._open(plan[0], f"{why} {plan[0].value}", settle=settle)
 
     def _open(self, mode: Mode, why: str, min_s: float | None = None,
@@ -267,6 +292,7 @@ class ModeController:
         jobs = (jobs & self._measured[Mode.ANTIPHASE] & self._measured[Mode.CONCURRENT]) or jobs
         self._pairs.append({j: anti[j] / conc[j] if conc[j] > 0 else
                             float("inf") if anti[j] > 0 else 1.0 for j in sorted(jobs)})
+        self._concurrent.append({j: conc[j] for j in jobs})
         n = len(self._pairs)
         mean = self._mean_speedup()
         if n >= self.max_pairs or abs(mean - 1 - self.margin) >= self.pair_noise / n ** 0.5:
@@ -295,15 +321,36 @@ class ModeController:
         best = Mode.ANTIPHASE if mean >= 1 + self.margin else Mode.CONCURRENT
         detail = ", ".join(f"{j} {s:.2f}x" for j, s in self._per_job().items())
         pairs = f" over {n} pairs" if n > 1 else ""
-        why = f"antiphase {mean:.2f}x concurrent{pairs} ({detail}): {best.value}"
+        return self._hold(best, f"antiphase {mean:.2f}x concurrent{pairs} ({detail}): "
+                                f"{best.value}")
+
+    def _hold(self, mode: Mode, why: str) -> list[ModeSwitch]:
         # A re-probe that confirms the last decision holds it twice as long.
-        self._hold_s = min(2 * self._hold_s, self.max_hold_s) if best == self._decided \
+        self._hold_s = min(2 * self._hold_s, self.max_hold_s) if mode == self._decided \
             else self.base_hold_s
-        self._decided, self.state = best, "hold"
+        self._decided, self.state = mode, "hold"
         self._hold_until = self.clock() + self._hold_s
-        self._open(best, why, self.watch_s)
+        self._held = _Window(mode, self.clock(), 0.0, self.settle_steps, dict(self._steps)) \
+            if mode == Mode.ANTIPHASE else None
+        self._open(mode, why, self.watch_s)
         self.reason = why
-        return [ModeSwitch(best, why)]  # announced even if unchanged: the reason is news
+        return [ModeSwitch(mode, why)]  # announced even if unchanged: the reason is news
+
+    def _held_speedup(self, now: float) -> tuple[float, str] | None:
+        """The jobs' mean rate over the antiphase hold so far against the probe's mean
+        concurrent rates, and each job's figure; None before every job is measured."""
+        held, pairs = self._held, self._concurrent
+        if held is None or not pairs:
+            return None
+        jobs = [j for j in set.intersection(*(set(p) for p in pairs)) if j in self._steps]
+        if not jobs or not all(held.measured(j, self.min_steps) for j in jobs):
+            return None
+        per_job = {j: held.rate(j, now) * len(pairs) / sum(p[j] for p in pairs)
+                   for j in sorted(jobs) if all(p[j] > 0 for p in pairs)}
+        if not per_job:
+            return None
+        detail = ", ".join(f"{j} {s:.2f}x" for j, s in per_job.items())
+        return sum(per_job.values()) / len(per_job), detail
 
     def _watch(self, rates: dict[str, float]) -> list[ModeSwitch]:
         for job, rate in sorted(rates.items()):
@@ -313,4 +360,9 @@ class ModeController:
                     [self.mode.other, self.mode],
                     f"job {job}'s rate went from {ref:.2f} to {rate:.2f} steps/s: re-probing")
         self._watched = self._watched or rates  # the first watch window after a decision
+        held = self._held_speedup(self.clock())
+        if held is not None and held[0] < 1 - self.keep_margin:
+            return self._hold(Mode.CONCURRENT,
+                              f"antiphase held ran {held[0]:.2f}x the probe's concurrent "
+                              f"rates ({held[1]}): concurrent")
         return self._open(self.mode, self.reason, self.watch_s)  # the next watch window
