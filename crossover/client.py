@@ -116,6 +116,7 @@ class SlotClient(DaemonLink):
         # Uncoordinated (no daemon): give up and take the "slot" as crossover would,
         # so traces of a fail-open run still show the phases.
         self._release_on_communicate = True
+        self._report_waits = False  # until a daemon that aligns phases says so
         self._yield_on_step = False
         self._alone = False  # no other job on the device (the daemon says so): keep it
         self._mode = Mode.ANTIPHASE  # concurrent: every job keeps its device (see Company)
@@ -164,6 +165,7 @@ class SlotClient(DaemonLink):
         self._cores = welcome.cores
         self._release_on_communicate = welcome.release_on_communicate
         self._yield_on_step = welcome.yield_on_step
+        self._report_waits = welcome.report_waits
         if self._wait_s is None:
             self._wait_s = 2 * welcome.lease_s + 5.0
         self._alone, self._mode = False, Mode.ANTIPHASE  # until the daemon's notice
@@ -232,12 +234,13 @@ class SlotClient(DaemonLink):
 
     def note_wait(self, seconds: float) -> None:
         """This step's allreduces finished `seconds` after the rank released its device
-        for them (the hooks measure it). While the device is shared in antiphase, the
-        median of a few is reported to the daemons, which keep the nodes' turn
-        sequences in step from it (`crossover.scheduler.phase`); one small one-way
-        message every WAIT_REPORT_S at most."""
-        if self._sock is None or self._alone or self._mode != Mode.ANTIPHASE \
-                or not self._release_on_communicate:
+        for them (the hooks measure it). While the device is shared in antiphase and the
+        daemons align the nodes' phases (`--align-phases`, told in the Welcome), the
+        median of a few is reported to them, which keep the nodes' turn sequences in
+        step from it (`crossover.scheduler.phase`); one small one-way message every
+        WAIT_REPORT_S at most."""
+        if self._sock is None or not self._report_waits or self._alone \
+                or self._mode != Mode.ANTIPHASE or not self._release_on_communicate:
             self._waits.clear()  # measured in another mode: not about the turns
             return
         self._waits.append(seconds)

@@ -328,7 +328,8 @@ class Daemon(Connections, DaemonWorld, TableDaemon):
         policy = self.sched.policy
         self._reply(conn, P.Welcome(device, cores, self.node, order, policy.name,
                                     self.sched.lease_s, policy.release_on_communicate,
-                                    policy.yield_on_step, table, slot, index))
+                                    policy.yield_on_step, table, slot, index,
+                                    report_waits=self.aligner is not None))
         self._tell_company()  # every device: the host's cores may be split anew
 
     def _update_company(self) -> None:

@@ -163,8 +163,9 @@ class DaemonWorld:
         for device in shared:
             self.sched.delay_handover(device, delay_s)
         self.handovers_delayed += 1
-        log.info("turns %.0f ms ahead of another node's: next hand-over of %s %.0f ms later",
-                 1000 * lead_s, ", ".join(shared) or "no device", 1000 * delay_s)
+        log.info("node %s's turns %.0f ms ahead of another node's: next hand-over of %s "
+                 "%.0f ms later", self.node, 1000 * lead_s, ", ".join(shared) or "no device",
+                 1000 * delay_s)
 
     def _start_status(self, conn: Any) -> None:  # a `daemon._Conn`
         self._status_token += 1

@@ -17,7 +17,7 @@ from enum import Enum
 from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
 
 #: Bumped on any incompatible change; a client and daemon that differ refuse each other.
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 
 class ErrorCode(str, Enum):
@@ -94,6 +94,7 @@ class Welcome(Message):
     table: str = ""
     slot: int = -1
     table_device: int = -1
+    report_waits: bool = False  # the daemons align the nodes' phases: send `Waited`
 
 
 @dataclass

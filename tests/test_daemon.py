@@ -543,3 +543,21 @@ def test_without_align_phases_waits_are_not_forwarded(tmp_path):
     daemon.peers.inbox.put((1, ("waited", "A", 0.5)))
     daemon._handle_peers()
     assert sent == []
+
+
+@pytest.mark.parametrize("align", [False, True])
+def test_ranks_report_their_waits_only_to_daemons_that_align(cluster: Cluster, align):
+    """`Waited` reports serve `--align-phases` alone: without it the Welcome tells the
+    ranks not to send them (each would cost CPU on the cores the jobs compute on)."""
+    with cluster.daemon(extra=("--align-phases",) if align else ()):
+        a, b = client(cluster, "a"), client(cluster, "b")  # both on cpu0: company
+        wait_for(lambda: a._keep_alone() is not None and not a._alone, 30,
+                 "the daemon to tell job a of its company")
+        sent: list = []
+        a._send = sent.append
+        for _ in range(4):
+            a.note_wait(0.02)
+            time.sleep(0.2)
+        assert [type(m) for m in sent] == ([P.Waited] if align else []), sent
+        a.close()
+        b.close()
