@@ -65,6 +65,21 @@ def test_idle_gaps_count_overlapping_holds_once(events: list[dict], held_ms: flo
                                  "span_s": span_ms / 1e3})
 
 
+def _job(seconds: float, start: float = 0.0) -> dict:
+    return {"seconds": seconds, "start": start, "end": start + seconds}
+
+
+def test_paired_vs_best_compares_each_repetition_with_its_own_baselines() -> None:
+    from crossover_bench import paired_vs_best
+
+    solos = [[_job(5.0), _job(5.0)], [_job(6.0), _job(6.0)]]  # sequential 10 s, then 12 s
+    plain = [[_job(9.0), _job(8.0, 0.5)], [_job(14.0), _job(13.0)]]  # 9 s, then 14 s
+    auto = [[_job(9.9), _job(9.0)], [_job(10.0, 1.0), _job(10.0)]]  # 9.9 s, then 11 s
+    assert paired_vs_best(solos, plain, auto) == pytest.approx([9.0 / 9.9, 12.0 / 11.0])
+    with pytest.raises(ValueError, match="2 solo, 1 plain-together and 2 auto"):
+        paired_vs_best(solos, plain[:1], auto)
+
+
 class Interrupted:
     """A daemon whose stop is cut short by Ctrl-C (a second signal during the teardown)."""
 
