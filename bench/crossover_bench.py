@@ -159,7 +159,7 @@ def paired_vs_best(solos: list[list[dict]], plain: list[list[dict]],
     plain-together makespan) over its auto makespan.
 
     The arms of one repetition run minutes apart, the repetitions up to an hour apart,
-    and the VM's speed drifts between them (the same arm ran 41-49 s within ten
+    and the VM's speed drifts between them (the same arm ran 42-49 s within fifteen
     minutes): a row whose ratio is low in every repetition loses; one whose median of
     medians is low while some repetitions win is within the noise.
 
