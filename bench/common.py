@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import platform
 import shlex
@@ -43,19 +42,26 @@ def write_result(name: str, payload: dict) -> Path:
     return out
 
 
-def rotation(n: int, rep: int) -> list[int]:
-    """The order in which to run `n` arms in repetition `rep`.
+def arm_order(n: int, rep: int) -> list[int]:
+    """The order in which to run `n` arms in repetition `rep`: a row of a Williams design.
 
     Arms run one after another on a machine whose speed drifts (another tenant, the
-    thermal state); in a fixed order the last arm always meets the drift first. Each
-    repetition starts one stride further on, with a stride near n/2 and coprime with n,
-    so over a few repetitions every arm takes early, middle and late places.
+    thermal state): in a fixed order the last arm always meets the drift first, and an
+    arm may also pay for the one before it (its processes' exit, its daemon's state). Row
+    r is r added to 0, 1, n-1, 2, n-2, ... (mod n); the rows after the first n are those
+    reversed. Over n repetitions (2n for odd n) every arm takes every place equally
+    often and follows every other arm equally often; a cyclic rotation, used before the
+    twenty-first session, kept each arm's neighbours.
     """
     if n < 1 or rep < 0:
-        raise ValueError(f"rotation of {n} arms for repetition {rep}: need n >= 1, rep >= 0")
-    stride = next(s for s in range(max(n // 2, 1), 0, -1) if math.gcd(s, n) == 1)
-    start = rep * stride % n
-    return [(start + i) % n for i in range(n)]
+        raise ValueError(f"order of {n} arms for repetition {rep}: need n >= 1, rep >= 0")
+    base = [0]
+    for i in range(1, n):
+        base.append((i + 1) // 2 if i % 2 else n - i // 2)
+    rows = n if n % 2 == 0 else 2 * n
+    r = rep % rows
+    row = [(b + r) % n for b in base]
+    return row if r < n else row[::-1]
 
 
 def stop_all(daemons: Sequence[Any]) -> None:

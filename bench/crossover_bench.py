@@ -40,7 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cluster import EmulatedCluster  # noqa: E402
-from common import RESULTS, rotation, stop_all, write_result  # noqa: E402
+from common import RESULTS, arm_order, stop_all, write_result  # noqa: E402
 
 from crossover import trace  # noqa: E402
 from crossover.launch.local import DaemonProcess, Job, mpirun, run_together, terminate_group  # noqa: E402, E501
@@ -184,7 +184,7 @@ def measure(launch: Callable[[list[str]], list[str]], runtimes: dict[str, Path],
             trace_dir: Path | None, n_jobs: int = 2,
             job_env: dict[str, str] | None = None, auto_log: Path | None = None) -> dict:
     """One workload in one setting: all arms, `reps` times, interleaved (each repetition
-    in another order: `common.rotation`), for `n_jobs`.
+    in another order: `common.arm_order`), for `n_jobs`.
 
     Args:
         launch: turns a job's command into its launch line.
@@ -241,7 +241,7 @@ def measure(launch: Callable[[list[str]], list[str]], runtimes: dict[str, Path],
     blocks = ["solos", "plain_together", *POLICY_ARMS]
     for rep in range(reps):
         tag = f"{wl.replace('+', '')}{int(mbit)}r{rep}{n_jobs}"
-        for block in (blocks[i] for i in rotation(len(blocks), rep)):  # (see `rotation`)
+        for block in (blocks[i] for i in arm_order(len(blocks), rep)):  # (see `arm_order`)
             if block == "solos":
                 run_solos(tag)
             else:

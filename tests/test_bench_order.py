@@ -4,12 +4,14 @@ the teardown of its daemons."""
 from __future__ import annotations
 
 import sys
+from collections import Counter
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from common import rotation, stop_all  # noqa: E402
+from common import arm_order, stop_all  # noqa: E402
 
 from crossover.launch.local import DaemonProcess  # noqa: E402
 
@@ -17,24 +19,31 @@ from crossover.launch.local import DaemonProcess  # noqa: E402
 @pytest.mark.parametrize(("n", "reps", "orders"), [
     (1, 2, [[0], [0]]),
     (2, 3, [[0, 1], [1, 0], [0, 1]]),
+    (4, 4, [[0, 1, 3, 2], [1, 2, 0, 3], [2, 3, 1, 0], [3, 0, 2, 1]]),
     # crossover_bench: solos, plain together, uncoordinated, crossover, auto
-    (5, 3, [[0, 1, 2, 3, 4], [2, 3, 4, 0, 1], [4, 0, 1, 2, 3]]),
+    (5, 3, [[0, 1, 4, 2, 3], [1, 2, 0, 3, 4], [2, 3, 1, 4, 0]]),
+    (3, 6, [[0, 1, 2], [1, 2, 0], [2, 0, 1], [2, 1, 0], [0, 2, 1], [1, 0, 2]]),
 ])
-def test_rotation_table(n: int, reps: int, orders: list[list[int]]) -> None:
-    assert [rotation(n, rep) for rep in range(reps)] == orders
+def test_arm_order_table(n: int, reps: int, orders: list[list[int]]) -> None:
+    assert [arm_order(n, rep) for rep in range(reps)] == orders
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 6, 7])
-def test_every_arm_takes_every_place_once_in_n_repetitions(n: int) -> None:
-    orders = [rotation(n, rep) for rep in range(n)]
+def test_every_arm_takes_every_place_and_follows_every_arm_equally_often(n: int) -> None:
+    cycle = n if n % 2 == 0 else 2 * n
+    orders = [arm_order(n, rep) for rep in range(cycle)]
     assert all(sorted(order) == list(range(n)) for order in orders)
+    assert arm_order(n, cycle) == orders[0]
     for arm in range(n):
-        assert sorted(order.index(arm) for order in orders) == list(range(n))
+        assert Counter(order.index(arm) for order in orders) == \
+            dict.fromkeys(range(n), cycle // n)
+    follows = Counter((a, b) for order in orders for a, b in pairwise(order))
+    assert follows == {(a, b): cycle // n for a in range(n) for b in range(n) if a != b}
 
 
 def test_bad_counts_are_named() -> None:
-    with pytest.raises(ValueError, match="rotation of 0 arms"):
-        rotation(0, 1)
+    with pytest.raises(ValueError, match="order of 0 arms"):
+        arm_order(0, 1)
 
 
 def _hold(job: int, start_ms: float, end_ms: float) -> dict:
