@@ -33,10 +33,10 @@ are noisy on a busy host; watch windows compare like with like.
 Antiphase must keep paying while it holds. A probe's antiphase window starts with the
 nodes' turns aligned (a switch restarts them together), and across nodes only each
 job's allreduce ties the nodes' timing, so over a long hold their turns can drift apart
-and lose what the probe measured (docs/benchmark.md: at 2000 Mbit/s pairs read 1.08-
-1.16x where always antiphase ran 0.83-0.98x plain co-location end to end). So each watch
-window also compares the jobs' rates over the whole hold so far with the probe's
-concurrent rates (the mean over its pairs): when the mean speedup falls below
+and lose what the probe measured (docs/benchmark.md, eighteenth session: at 2000 Mbit/s
+pairs read 1.04-1.16x where always antiphase ran 0.83-0.94x plain co-location end to
+end). So each watch window also compares the jobs' rates over the whole hold so far with
+the probe's concurrent rates (the mean over its pairs): when the mean speedup falls below
 1 - `keep_margin`, the controller serves concurrently for a hold (the safe mode: what
 plain co-location does). The hold's rate accumulates, so its noise shrinks as the hold
 goes on. Concurrent is not checked against the probe's antiphase rates the same way:
@@ -102,6 +102,11 @@ class _Window:
             return (s1 - s0) / (t1 - t0)
         steps = self.last[job][0] - self.base.get(job, 0) if job in self.last else 0
         return steps / max(now - self.start, 1e-9)
+
+
+def _each(per_job: dict[str, float]) -> str:
+    """Each job's figure, for a reason: "a 1.30x, b 1.25x"."""
+    return ", ".join(f"{j} {s:.2f}x" for j, s in per_job.items())
 
 
 class ModeController:
@@ -319,10 +324,9 @@ class ModeController:
     def _decide(self) -> list[ModeSwitch]:
         mean, n = self._mean_speedup(), len(self._pairs)
         best = Mode.ANTIPHASE if mean >= 1 + self.margin else Mode.CONCURRENT
-        detail = ", ".join(f"{j} {s:.2f}x" for j, s in self._per_job().items())
         pairs = f" over {n} pairs" if n > 1 else ""
-        return self._hold(best, f"antiphase {mean:.2f}x concurrent{pairs} ({detail}): "
-                                f"{best.value}")
+        return self._hold(best, f"antiphase {mean:.2f}x concurrent{pairs} "
+                                f"({_each(self._per_job())}): {best.value}")
 
     def _hold(self, mode: Mode, why: str) -> list[ModeSwitch]:
         # A re-probe that confirms the last decision holds it twice as long.
@@ -349,8 +353,7 @@ class ModeController:
                    for j in sorted(jobs) if all(p[j] > 0 for p in pairs)}
         if not per_job:
             return None
-        detail = ", ".join(f"{j} {s:.2f}x" for j, s in per_job.items())
-        return sum(per_job.values()) / len(per_job), detail
+        return sum(per_job.values()) / len(per_job), _each(per_job)
 
     def _watch(self, rates: dict[str, float]) -> list[ModeSwitch]:
         for job, rate in sorted(rates.items()):
