@@ -27,11 +27,8 @@ and crossover_gantt.png (one auto run, from its traces).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,116 +38,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cluster import EmulatedCluster  # noqa: E402
 from common import RESULTS, arm_order, stop_all, write_result  # noqa: E402
+from jobs import JOB_ENV, ONE_HOST_ENV, TRANSPORT, WORKLOADS, Daemons, makespan, run_jobs  # noqa: E402
 
 from crossover import trace  # noqa: E402
-from crossover.launch.local import DaemonProcess, Job, mpirun, run_together, terminate_group  # noqa: E402, E501
-
-REPO = Path(__file__).resolve().parents[1]
-JOB = REPO / "bench" / "crossover_job.py"
-
-#: Workloads: job-script arguments, sized so compute and communication are comparable
-#: at the middle link rate (see docs/benchmark.md for the measured split).
-WORKLOADS: dict[str, list[str]] = {
-    "mlp": ["--model", "mlp", "--width", "640", "--layers", "4", "--batch", "512"],
-    "cnn": ["--model", "cnn", "--width", "32", "--batch", "32"],
-    "transformer": ["--model", "transformer", "--width", "256", "--layers", "2",
-                    "--batch", "8"],
-}
-
-#: The jobs' transport: "gloo" (waits in the kernel) or "mpi" (Open MPI TCP, polls).
-TRANSPORT = os.environ.get("CROSSOVER_BENCH_TRANSPORT", "gloo")
-
-#: Horovod's background cycle: its default 1 ms polling competes for the host's only core.
-JOB_ENV = {"HOROVOD_CYCLE_TIME": "5", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-#: One host (as `make demo`): MPI ranks yield when they wait (see examples/demo.py).
-ONE_HOST_ENV = {**JOB_ENV, "OMPI_MCA_mpi_yield_when_idle": "1"}
+from crossover.launch.local import DaemonProcess, mpirun  # noqa: E402
 
 #: The arms run together under a daemon, and the daemon policy of each.
 POLICY_ARMS = {"together": "off", "crossover": "crossover", "auto": "auto"}
-#: The arms whose every run is traced (for `rank_skew_ms` and `ranks_apart`).
-TRACED_ARMS = ["crossover", "auto"]
 #: `--aligned-arm`: always antiphase with the nodes' phases kept in step (emulated hosts).
 ALIGNED_ARM = ("aligned", "crossover --align-phases")
-
-
-class Daemons:
-    """One crossover daemon per emulated host (one MPI world across the link).
-
-    Args:
-        cluster: the emulated cluster.
-        runtime: socket directory (a filesystem path, so it is seen from every namespace).
-        policy: the daemon's scheduling policy.
-        log: file for the daemons' output.
-        timeout_s: longest wait for both sockets.
-    """
-
-    def __init__(self, cluster: EmulatedCluster, runtime: Path, policy: str, log: Path,
-                 timeout_s: float = 60.0) -> None:
-        self.runtime, self.policy = runtime, policy
-        cmd = cluster.mpirun([sys.executable, "-m", "crossover", "daemon", "--policy",
-                              *policy.split(), "--runtime-dir", str(runtime)])
-        self._log = log.open("w")
-        env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1",
-               "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "PYTHONPATH": str(REPO)}
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-        sockets = [runtime / f"node-{h}.sock" for h in cluster.hosts]
-        deadline = time.monotonic() + timeout_s
-        while not all(s.exists() for s in sockets):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"daemons did not start within {timeout_s:.0f} s; see {log}")
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        """SIGTERM the daemons' process group, SIGKILL after 10 s."""
-        terminate_group(self.proc)
-        self._log.close()
-
-
-def run_jobs(launch: EmulatedCluster | Callable[[list[str]], list[str]], names: list[str],
-             workload: list[str], steps: int, env: dict[str, str], log_dir: Path,
-             timeout_s: float = 300.0, job_env: dict[str, str] | None = None,
-             first_seed: int = 1, workloads: list[list[str]] | None = None,
-             job_envs: list[dict[str, str]] | None = None) -> list[dict]:
-    """Run the named jobs at once and return their JSON lines (job i gets seed
-    `first_seed + i`).
-
-    Args:
-        launch: the emulated cluster (one rank per host each), or a function that turns a
-            job's command into its launch line (e.g. `cluster.local_gloo_run`).
-        job_env: the jobs' base environment (default: JOB_ENV, for one core a host).
-        workloads: per job, its own workload arguments (default: `workload` for all).
-        job_envs: per job, variables added to its environment (e.g. CROSSOVER_PRIORITY).
-
-    Raises:
-        RuntimeError: a job failed (its output is in the message).
-    """
-    if isinstance(launch, EmulatedCluster):
-        launch = launch.gloo_run if TRANSPORT == "gloo" else launch.mpirun
-    jobs = []
-    for i, name in enumerate(names):
-        args = workloads[i] if workloads is not None else workload
-        cmd = launch([sys.executable, str(JOB), *args, "--steps", str(steps),
-                      "--seed", str(first_seed + i)])
-        own = job_envs[i] if job_envs is not None else {}
-        jobs.append(Job(name, cmd, {**(JOB_ENV if job_env is None else job_env), **env, **own,
-                                    "CROSSOVER_JOB": name}))
-    out = []
-    for res in run_together(jobs, timeout_s=timeout_s, log_dir=log_dir):
-        line = next((ln for ln in res.output.splitlines() if ln.startswith('{"model"')), None)
-        if res.returncode != 0 or line is None:
-            raise RuntimeError(f"job {res.name} failed (rc {res.returncode}):\n{res.output}")
-        if "CROSSOVER_RUNTIME_DIR" in env and "trains on uncoordinated" in res.output:
-            # a fail-open run measures nothing about the scheduler: stop here
-            raise RuntimeError(f"job {res.name} lost its daemon:\n{res.output}")
-        out.append(json.loads(line))
-    return out
-
-
-def makespan(results: list[dict]) -> float:
-    """From the first job's start to the last job's end (wall clock)."""
-    return max(r["end"] for r in results) - min(r["start"] for r in results)
 
 
 def paired_vs_best(solos: list[list[dict]], plain: list[list[dict]],
@@ -182,26 +78,30 @@ def jain(xs: list[float]) -> float:
 def measure(launch: Callable[[list[str]], list[str]], runtimes: dict[str, Path], wl: str,
             mbit: float, measured_mbit: float | None, reps: int, steps: int, tmp: Path,
             trace_dir: Path | None, n_jobs: int = 2,
-            job_env: dict[str, str] | None = None, auto_log: Path | None = None) -> dict:
+            job_env: dict[str, str] | None = None, auto_log: Path | None = None,
+            policy_arms: dict[str, str] = POLICY_ARMS) -> dict:
     """One workload in one setting: all arms, `reps` times, interleaved (each repetition
     in another order: `common.arm_order`), for `n_jobs`.
 
     Args:
         launch: turns a job's command into its launch line.
-        runtimes: the socket directory of a daemon per policy in POLICY_ARMS ("off": the
-            hooks run, the scheduler grants everything at once: uncoordinated).
+        runtimes: the socket directory of a daemon per policy of `policy_arms`.
         wl: a workload name, or names joined by "+" (job i runs the i-th, cycling).
         measured_mbit: the link's measured rate; None on one host (no link).
         auto_log: the auto daemon's log: each repetition's mode switches and their
             reasons go into the row (`auto_decisions`).
+        policy_arms: the arms run together under a daemon, and each one's policy ("off":
+            the hooks run, every request is granted at once: uncoordinated). Every arm but
+            the uncoordinated one is traced (`rank_skew_ms`, `ranks_apart`).
     """
+    traced = [arm for arm in policy_arms if arm != "together"]
     kinds = wl.split("+")
     per_job = [WORKLOADS[kinds[i % len(kinds)]] for i in range(n_jobs)]
     plain = {"CROSSOVER_ENABLE": "0"}
     letters = "ABCDEFGH"[:n_jobs]
     solo_arms = [f"solo_{x.lower()}" for x in letters]
     arms: dict[str, list] = {k: [] for k in (*solo_arms, "solo_daemon", "plain_together",
-                                             *POLICY_ARMS)}
+                                             *policy_arms)}
     logs = tmp / "logs"
     logs.mkdir(exist_ok=True)
     decisions: list[list[str]] = []  # per repetition, the auto daemon's switches
@@ -227,8 +127,8 @@ def measure(launch: Callable[[list[str]], list[str]], runtimes: dict[str, Path],
         if arm == "plain_together":
             arms[arm].append(run([f"{tag}P{x}" for x in letters], plain))
             return
-        env = {"CROSSOVER_RUNTIME_DIR": str(runtimes[POLICY_ARMS[arm]])}
-        if trace_dir is not None and arm in TRACED_ARMS:
+        env = {"CROSSOVER_RUNTIME_DIR": str(runtimes[policy_arms[arm]])}
+        if trace_dir is not None and arm in traced:
             env["CROSSOVER_TRACE"] = str(traces_of(arm, rep))
         letter = "L" if arm == ALIGNED_ARM[0] else arm[0].upper()  # (auto has "A")
         arms[arm].append(run([f"{tag}{letter}{x}" for x in letters], env))
@@ -238,7 +138,7 @@ def measure(launch: Callable[[list[str]], list[str]], runtimes: dict[str, Path],
                                         text[read:], re.M))
             read = len(text)
 
-    blocks = ["solos", "plain_together", *POLICY_ARMS]
+    blocks = ["solos", "plain_together", *policy_arms]
     for rep in range(reps):
         tag = f"{wl.replace('+', '')}{int(mbit)}r{rep}{n_jobs}"
         for block in (blocks[i] for i in arm_order(len(blocks), rep)):  # (see `arm_order`)
@@ -259,7 +159,7 @@ def measure(launch: Callable[[list[str]], list[str]], runtimes: dict[str, Path],
     solos = [med(r["seconds"] for r in arms[a]) for a in solo_arms]
     sequential = med(sum(r["seconds"] for r in rep) for rep in per_rep)
     spans = {arm: med(makespan(r) for r in arms[arm])
-             for arm in ("plain_together", *POLICY_ARMS)}
+             for arm in ("plain_together", *policy_arms)}
     compute = med(sum(r["compute_s"] for r in rep) for rep in per_rep)
     comm = med(sum(r["comm_s"] for r in rep) for rep in per_rep)
     bound = max(compute, comm)
@@ -271,12 +171,12 @@ def measure(launch: Callable[[list[str]], list[str]], runtimes: dict[str, Path],
     samples = sum(r["samples_per_s"] * r["seconds"] for r in arms["auto"][0])
     # Per job: its time in an arm against its time alone; speedup = the inverse.
     slow = {arm: [med(r[i]["seconds"] / solos[i] for r in arms[arm]) for i in range(n_jobs)]
-            for arm in ("plain_together", *POLICY_ARMS)}
+            for arm in ("plain_together", *policy_arms)}
     overhead = 1 - med(r["samples_per_s"] for r in arms["solo_daemon"]) / \
         med(r["samples_per_s"] for r in arms["solo_a"])
     best_baseline = min(sequential, spans["plain_together"])
     skews = {} if trace_dir is None else {
-        arm: [rank_skew(traces_of(arm, rep)) for rep in range(reps)] for arm in TRACED_ARMS}
+        arm: [rank_skew(traces_of(arm, rep)) for rep in range(reps)] for arm in traced}
     return {
         "workload": wl, "mbit": mbit, "jobs": n_jobs, "params": params,
         "solo_s": solos, "sequential_s": sequential,
@@ -368,12 +268,12 @@ def main() -> None:
                         help="add an arm: always antiphase with the nodes' phases aligned "
                              "(daemon --align-phases; emulated hosts only)")
     args = parser.parse_args()
+    policy_arms = dict(POLICY_ARMS)
     if args.aligned_arm:
+        policy_arms[ALIGNED_ARM[0]] = ALIGNED_ARM[1]
         if args.one_host:
             parser.error("--aligned-arm aligns nodes' phases: it needs the emulated hosts, "
                          "not --one-host")
-        POLICY_ARMS[ALIGNED_ARM[0]] = ALIGNED_ARM[1]
-        TRACED_ARMS.append(ALIGNED_ARM[0])
     if args.quick:
         args.reps, args.workloads, args.mbit, args.one_host = 1, "mlp", "500", True
     workloads = args.workloads.split(",")
@@ -392,7 +292,7 @@ def main() -> None:
         if rates:
             with EmulatedCluster(mbit=rates[0], delay_ms=args.delay_ms) as cluster:
                 daemons = [Daemons(cluster, tmp / f"run-{p}", p, tmp / f"daemons-{p}.log")
-                           for p in POLICY_ARMS.values()]
+                           for p in policy_arms.values()]
                 launch = cluster.gloo_run if TRANSPORT == "gloo" else cluster.mpirun
                 try:
                     for mbit in rates:
@@ -402,19 +302,21 @@ def main() -> None:
                         for wl in workloads:
                             rows.append(_row(launch, {d.policy: d.runtime for d in daemons},
                                              wl, mbit, measured, args, tmp, traces,
-                                             auto_log=tmp / "daemons-auto.log"))
+                                             auto_log=tmp / "daemons-auto.log",
+                                             policy_arms=policy_arms))
                 finally:
                     stop_all(daemons)
         if args.one_host:
             print("one host (no shaped link, as make demo)", flush=True)
             local = [DaemonProcess(tmp / f"local-{p}", p, log=tmp / f"local-{p}.log")
-                     for p in POLICY_ARMS.values()]
+                     for p in policy_arms.values()]
             try:
                 for wl in workloads:
                     rows.append(_row(lambda argv: mpirun(2, *argv),
-                                     {p: tmp / f"local-{p}" for p in POLICY_ARMS.values()},
+                                     {p: tmp / f"local-{p}" for p in policy_arms.values()},
                                      wl, 0.0, None, args, tmp, traces, ONE_HOST_ENV,
-                                     auto_log=tmp / "local-auto.log"))
+                                     auto_log=tmp / "local-auto.log",
+                                     policy_arms=policy_arms))
             finally:
                 stop_all(local)
         RESULTS.mkdir(parents=True, exist_ok=True)
@@ -461,11 +363,11 @@ def main() -> None:
 def _row(launch: Callable[[list[str]], list[str]], runtimes: dict[str, Path], wl: str,
          mbit: float, measured: float | None, args: argparse.Namespace, tmp: Path,
          traces: Path, job_env: dict[str, str] | None = None,
-         auto_log: Path | None = None) -> dict:
+         auto_log: Path | None = None, policy_arms: dict[str, str] = POLICY_ARMS) -> dict:
     tdir = traces / f"{wl}-{mbit:g}"
     tdir.mkdir(parents=True)
     row = measure(launch, runtimes, wl, mbit, measured, args.reps, args.steps, tmp, tdir,
-                  args.jobs, job_env, auto_log)
+                  args.jobs, job_env, auto_log, policy_arms)
     row["measured_mbit"] = measured
     where = f"{mbit:g} Mbit/s" if mbit else "one host"
     print(f"{wl} {where}: auto {row['auto_vs_sequential']:.2f}x sequential, "

@@ -34,8 +34,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cluster import local_gloo_run  # noqa: E402
 from common import RESULTS, write_result  # noqa: E402
-from crossover_bench import makespan, run_jobs  # noqa: E402
 from gpu_release import check_run  # noqa: E402
+from jobs import makespan, run_jobs  # noqa: E402
 
 from crossover import trace  # noqa: E402
 from crossover.launch.local import DaemonProcess  # noqa: E402

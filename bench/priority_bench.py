@@ -4,7 +4,7 @@
     .venv/bin/python bench/priority_bench.py [--reps 3] [--mbit 1000] [--weight 3]
         [--workload mlp] [--steps 60]
 
-The cluster, the jobs and the daemons are those of `crossover_bench.py` (one rank per
+The cluster is `cluster.py`, the jobs and the daemons those of `jobs.py` (one rank per
 emulated host, one core each, a shaped link). Each repetition runs, interleaved: each job
 alone with plain Horovod (its solo time), both at once with plain Horovod, and both at
 once under the priority policy for each pair of weights (CROSSOVER_PRIORITY per job).
@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cluster import EmulatedCluster  # noqa: E402
 from common import write_result  # noqa: E402
-from crossover_bench import TRANSPORT, WORKLOADS, Daemons, makespan, run_jobs  # noqa: E402
+from jobs import TRANSPORT, WORKLOADS, Daemons, makespan, run_jobs  # noqa: E402
 
 
 def weight_pairs(w: float) -> dict[str, tuple[float, float]]:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
-import crossover_bench as bench  # noqa: E402
+import jobs  # noqa: E402
 from cluster import EmulatedCluster  # noqa: E402
 
 from crossover import trace  # noqa: E402
@@ -33,10 +33,10 @@ MBIT = 1000.0
 def arms(launch, runtime: Path, args: argparse.Namespace, job_env: dict, logs: Path,
          traces: Path) -> dict[str, list[dict]]:
     """Each job alone, both with plain Horovod, both under crossover: {arm: results}."""
-    wl, plain = bench.WORKLOADS[args.workload], {"CROSSOVER_ENABLE": "0"}
+    wl, plain = jobs.WORKLOADS[args.workload], {"CROSSOVER_ENABLE": "0"}
 
     def run(names: list[str], env: dict, first: int = 1) -> list[dict]:
-        return bench.run_jobs(launch, names, wl, args.steps, env, logs, job_env=job_env,
+        return jobs.run_jobs(launch, names, wl, args.steps, env, logs, job_env=job_env,
                         first_seed=first)
 
     out = {}
@@ -61,7 +61,7 @@ def report(results: dict[str, list[dict]], link_s: float) -> None:
              sequential)]
     for arm in ("plain together", "crossover"):
         rows.append((f"together, {arm}", [r["samples_per_s"] for r in results[arm]],
-                     bench.makespan(results[arm])))
+                     jobs.makespan(results[arm])))
     print(f"\n{'arm':<28}{'jobA samples/s':>15}{'jobB samples/s':>15}{'makespan s':>12}"
           f"{'x sequential':>14}")
     for name, (a, b), span in rows:
@@ -76,7 +76,7 @@ def report(results: dict[str, list[dict]], link_s: float) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--workload", choices=list(bench.WORKLOADS), default="mlp")
+    parser.add_argument("--workload", choices=list(jobs.WORKLOADS), default="mlp")
     parser.add_argument("--one-host", action="store_true",
                         help="skip the emulated hosts: both jobs' ranks on this host")
     parser.add_argument("--out", type=Path, default=REPO / "out/demo")
@@ -94,10 +94,10 @@ def main() -> None:
         try:
             print(f"two emulated hosts, one core each, link {MBIT:g} Mbit/s "
                   f"(measured {cluster.measure_mbit(int(MBIT * 1e6 / 16)):.0f})", flush=True)
-            daemons = bench.Daemons(cluster, args.out / "run", "auto",
+            daemons = jobs.Daemons(cluster, args.out / "run", "auto",
                                     args.out / "daemon.log")
             try:
-                results = arms(cluster.gloo_run, daemons.runtime, args, bench.JOB_ENV, logs,
+                results = arms(cluster.gloo_run, daemons.runtime, args, jobs.JOB_ENV, logs,
                                traces)
             finally:
                 daemons.stop()
@@ -109,7 +109,7 @@ def main() -> None:
         print("one host: both ranks of each job here, no network between them", flush=True)
         runtime = args.out / "run"
         with DaemonProcess(runtime, "auto", log=args.out / "daemon.log"):
-            results = arms(lambda argv: mpirun(2, *argv), runtime, args, bench.ONE_HOST_ENV,
+            results = arms(lambda argv: mpirun(2, *argv), runtime, args, jobs.ONE_HOST_ENV,
                            logs, traces)
         link_s = 0.0
     report(results, link_s)

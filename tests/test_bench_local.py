@@ -14,7 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from cluster import local_gloo_run  # noqa: E402
-from crossover_bench import run_jobs  # noqa: E402
+from jobs import run_jobs  # noqa: E402
 
 from crossover import trace  # noqa: E402
 from crossover.launch.local import DaemonProcess  # noqa: E402

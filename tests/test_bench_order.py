@@ -89,6 +89,29 @@ def test_paired_vs_best_compares_each_repetition_with_its_own_baselines() -> Non
         paired_vs_best(solos, plain[:1], auto)
 
 
+@pytest.mark.parametrize(("wins", "n", "p"), [
+    (8, 8, 2 / 256), (0, 8, 2 / 256), (7, 8, 2 * 9 / 256), (6, 8, 2 * 37 / 256),
+    (4, 8, 1.0), (3, 6, 1.0), (0, 0, 1.0), (5, 5, 2 / 32)])
+def test_sign_test_table(wins: int, n: int, p: float) -> None:
+    from ab_bench import sign_test
+
+    assert sign_test(wins, n) == pytest.approx(p)
+
+
+def test_summarize_pairs_each_run_with_its_partner_and_ties_count_for_neither() -> None:
+    from ab_bench import sign_test, summarize
+
+    times = [(10.0, 8.0), (12.0, 12.0), (9.0, 10.0), (11.0, 10.0)]
+    verdict = summarize(("plain", "auto"), times)
+    assert verdict["plain_over_auto"] == pytest.approx([1.25, 1.0, 0.9, 1.1])
+    assert verdict["plain_over_auto_median"] == pytest.approx(1.05)
+    assert (verdict["auto_faster_pairs"], verdict["plain_faster_pairs"]) == (2, 1)
+    assert verdict["sign_test_p"] == pytest.approx(sign_test(2, 3))
+    assert (verdict["plain_median_s"], verdict["auto_median_s"]) == (10.5, 10.0)
+    with pytest.raises(ValueError, match="4 wins in 3 pairs"):
+        sign_test(4, 3)
+
+
 class Interrupted:
     """A daemon whose stop is cut short by Ctrl-C (a second signal during the teardown)."""
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from crossover.placement import partition
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from crossover_bench import ONE_HOST_ENV, run_jobs  # noqa: E402
+from jobs import ONE_HOST_ENV, run_jobs  # noqa: E402
 
 from crossover import trace  # noqa: E402
 from crossover.launch.local import DaemonProcess, mpirun  # noqa: E402

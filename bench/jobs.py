@@ -1,0 +1,122 @@
+"""The benchmark's jobs and daemons: what each workload runs, in which environment, and
+how a set of jobs is launched at once on the emulated hosts (`cluster.py`) or this host.
+
+Shared by `crossover_bench.py`, `ab_bench.py`, `priority_bench.py`, `gpu_bench.py`,
+`examples/demo.py` and the tests that run real jobs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cluster import EmulatedCluster  # noqa: E402
+
+from crossover.launch.local import Job, run_together, terminate_group  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+JOB = REPO / "bench" / "crossover_job.py"
+
+#: Workloads: job-script arguments, sized so compute and communication are comparable
+#: at the middle link rate (see docs/benchmark.md for the measured split).
+WORKLOADS: dict[str, list[str]] = {
+    "mlp": ["--model", "mlp", "--width", "640", "--layers", "4", "--batch", "512"],
+    "cnn": ["--model", "cnn", "--width", "32", "--batch", "32"],
+    "transformer": ["--model", "transformer", "--width", "256", "--layers", "2",
+                    "--batch", "8"],
+}
+
+#: The jobs' transport: "gloo" (waits in the kernel) or "mpi" (Open MPI TCP, polls).
+TRANSPORT = os.environ.get("CROSSOVER_BENCH_TRANSPORT", "gloo")
+
+#: Horovod's background cycle: its default 1 ms polling competes for the host's only core.
+JOB_ENV = {"HOROVOD_CYCLE_TIME": "5", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+#: One host (as `make demo`): MPI ranks yield when they wait (see examples/demo.py).
+ONE_HOST_ENV = {**JOB_ENV, "OMPI_MCA_mpi_yield_when_idle": "1"}
+
+
+class Daemons:
+    """One crossover daemon per emulated host (one MPI world across the link).
+
+    Args:
+        cluster: the emulated cluster.
+        runtime: socket directory (a filesystem path, so it is seen from every namespace).
+        policy: the daemon's scheduling policy.
+        log: file for the daemons' output.
+        timeout_s: longest wait for both sockets.
+    """
+
+    def __init__(self, cluster: EmulatedCluster, runtime: Path, policy: str, log: Path,
+                 timeout_s: float = 60.0) -> None:
+        self.runtime, self.policy = runtime, policy
+        cmd = cluster.mpirun([sys.executable, "-m", "crossover", "daemon", "--policy",
+                              *policy.split(), "--runtime-dir", str(runtime)])
+        self._log = log.open("w")
+        env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1",
+               "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "PYTHONPATH": str(REPO)}
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        sockets = [runtime / f"node-{h}.sock" for h in cluster.hosts]
+        deadline = time.monotonic() + timeout_s
+        while not all(s.exists() for s in sockets):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"daemons did not start within {timeout_s:.0f} s; see {log}")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        """SIGTERM the daemons' process group, SIGKILL after 10 s."""
+        terminate_group(self.proc)
+        self._log.close()
+
+
+def run_jobs(launch: EmulatedCluster | Callable[[list[str]], list[str]], names: list[str],
+             workload: list[str], steps: int, env: dict[str, str], log_dir: Path,
+             timeout_s: float = 300.0, job_env: dict[str, str] | None = None,
+             first_seed: int = 1, workloads: list[list[str]] | None = None,
+             job_envs: list[dict[str, str]] | None = None) -> list[dict]:
+    """Run the named jobs at once and return their JSON lines (job i gets seed
+    `first_seed + i`).
+
+    Args:
+        launch: the emulated cluster (one rank per host each), or a function that turns a
+            job's command into its launch line (e.g. `cluster.local_gloo_run`).
+        job_env: the jobs' base environment (default: JOB_ENV, for one core a host).
+        workloads: per job, its own workload arguments (default: `workload` for all).
+        job_envs: per job, variables added to its environment (e.g. CROSSOVER_PRIORITY).
+
+    Raises:
+        RuntimeError: a job failed (its output is in the message).
+    """
+    if isinstance(launch, EmulatedCluster):
+        launch = launch.gloo_run if TRANSPORT == "gloo" else launch.mpirun
+    jobs = []
+    for i, name in enumerate(names):
+        args = workloads[i] if workloads is not None else workload
+        cmd = launch([sys.executable, str(JOB), *args, "--steps", str(steps),
+                      "--seed", str(first_seed + i)])
+        own = job_envs[i] if job_envs is not None else {}
+        jobs.append(Job(name, cmd, {**(JOB_ENV if job_env is None else job_env), **env, **own,
+                                    "CROSSOVER_JOB": name}))
+    out = []
+    for res in run_together(jobs, timeout_s=timeout_s, log_dir=log_dir):
+        line = next((ln for ln in res.output.splitlines() if ln.startswith('{"model"')), None)
+        if res.returncode != 0 or line is None:
+            raise RuntimeError(f"job {res.name} failed (rc {res.returncode}):\n{res.output}")
+        if "CROSSOVER_RUNTIME_DIR" in env and "trains on uncoordinated" in res.output:
+            # a fail-open run measures nothing about the scheduler: stop here
+            raise RuntimeError(f"job {res.name} lost its daemon:\n{res.output}")
+        out.append(json.loads(line))
+    return out
+
+
+def makespan(results: list[dict]) -> float:
+    """From the first job's start to the last job's end (wall clock)."""
+    return max(r["end"] for r in results) - min(r["start"] for r in results)
+
