@@ -74,14 +74,14 @@ TABLE = [
     ("a gain within the margin -> three pairs, concurrent", TIE, C,
      ["concurrent", "antiphase", "antiphase", "concurrent", "concurrent", "antiphase",
       "concurrent"]),
-    ("a host that slowed in the first antiphase window -> three pairs, antiphase",
+    # A close call that leans antiphase takes it (the hold check guards it).
+    ("a host that slowed in the first antiphase window -> two pairs, antiphase",
      scaled(GAIN, lambda t: 0.87 if 2.1 <= t < 4.1 else 1.0), A,
-     ["concurrent", "antiphase", "antiphase", "concurrent", "concurrent", "antiphase",
-      "antiphase"]),
-    # A host that speeds up 3 % a second favours the later window of a pair: measured
-    # always concurrent first, no gain would look like 1.05x; the reversed pairs cancel.
+     ["concurrent", "antiphase", "antiphase", "concurrent", "antiphase"]),
+    # A host that slows down 2 % a second disfavours the later window of a pair: measured
+    # always concurrent first, no gain would look like 0.96x; the reversed pairs cancel.
     ("a steady drift of the host's speed -> no gain found, concurrent",
-     scaled(EQUAL, lambda t: 1 + 0.03 * t), C,
+     scaled(EQUAL, lambda t: 1 - 0.02 * t), C,
      ["concurrent", "antiphase", "antiphase", "concurrent", "concurrent", "antiphase",
       "concurrent"]),
 ]
@@ -113,6 +113,24 @@ def test_a_close_call_says_why_it_measures_again():
         "again, antiphase"), ctl.reason
     simulate(ctl, clock, TIE, until=20.0, steps=steps)
     assert "over 3 pairs" in ctl.reason and ctl.reason.endswith(": concurrent"), ctl.reason
+
+
+def test_a_close_call_that_leans_antiphase_takes_it_and_the_hold_check_guards_it():
+    """Antiphase runs at 0.9x, but the host ran 20 % faster through the first antiphase
+    window: the first pair reads 1.08x, within the noise, leaning antiphase. Antiphase
+    is taken at once; over its first watch window the hold runs about 0.9x the probe's
+    concurrent rates, and the check gives it up."""
+    loses = {"a": {A: 9.0, C: 10.0}, "b": {A: 7.2, C: 8.0}}
+    rates, steps = scaled(loses, lambda t: 1.2 if 2.1 <= t < 4.3 else 1.0), {}
+    ctl, clock = controller(hold_s=100.0)
+    got = simulate(ctl, clock, rates, until=5.0, steps=steps)
+    assert [m for _, m in got] == ["concurrent", "antiphase", "antiphase"], got
+    assert ctl.state == "hold" and ctl.reason.startswith("antiphase 1.08x concurrent (") \
+        and ctl.reason.endswith("), within the noise of 1.03x after 1 pair: the hold check "
+                                "watches it: antiphase"), ctl.reason
+    got = simulate(ctl, clock, rates, until=30.0, steps=steps)
+    assert [m for _, m in got] == ["concurrent"] and got[0][0] < 10.5, got
+    assert ctl.reason.startswith("antiphase held ran 0.88x"), ctl.reason  # (settling)
 
 
 def test_decision_reason_names_each_jobs_speedup():

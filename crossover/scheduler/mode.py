@@ -24,6 +24,16 @@ than `pair_noise` / sqrt(pairs) is measured again, by another pair in the revers
 directions), up to `max_pairs`; the decision takes the mean over the pairs. A close
 call costs little: the two modes are then nearly as fast.
 
+Unless the close call leans antiphase (a mean speedup of at least 1 + `margin`): then
+antiphase is taken at once, and the hold check (below) gives it up at its first watch
+window if the hold's own rates fall below the probe's concurrent ones. Measuring on
+would cost about as much (half of every pair runs in the mode that may lose), and a
+probe of three pairs takes some 15 s, the whole of a short run: where antiphase won,
+its gain came too late (docs/benchmark.md, twenty-second session: mlp+cnn at 2000
+Mbit/s, always antiphase 1.07x sequential, auto 0.93-0.97x, probing to the end of every
+run). A close call that leans concurrent measures on: no check would find the gain a
+concurrent hold gives up.
+
 The decision holds for `hold_s`, doubled each time a re-probe confirms it (up to
 `max_hold_s`); meanwhile longer windows in the held mode (`watch_s`) watch the rates,
 and a job whose rate differs by more than `drift` from the first watch window after the
@@ -288,8 +298,9 @@ class ModeController:
         return bool(ratios) and max(ratios) < 1 - self.cutoff
 
     def _pair_done(self) -> list[ModeSwitch]:
-        """Both modes measured once more: decide, or measure another pair if the mean
-        speedup so far is within the noise of the margin (module doc)."""
+        """Both modes measured once more: decide; within the noise of the margin, take
+        antiphase if the mean speedup leans that way, else measure another pair (module
+        doc)."""
         anti, conc = self._rates[Mode.ANTIPHASE], self._rates[Mode.CONCURRENT]
         # A job too slow to make min_steps steps in a window (max_probe_s ended it) has
         # a rate of one step or none, which says nothing: the others decide, if any.
@@ -302,6 +313,9 @@ class ModeController:
         mean = self._mean_speedup()
         if n >= self.max_pairs or abs(mean - 1 - self.margin) >= self.pair_noise / n ** 0.5:
             return self._decide()
+        if mean >= 1 + self.margin:  # leaning antiphase: the hold check guards it (doc)
+            return self._decide(f", within the noise of {1 + self.margin:.2f}x after {n} "
+                                f"pair{'s' if n > 1 else ''}: the hold check watches it")
         # The reverse order: the first window continues the mode just measured.
         self._order = self._order[::-1]
         self._plan = self._order[1:]
@@ -321,12 +335,12 @@ class ModeController:
         jobs = set.intersection(*(set(p) for p in self._pairs)) if self._pairs else set()
         return {j: sum(p[j] for p in self._pairs) / len(self._pairs) for j in sorted(jobs)}
 
-    def _decide(self) -> list[ModeSwitch]:
+    def _decide(self, note: str = "") -> list[ModeSwitch]:
         mean, n = self._mean_speedup(), len(self._pairs)
         best = Mode.ANTIPHASE if mean >= 1 + self.margin else Mode.CONCURRENT
-        pairs = f" over {n} pairs" if n > 1 else ""
+        pairs = f" over {n} pairs" if n > 1 and not note else ""
         return self._hold(best, f"antiphase {mean:.2f}x concurrent{pairs} "
-                                f"({_each(self._per_job())}): {best.value}")
+                                f"({_each(self._per_job())}){note}: {best.value}")
 
     def _hold(self, mode: Mode, why: str) -> list[ModeSwitch]:
         # A re-probe that confirms the last decision holds it twice as long.
