@@ -82,8 +82,7 @@ def runner(arm: str, launch: Callable[[list[str]], list[str]], runtime: Path | N
            ) -> Callable[[str], float]:
     """A function that runs `arm` once (its jobs named with the given tag) and returns
     its time: the makespan of the jobs together, or the sum of their solo times."""
-    kinds = workload.split("+")
-    per_job = [jobs.WORKLOADS[kinds[i % len(kinds)]] for i in range(2)]
+    per_job = jobs.job_workloads(workload, 2)
     plain = {"CROSSOVER_ENABLE": "0"}
 
     def run(names: list[str], env: dict[str, str], first: int = 0) -> list[dict]:

@@ -38,7 +38,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cluster import EmulatedCluster  # noqa: E402
 from common import RESULTS, arm_order, stop_all, write_result  # noqa: E402
-from jobs import JOB_ENV, ONE_HOST_ENV, TRANSPORT, WORKLOADS, Daemons, makespan, run_jobs  # noqa: E402
+from jobs import (  # noqa: E402
+    JOB_ENV,
+    ONE_HOST_ENV,
+    TRANSPORT,
+    WORKLOADS,
+    Daemons,
+    job_workloads,
+    makespan,
+    run_jobs,
+)
 
 from crossover import trace  # noqa: E402
 from crossover.launch.local import DaemonProcess, mpirun  # noqa: E402
@@ -95,8 +104,7 @@ def measure(launch: Callable[[list[str]], list[str]], runtimes: dict[str, Path],
             the uncoordinated one is traced (`rank_skew_ms`, `ranks_apart`).
     """
     traced = [arm for arm in policy_arms if arm != "together"]
-    kinds = wl.split("+")
-    per_job = [WORKLOADS[kinds[i % len(kinds)]] for i in range(n_jobs)]
+    per_job = job_workloads(wl, n_jobs)
     plain = {"CROSSOVER_ENABLE": "0"}
     letters = "ABCDEFGH"[:n_jobs]
     solo_arms = [f"solo_{x.lower()}" for x in letters]

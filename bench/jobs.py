@@ -32,6 +32,13 @@ WORKLOADS: dict[str, list[str]] = {
                     "--batch", "8"],
 }
 
+def job_workloads(wl: str, n_jobs: int) -> list[list[str]]:
+    """Each job's workload arguments: `wl` names a workload, or several joined by "+"
+    (job i runs the i-th, cycling: "mlp+cnn" pairs two different models)."""
+    kinds = wl.split("+")
+    return [WORKLOADS[kinds[i % len(kinds)]] for i in range(n_jobs)]
+
+
 #: The jobs' transport: "gloo" (waits in the kernel) or "mpi" (Open MPI TCP, polls).
 TRANSPORT = os.environ.get("CROSSOVER_BENCH_TRANSPORT", "gloo")
 

@@ -26,7 +26,8 @@ call costs little: the two modes are then nearly as fast.
 
 Unless the close call leans antiphase (a mean speedup of at least 1 + `margin`): then
 antiphase is taken at once, and the hold check (below) gives it up at its first watch
-window if the hold's own rates fall below the probe's concurrent ones. Measuring on
+window if the hold's own rates fall below 1 - `keep_margin` of the probe's concurrent
+ones. Measuring on
 would cost about as much (half of every pair runs in the mode that may lose), and a
 probe of three pairs takes some 15 s, the whole of a short run: where antiphase won,
 its gain came too late (docs/benchmark.md, twenty-second session: mlp+cnn at 2000
@@ -136,8 +137,9 @@ class ModeController:
         drift: relative change of a job's rate, in the held mode, that re-probes.
         keep_margin: a hold in antiphase ends, for concurrent, once the jobs' mean rate
             over the hold falls this fraction below the probe's concurrent rates.
-        pair_noise: the relative noise of one pair's speedup: a probe decides once the
-            mean speedup is this far from 1 + margin, divided by sqrt(pairs).
+        pair_noise: the relative noise of one pair's speedup: a probe whose mean speedup
+            is below 1 + margin decides once it is this far below, divided by
+            sqrt(pairs); one at or above decides at once.
         max_pairs: a probe decides after this many pairs whatever they measured.
         cutoff: a probe window ends early, after `min_steps`, once every job runs slower
             than under the other mode by this fraction.
@@ -311,11 +313,14 @@ class ModeController:
         self._concurrent.append({j: conc[j] for j in jobs})
         n = len(self._pairs)
         mean = self._mean_speedup()
-        if n >= self.max_pairs or abs(mean - 1 - self.margin) >= self.pair_noise / n ** 0.5:
-            return self._decide()
-        if mean >= 1 + self.margin:  # leaning antiphase: the hold check guards it (doc)
+        noise = self.pair_noise / n ** 0.5
+        if mean >= 1 + self.margin:  # antiphase, and within the noise the hold check guards it
+            close = n < self.max_pairs and mean - 1 - self.margin < noise
             return self._decide(f", within the noise of {1 + self.margin:.2f}x after {n} "
-                                f"pair{'s' if n > 1 else ''}: the hold check watches it")
+                                f"pair{'s' if n > 1 else ''}: the hold check watches it"
+                                if close else "")
+        if n >= self.max_pairs or 1 + self.margin - mean >= noise:
+            return self._decide()
         # The reverse order: the first window continues the mode just measured.
         self._order = self._order[::-1]
         self._plan = self._order[1:]
