@@ -9,14 +9,6 @@ runs) against 6.6-6.9 s one after the other. Given a core each by hand (taskset)
 job's ranks share only their own core, where a waiting rank yields to its own peer:
 6.8-7.1 s (median 6.81 s). Under the daemon: bench/results/crossover_one_host.json.
 
-With fewer cores than jobs, whole jobs share cores: each job gets one core, which it
-shares only with other whole jobs. All of a job's ranks then wait for each other on
-the same core, where a waiting rank yields to its peer; what hurts is a job spread over
-cores that other jobs keep busy. Two 2-rank MLP jobs pinned to one core (plain Horovod)
-took 18.4-19.2 s together against 9.2-9.4 s for one of them alone there; three such jobs
-left unpinned on this VM's two cores ran 0.87x sequential (docs/benchmark.md,
-twenty-third session).
-
 The daemon calls `partition` (pure) whenever the jobs on its host change and tells each
 rank its job's cores (`protocol.Company.cores`); the rank applies them with `pin_process`.
 """
@@ -29,7 +21,7 @@ from collections.abc import Sequence
 
 def partition(cores: Sequence[int], jobs: Sequence[tuple[str, int]]) -> dict[str, list[int]]:
     """Split `cores` into disjoint contiguous shares, one per job, in proportion to its
-    ranks on this host (with fewer cores than jobs: whole jobs stacked on single cores).
+    ranks on this host.
 
     Args:
         cores: the host's cores, in order.
@@ -37,17 +29,14 @@ def partition(cores: Sequence[int], jobs: Sequence[tuple[str, int]]) -> dict[str
             is at least 1.
 
     Returns:
-        job -> its cores, in the order of `jobs`. With fewer cores than jobs each job gets
-        one core, shared with other whole jobs (`_stack`). Empty (no placement: every
-        job runs where its launcher put it) when fewer than two jobs share the host or
-        it has one core.
+        job -> its cores. Empty (no placement: every job runs where its launcher put it)
+        when fewer than two jobs share the host, or when there are fewer cores than
+        jobs, since a shared core would bring back the waiting the shares avoid.
     """
-    if len(jobs) < 2 or len(cores) < 2:
+    if len(jobs) < 2 or len(cores) < len(jobs):
         return {}
     if any(ranks < 1 for _, ranks in jobs):
         raise ValueError(f"placement: every job needs at least one rank here, got {list(jobs)}")
-    if len(cores) < len(jobs):
-        return _stack(cores, jobs)
     total = sum(ranks for _, ranks in jobs)
     # Largest remainder over what is left after one core each, so no share is empty.
     spare = len(cores) - len(jobs)
@@ -61,18 +50,6 @@ def partition(cores: Sequence[int], jobs: Sequence[tuple[str, int]]) -> dict[str
         out[job] = list(cores[start:start + size])
         start += size
     return out
-
-
-def _stack(cores: Sequence[int], jobs: Sequence[tuple[str, int]]) -> dict[str, list[int]]:
-    """One core per job, more jobs than cores: the job with the most ranks first onto
-    the core with the fewest ranks so far (ties: the earlier job, the earlier core)."""
-    load = dict.fromkeys(cores, 0)
-    placed: dict[str, list[int]] = {}
-    for job, ranks in sorted(jobs, key=lambda jr: -jr[1]):  # stable: ties keep the order
-        core = min(load, key=load.__getitem__)
-        load[core] += ranks
-        placed[job] = [core]
-    return {job: placed[job] for job, _ in jobs}
 
 
 def pin_process(cores: Sequence[int]) -> None:
