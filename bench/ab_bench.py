@@ -37,7 +37,7 @@ import jobs  # noqa: E402
 from cluster import EmulatedCluster  # noqa: E402
 from common import arm_order, stop_all, write_result  # noqa: E402
 
-from crossover.launch.local import DaemonProcess, mpirun  # noqa: E402
+from crossover.launch.local import DaemonProcess  # noqa: E402
 
 #: The arms that run under a daemon, and its policy.
 POLICIES = {"off": "off", "crossover": "crossover", "auto": "auto"}
@@ -133,10 +133,9 @@ def main() -> None:
             cluster = stack.enter_context(EmulatedCluster(mbit=args.mbit))
             measured = cluster.measure_mbit(nbytes=int(args.mbit * 1e6 / 8 * 0.5))
             print(f"link {args.mbit:g} Mbit/s (measured {measured:.0f})", flush=True)
-            launch, job_env = (cluster.gloo_run if jobs.TRANSPORT == "gloo" else cluster.mpirun,
-                               jobs.JOB_ENV)
+            launch, job_env = jobs.cluster_launch(cluster), jobs.JOB_ENV
         else:
-            launch, job_env = (lambda argv: mpirun(2, *argv)), jobs.ONE_HOST_ENV
+            launch, job_env = jobs.one_host_launch, jobs.ONE_HOST_ENV
         runs = []
         for arm in arms:
             runtime = None

@@ -44,13 +44,15 @@ from jobs import (  # noqa: E402
     TRANSPORT,
     WORKLOADS,
     Daemons,
+    cluster_launch,
     job_workloads,
     makespan,
+    one_host_launch,
     run_jobs,
 )
 
 from crossover import trace  # noqa: E402
-from crossover.launch.local import DaemonProcess, mpirun  # noqa: E402
+from crossover.launch.local import DaemonProcess  # noqa: E402
 
 #: The arms run together under a daemon, and the daemon policy of each.
 POLICY_ARMS = {"together": "off", "crossover": "crossover", "auto": "auto"}
@@ -301,7 +303,7 @@ def main() -> None:
             with EmulatedCluster(mbit=rates[0], delay_ms=args.delay_ms) as cluster:
                 daemons = [Daemons(cluster, tmp / f"run-{p}", p, tmp / f"daemons-{p}.log")
                            for p in policy_arms.values()]
-                launch = cluster.gloo_run if TRANSPORT == "gloo" else cluster.mpirun
+                launch = cluster_launch(cluster)
                 try:
                     for mbit in rates:
                         cluster.shape(mbit, args.delay_ms)
@@ -320,7 +322,7 @@ def main() -> None:
                      for p in policy_arms.values()]
             try:
                 for wl in workloads:
-                    rows.append(_row(lambda argv: mpirun(2, *argv),
+                    rows.append(_row(one_host_launch,
                                      {p: tmp / f"local-{p}" for p in policy_arms.values()},
                                      wl, 0.0, None, args, tmp, traces, ONE_HOST_ENV,
                                      auto_log=tmp / "local-auto.log",

@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cluster import EmulatedCluster  # noqa: E402
 
-from crossover.launch.local import Job, run_together, terminate_group  # noqa: E402
+from crossover.launch.local import Job, mpirun, run_together, terminate_group  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "bench" / "crossover_job.py"
@@ -46,6 +46,17 @@ TRANSPORT = os.environ.get("CROSSOVER_BENCH_TRANSPORT", "gloo")
 JOB_ENV = {"HOROVOD_CYCLE_TIME": "5", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 #: One host (as `make demo`): MPI ranks yield when they wait (see examples/demo.py).
 ONE_HOST_ENV = {**JOB_ENV, "OMPI_MCA_mpi_yield_when_idle": "1"}
+
+
+def cluster_launch(cluster: EmulatedCluster) -> Callable[[list[str]], list[str]]:
+    """How a job's command runs on the emulated hosts (one rank on each), by TRANSPORT."""
+    return cluster.gloo_run if TRANSPORT == "gloo" else cluster.mpirun
+
+
+def one_host_launch(argv: list[str]) -> list[str]:
+    """A job's command as two ranks on this host under mpirun (the `make demo` fallback;
+    run it with ONE_HOST_ENV)."""
+    return mpirun(2, *argv)
 
 
 class Daemons:
@@ -102,7 +113,7 @@ def run_jobs(launch: EmulatedCluster | Callable[[list[str]], list[str]], names: 
         RuntimeError: a job failed (its output is in the message).
     """
     if isinstance(launch, EmulatedCluster):
-        launch = launch.gloo_run if TRANSPORT == "gloo" else launch.mpirun
+        launch = cluster_launch(launch)
     jobs = []
     for i, name in enumerate(names):
         args = workloads[i] if workloads is not None else workload

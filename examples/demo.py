@@ -25,7 +25,7 @@ import jobs  # noqa: E402
 from cluster import EmulatedCluster  # noqa: E402
 
 from crossover import trace  # noqa: E402
-from crossover.launch.local import DaemonProcess, mpirun  # noqa: E402
+from crossover.launch.local import DaemonProcess  # noqa: E402
 
 MBIT = 1000.0
 
@@ -109,7 +109,7 @@ def main() -> None:
         print("one host: both ranks of each job here, no network between them", flush=True)
         runtime = args.out / "run"
         with DaemonProcess(runtime, "auto", log=args.out / "daemon.log"):
-            results = arms(lambda argv: mpirun(2, *argv), runtime, args, jobs.ONE_HOST_ENV,
+            results = arms(jobs.one_host_launch, runtime, args, jobs.ONE_HOST_ENV,
                            logs, traces)
         link_s = 0.0
     report(results, link_s)

@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 from crossover.placement import partition
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from jobs import ONE_HOST_ENV, run_jobs  # noqa: E402
+from jobs import ONE_HOST_ENV, one_host_launch, run_jobs  # noqa: E402
 
 from crossover import trace  # noqa: E402
-from crossover.launch.local import DaemonProcess, mpirun  # noqa: E402
+from crossover.launch.local import DaemonProcess  # noqa: E402
 
 
 @pytest.mark.parametrize("cores,jobs,expected", [
@@ -66,20 +66,16 @@ WORKLOAD = ["--model", "mlp", "--width", "256", "--layers", "2", "--batch", "128
 STEPS = 300  # about 3 s alone: the second job can start 2-3 s late on 2 busy cores
 
 
-def launch(argv: list[str]) -> list[str]:
-    return mpirun(2, *argv)
-
-
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to split")
 @pytest.mark.timeout(300)
 def test_two_cpu_jobs_on_one_host_get_cores_of_their_own_and_train_as_alone(tmp_path):
     plain = {"CROSSOVER_ENABLE": "0"}
-    solo = [run_jobs(launch, [f"solo{x}"], WORKLOAD, STEPS, plain, tmp_path, 120,
+    solo = [run_jobs(one_host_launch, [f"solo{x}"], WORKLOAD, STEPS, plain, tmp_path, 120,
                      job_env=ONE_HOST_ENV, first_seed=i + 1)[0]
             for i, x in enumerate("AB")]
     traces = tmp_path / "traces"
     with DaemonProcess(tmp_path / "run", policy="auto", log=tmp_path / "daemon.log") as d:
-        both = run_jobs(launch, ["jA", "jB"], WORKLOAD, STEPS,
+        both = run_jobs(one_host_launch, ["jA", "jB"], WORKLOAD, STEPS,
                         {"CROSSOVER_RUNTIME_DIR": str(d.runtime_dir),
                          "CROSSOVER_TRACE": str(traces)}, tmp_path, 120, job_env=ONE_HOST_ENV)
     assert [r["weights_sha256"] for r in both] == [r["weights_sha256"] for r in solo]

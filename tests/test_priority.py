@@ -15,17 +15,13 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from jobs import ONE_HOST_ENV, run_jobs  # noqa: E402
+from jobs import ONE_HOST_ENV, one_host_launch, run_jobs  # noqa: E402
 
 from crossover import trace  # noqa: E402
-from crossover.launch.local import DaemonProcess, mpirun  # noqa: E402
+from crossover.launch.local import DaemonProcess  # noqa: E402
 
 WORKLOAD = ["--model", "mlp", "--width", "256", "--layers", "2", "--batch", "128"]
 STEPS = 600  # 6 s alone: the second job can start 2-3 s late on 2 busy cores
-
-
-def launch(argv: list[str]) -> list[str]:
-    return mpirun(2, *argv)
 
 
 @pytest.mark.timeout(300)
@@ -33,7 +29,7 @@ def test_a_heavier_job_gets_more_turns_while_both_run(tmp_path):
     traces = tmp_path / "traces"
     with DaemonProcess(tmp_path / "run", policy="priority",
                        log=tmp_path / "daemon.log") as daemon:
-        run_jobs(launch, ["pA", "pB"], WORKLOAD, STEPS,
+        run_jobs(one_host_launch, ["pA", "pB"], WORKLOAD, STEPS,
                  {"CROSSOVER_RUNTIME_DIR": str(daemon.runtime_dir),
                   "CROSSOVER_TRACE": str(traces)}, tmp_path, 120, job_env=ONE_HOST_ENV,
                  job_envs=[{"CROSSOVER_PRIORITY": "4"}, {"CROSSOVER_PRIORITY": "1"}])

@@ -27,13 +27,12 @@ call costs little: the two modes are then nearly as fast.
 Unless the close call leans antiphase (a mean speedup of at least 1 + `margin`): then
 antiphase is taken at once, and the hold check (below) gives it up at its first watch
 window if the hold's own rates fall below 1 - `keep_margin` of the probe's concurrent
-ones. Measuring on
-would cost about as much (half of every pair runs in the mode that may lose), and a
-probe of three pairs takes some 15 s, the whole of a short run: where antiphase won,
-its gain came too late (docs/benchmark.md, twenty-second session: mlp+cnn at 2000
-Mbit/s, always antiphase 1.07x sequential, auto 0.93-0.97x, probing to the end of every
-run). A close call that leans concurrent measures on: no check would find the gain a
-concurrent hold gives up.
+ones. Measuring on would cost about as much (half of every pair runs in the mode that
+may lose), and a probe of three pairs takes some 15 s, the whole of a short run: where
+antiphase won, its gain came too late (docs/benchmark.md, twenty-second session: mlp+cnn
+at 2000 Mbit/s, always antiphase 1.07x sequential, auto 0.93-0.97x, probing to the end
+of every run). A close call that leans concurrent measures on: no check would find the
+gain a concurrent hold gives up.
 
 The decision holds for `hold_s`, doubled each time a re-probe confirms it (up to
 `max_hold_s`); meanwhile longer windows in the held mode (`watch_s`) watch the rates,
