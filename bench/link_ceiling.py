@@ -1,16 +1,17 @@
 """How busy Horovod's allreduce keeps the emulated link, and the ceiling that follows for
 jobs that take turns on their devices.
 
-    .venv/bin/python bench/link_ceiling.py [--mbit 500] [--reps 3] [--steps 100]
+    .venv/bin/python bench/link_ceiling.py [--mbit 500] [--reps 3] [--steps 100]   # as root
 
 `crossover_bench.py` counts a comm-heavy row's bound with the link's own transfer time:
 every gradient byte at the rate one TCP stream gets (`link_bound_s`). Horovod's
 allreduce does not keep the link that busy. Each repetition here runs, on the same
 emulated hosts and with the jobs' environment (`jobs.JOB_ENV`), nothing but `--steps`
-allreduces of each workload's gradient back to back: one job alone (one stream: each
+allreduces of the MLP workload's gradient back to back: one job alone (one stream: each
 allreduce waits for Horovod's cycle, then runs Gloo's ring, whose phases leave the link
-idle between them), then two such jobs at once (two streams fill each other's gaps).
-Each gives an efficiency: the link's own time for the bytes over the time taken.
+idle between them), then two such jobs at once (two streams fill each other's gaps;
+timed from the first one's first allreduce to the last one's end). Each gives an
+efficiency: the link's own time for the bytes over the time taken.
 
 Jobs that take turns compute one at a time, and while one computes only the other's
 allreduce can use the link (one stream); the rest of the time both can (two streams).
