@@ -67,7 +67,7 @@ def _wait(job: int, start_ms: float, end_ms: float) -> dict:
 ])
 def test_idle_gaps_count_overlapping_holds_once(events: list[dict], held_ms: float,
                                                 idle_ms: float, span_ms: float) -> None:
-    from crossover_bench import idle_gaps
+    from summary import idle_gaps
 
     dev = idle_gaps(events)["devices"]["h0/cpu0"]
     assert dev == pytest.approx({"held_s": held_ms / 1e3, "idle_while_waiting_s": idle_ms / 1e3,
@@ -79,7 +79,7 @@ def _job(seconds: float, start: float = 0.0) -> dict:
 
 
 def test_paired_vs_best_compares_each_repetition_with_its_own_baselines() -> None:
-    from crossover_bench import paired_vs_best
+    from summary import paired_vs_best
 
     solos = [[_job(5.0), _job(5.0)], [_job(6.0), _job(6.0)]]  # sequential 10 s, then 12 s
     plain = [[_job(9.0), _job(8.0, 0.5)], [_job(14.0), _job(13.0)]]  # 9 s, then 14 s
@@ -87,6 +87,29 @@ def test_paired_vs_best_compares_each_repetition_with_its_own_baselines() -> Non
     assert paired_vs_best(solos, plain, auto) == pytest.approx([9.0 / 9.9, 12.0 / 11.0])
     with pytest.raises(ValueError, match="2 solo, 1 plain-together and 2 auto"):
         paired_vs_best(solos, plain[:1], auto)
+
+
+def _row(workload: str, mbit: float, vs_best: float, vs_best_wall: float,
+         reps: list[float], comm_s: float = 1.0) -> dict:
+    return {"workload": workload, "mbit": mbit, "compute_s": 2.0, "comm_s": comm_s,
+            "auto_vs_best_baseline": vs_best, "auto_vs_best_baseline_wall": vs_best_wall,
+            "auto_vs_best_baseline_reps": reps, "single_job_overhead": 0.01,
+            "bound_with_link_fraction": 0.9, "auto_vs_plain": 1.1, "auto_vs_sequential": 1.2,
+            "crossover_vs_plain_uncoordinated": 1.15}
+
+
+def test_headline_keys_the_worst_row_both_ways_and_the_comm_heavy_rows() -> None:
+    from summary import headline
+
+    rows = [_row("mlp", 500, 1.05, 1.08, [1.1, 1.0], comm_s=3.0),
+            _row("mlp", 0, 0.90, 1.20, [0.97, 0.95]),   # below 0.98 in every repetition
+            _row("cnn", 0, 0.95, 0.93, [0.99, 0.91])]   # the worst counted back to back
+    keys = headline(rows)
+    assert keys["worst_vs_best_baseline"] == 0.90
+    assert keys["worst_vs_best_baseline_wall"] == 0.93
+    assert keys["rows_below_in_every_rep"] == ["mlp@0"]
+    assert keys["headline_rows"] == ["mlp@500"]  # comm >= compute and a link
+    assert keys["link_bound_fraction"] == 0.9
 
 
 @pytest.mark.parametrize(("wins", "n", "p"), [
