@@ -175,8 +175,9 @@ def overlaps(events: Iterable[dict]) -> list[tuple[str, tuple, tuple]]:
 
 
 def plot_gantt(events: Iterable[dict], png: str | os.PathLike, title: str = "") -> None:
-    """Draw slot holds per device (one lane each), coloured by job, and the mode
-    switches the ranks recorded, to a PNG."""
+    """Draw slot holds per device (one lane each, split into a strip per job so that
+    concurrent holds show side by side instead of one painted over the other), coloured
+    by job, and the mode switches the ranks recorded, to a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -190,10 +191,11 @@ def plot_gantt(events: Iterable[dict], png: str | os.PathLike, title: str = "") 
     jobs = sorted({s[2] for spans in by_dev.values() for s in spans})
     colors = {j: plt.cm.tab10(i % 10) for i, j in enumerate(jobs)}
     fig, ax = plt.subplots(figsize=(12, 1.0 + 0.6 * len(by_dev)))
+    strip = 0.8 / len(jobs)
     for lane, spans in enumerate(by_dev.values()):
-        for job in jobs:
+        for i, job in enumerate(jobs):
             bars = [((s[0] - t0) / 1e3, (s[1] - s[0]) / 1e3) for s in spans if s[2] == job]
-            ax.broken_barh(bars, (lane - 0.4, 0.8), color=colors[job])
+            ax.broken_barh(bars, (lane + 0.4 - (i + 1) * strip, strip), color=colors[job])
     # Mode switches (policy auto): one dashed line per switch, however many ranks saw it.
     seen: list[float] = []
     for ev in sorted((e for e in events if e.get("ph") == "i"
@@ -203,13 +205,15 @@ def plot_gantt(events: Iterable[dict], png: str | os.PathLike, title: str = "") 
         seen.append(ev["ts"])
         x = (ev["ts"] - t0) / 1e3
         ax.axvline(x, color="grey", ls="--", lw=0.8)
-        ax.text(x, len(by_dev) - 0.45, ev["name"].removeprefix("mode "), fontsize=7,
-                rotation=90, va="top", ha="right", color="dimgrey")
+        # in a margin above the lanes, so the label never hides a hold
+        ax.text(x, len(by_dev) - 0.38, ev["name"].removeprefix("mode "), fontsize=7,
+                va="bottom", ha="left", color="dimgrey")
+    ax.set_ylim(-0.5, len(by_dev) - 0.5 + (0.3 if seen else 0.0))
     ax.set_yticks(range(len(by_dev)), list(by_dev))
     ax.set_xlabel("time (ms)")
     ax.set_title(title or "device slot holds")
     ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=colors[j]) for j in jobs],
-              labels=jobs, loc="upper right", fontsize="small")
+              labels=jobs, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
