@@ -198,6 +198,8 @@ def plot_gantt(events: Iterable[dict], png: str | os.PathLike, title: str = "") 
             ax.broken_barh(bars, (lane + 0.4 - (i + 1) * strip, strip), color=colors[job])
     # Mode switches (policy auto): one dashed line per switch, however many ranks saw it.
     seen: list[float] = []
+    span_ms = (max(s[1] for spans in by_dev.values() for s in spans) - t0) / 1e3
+    labelled = -span_ms  # where the last label went (ms)
     for ev in sorted((e for e in events if e.get("ph") == "i"
                       and str(e.get("name", "")).startswith("mode ")), key=lambda e: e["ts"]):
         if seen and ev["ts"] - seen[-1] < 2e5:  # the other ranks learn it within 0.2 s
@@ -205,9 +207,12 @@ def plot_gantt(events: Iterable[dict], png: str | os.PathLike, title: str = "") 
         seen.append(ev["ts"])
         x = (ev["ts"] - t0) / 1e3
         ax.axvline(x, color="grey", ls="--", lw=0.8)
-        # in a margin above the lanes, so the label never hides a hold
-        ax.text(x, len(by_dev) - 0.38, ev["name"].removeprefix("mode "), fontsize=7,
-                va="bottom", ha="left", color="dimgrey")
+        # in a margin above the lanes, so the label never hides a hold; a switch soon
+        # after the last labelled one gets its line only, or the labels overprint
+        if x - labelled >= 0.04 * span_ms:
+            ax.text(x, len(by_dev) - 0.38, ev["name"].removeprefix("mode "), fontsize=7,
+                    va="bottom", ha="left", color="dimgrey")
+            labelled = x
     ax.set_ylim(-0.5, len(by_dev) - 0.5 + (0.3 if seen else 0.0))
     ax.set_yticks(range(len(by_dev)), list(by_dev))
     ax.set_xlabel("time (ms)")
