@@ -78,16 +78,18 @@ def summarize(arms: tuple[str, str], times: list[tuple[float, float]]) -> dict:
 
 
 def runner(arm: str, launch: Callable[[list[str]], list[str]], runtime: Path | None,
-           workload: str, steps: int, job_env: dict[str, str], logs: Path
-           ) -> Callable[[str], float]:
+           workload: str, steps: int, job_env: dict[str, str], logs: Path,
+           start_together: bool = False) -> Callable[[str], float]:
     """A function that runs `arm` once (its jobs named with the given tag) and returns
-    its time: the makespan of the jobs together, or the sum of their solo times."""
+    its time: the makespan of the jobs together, or the sum of their solo times.
+    `start_together`: jobs launched together start their loops together (`jobs.run_jobs`)."""
     per_job = jobs.job_workloads(workload, 2)
     plain = {"CROSSOVER_ENABLE": "0"}
 
     def run(names: list[str], env: dict[str, str], first: int = 0) -> list[dict]:
         return jobs.run_jobs(launch, names, per_job[first], steps, env, logs, job_env=job_env,
-                        first_seed=1 + first, workloads=per_job[first:first + len(names)])
+                        first_seed=1 + first, workloads=per_job[first:first + len(names)],
+                        start_together=start_together)
 
     def once(tag: str) -> float:
         if arm == "sequential":
@@ -109,6 +111,10 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=8)
     parser.add_argument("--steps", type=int, default=100, help="steps per job")
     parser.add_argument("--name", default=None)
+    parser.add_argument("--start-together", action="store_true",
+                        help="jobs launched together start their training loops together, "
+                             "after every rank has set up: makespans without start-up, like "
+                             "the solo loops that sequential adds up")
     args = parser.parse_args()
     arms = tuple(args.arms.split(","))
     if len(arms) != 2 or arms[0] == arms[1] or not set(arms) <= set(ARMS):
@@ -122,7 +128,8 @@ def main() -> None:
         parser.error(f"--pairs {args.pairs}, --steps {args.steps}, --mbit {args.mbit:g}: "
                      f"need pairs and steps >= 1 and a rate >= 0")
     where = f"{args.mbit:g}mbit" if args.mbit else "onehost"
-    name = args.name or f"{arms[0]}_{arms[1]}_{args.workload.replace('+', '')}_{where}"
+    name = args.name or (f"{arms[0]}_{arms[1]}_{args.workload.replace('+', '')}_{where}"
+                         + ("_start_together" if args.start_together else ""))
     started = time.monotonic()
     times: list[tuple[float, float]] = []
     with tempfile.TemporaryDirectory(prefix="crossover-ab-") as tmp_s, ExitStack() as stack:
@@ -144,7 +151,8 @@ def main() -> None:
                 log = tmp / f"daemon-{arm}.log"
                 daemons.append(jobs.Daemons(cluster, runtime, POLICIES[arm], log) if args.mbit
                                else DaemonProcess(runtime, POLICIES[arm], log=log))
-            runs.append(runner(arm, launch, runtime, args.workload, args.steps, job_env, tmp))
+            runs.append(runner(arm, launch, runtime, args.workload, args.steps, job_env, tmp,
+                               args.start_together))
         for pair in range(args.pairs):
             pair_times = [0.0, 0.0]
             for i in arm_order(2, pair):
@@ -156,7 +164,7 @@ def main() -> None:
     verdict = summarize(arms, times)
     out = write_result(f"ab_{name}", {
         "arms": list(arms), "workload": args.workload, "mbit": args.mbit,
-        "steps": args.steps, "pairs": args.pairs,
+        "steps": args.steps, "pairs": args.pairs, "start_together": args.start_together,
         "order": "pair i runs A then B for even i, B then A for odd i", **verdict,
         "wall_s": time.monotonic() - started})
     a, b = arms

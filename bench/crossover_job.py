@@ -80,6 +80,32 @@ def build(model: str, width: int, layers: int) -> tuple[nn.Module, object]:
     raise ValueError(f"unknown model {model!r}; choose one of {', '.join(MODELS)}")
 
 
+def wait_for_all(barrier: Path, job: str, rank: int, size: int, n_jobs: int,
+                 timeout_s: float = 120.0) -> None:
+    """Mark this rank ready in `barrier`, then wait until every rank of `n_jobs` jobs is.
+
+    A rank writes `<job>.<rank>.<size>`: the files say which jobs have arrived and how many
+    ranks each has, so the launcher need not know the jobs' sizes.
+
+    Raises:
+        RuntimeError: not all ranks arrived within `timeout_s` (which are there is said).
+    """
+    (barrier / f"{job}.{rank}.{size}").touch()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ready: dict[str, list[int]] = {}
+        for name in os.listdir(barrier):
+            who, _rank, of = name.rsplit(".", 2)
+            ready.setdefault(who, []).append(int(of))
+        if len(ready) == n_jobs and all(set(v) == {len(v)} for v in ready.values()):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"start barrier {barrier}: after {timeout_s:.0f} s the ranks "
+                               f"ready are {sorted(os.listdir(barrier))}, not all ranks of "
+                               f"{n_jobs} jobs; did every job get --start-jobs {n_jobs}?")
+        time.sleep(0.002)
+
+
 def main() -> None:
     """Train and print the JSON line (rank 0)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -98,6 +124,13 @@ def main() -> None:
                         help="record the timed steps' GPU kernels with the torch profiler "
                              "to DIR/<job>.rank<r>.json, phase changes marked "
                              "(bench/gpu_release.py checks them against the holds)")
+    parser.add_argument("--start-barrier", type=Path, default=None,
+                        help="a directory shared by the jobs launched together: every rank "
+                             "waits there after its set-up until all --start-jobs jobs' "
+                             "ranks are ready, so no job's start-up runs inside another's "
+                             "training loop")
+    parser.add_argument("--start-jobs", type=int, default=1,
+                        help="how many jobs meet at --start-barrier")
     parser.add_argument("--skip-device-sync", action="store_true",
                         help="the negative control of that check: release the slot "
                              "without waiting for the GPU to finish")
@@ -141,6 +174,9 @@ def main() -> None:
 
     compute = comm = 0.0
     sync()
+    if args.start_barrier is not None:
+        wait_for_all(args.start_barrier, os.environ.get("CROSSOVER_JOB", "job"), hvd.rank(),
+                     hvd.size(), args.start_jobs)
     if profiler is not None:
         profiler.start()
     start_wall, start = time.time(), time.perf_counter()

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -98,7 +99,8 @@ def run_jobs(launch: EmulatedCluster | Callable[[list[str]], list[str]], names: 
              workload: list[str], steps: int, env: dict[str, str], log_dir: Path,
              timeout_s: float = 300.0, job_env: dict[str, str] | None = None,
              first_seed: int = 1, workloads: list[list[str]] | None = None,
-             job_envs: list[dict[str, str]] | None = None) -> list[dict]:
+             job_envs: list[dict[str, str]] | None = None,
+             start_together: bool = False) -> list[dict]:
     """Run the named jobs at once and return their JSON lines (job i gets seed
     `first_seed + i`).
 
@@ -108,6 +110,9 @@ def run_jobs(launch: EmulatedCluster | Callable[[list[str]], list[str]], names: 
         job_env: the jobs' base environment (default: JOB_ENV, for one core a host).
         workloads: per job, its own workload arguments (default: `workload` for all).
         job_envs: per job, variables added to its environment (e.g. CROSSOVER_PRIORITY).
+        start_together: the jobs' training loops start together, once every rank of every
+            job has set up (`crossover_job.py --start-barrier`): the makespan then holds
+            no job's launch or start-up, as the sum of solo loops does not.
 
     Raises:
         RuntimeError: a job failed (its output is in the message).
@@ -115,10 +120,14 @@ def run_jobs(launch: EmulatedCluster | Callable[[list[str]], list[str]], names: 
     if isinstance(launch, EmulatedCluster):
         launch = cluster_launch(launch)
     jobs = []
+    barrier: list[str] = []
+    if start_together:
+        where = Path(tempfile.mkdtemp(prefix="start-", dir=log_dir))
+        barrier = ["--start-barrier", str(where), "--start-jobs", str(len(names))]
     for i, name in enumerate(names):
         args = workloads[i] if workloads is not None else workload
         cmd = launch([sys.executable, str(JOB), *args, "--steps", str(steps),
-                      "--seed", str(first_seed + i)])
+                      "--seed", str(first_seed + i), *barrier])
         own = job_envs[i] if job_envs is not None else {}
         jobs.append(Job(name, cmd, {**(JOB_ENV if job_env is None else job_env), **env, **own,
                                     "CROSSOVER_JOB": name}))
