@@ -59,8 +59,9 @@ def report(results: dict[str, list[dict]], link_s: float) -> None:
             # one after the other: each at its solo rate for half the makespan, in effect
             ("sequential", [r["samples_per_s"] * r["seconds"] / sequential for r in solo],
              sequential)]
-    for arm in ("plain together", "crossover"):
-        rows.append((f"together, {arm}", [r["samples_per_s"] for r in results[arm]],
+    for arm, label in (("plain together", "together, plain Horovod"),
+                       ("crossover", "together, crossover (auto)")):
+        rows.append((label, [r["samples_per_s"] for r in results[arm]],
                      jobs.makespan(results[arm])))
     print(f"\n{'arm':<28}{'jobA samples/s':>15}{'jobB samples/s':>15}{'makespan s':>12}"
           f"{'x sequential':>14}")
