@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 import crossover.hooks.torch as crossover_torch
+from crossover.backoff import Backoff, wait_until
 from crossover.hooks import _lifecycle
 
 MODELS = ("mlp", "cnn", "transformer")
@@ -91,19 +92,19 @@ def wait_for_all(barrier: Path, job: str, rank: int, size: int, n_jobs: int,
         RuntimeError: not all ranks arrived within `timeout_s` (which are there is said).
     """
     (barrier / f"{job}.{rank}.{size}").touch()
-    deadline = time.monotonic() + timeout_s
-    while True:
-        ready: dict[str, list[int]] = {}
+
+    def all_ready() -> bool:
+        ready: dict[str, list[int]] = {}  # job -> the sizes its ready ranks wrote
         for name in os.listdir(barrier):
             who, _rank, of = name.rsplit(".", 2)
             ready.setdefault(who, []).append(int(of))
-        if len(ready) == n_jobs and all(set(v) == {len(v)} for v in ready.values()):
-            return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"start barrier {barrier}: after {timeout_s:.0f} s the ranks "
-                               f"ready are {sorted(os.listdir(barrier))}, not all ranks of "
-                               f"{n_jobs} jobs; did every job get --start-jobs {n_jobs}?")
-        time.sleep(0.002)
+        return len(ready) == n_jobs and all(set(v) == {len(v)} for v in ready.values())
+
+    # short pauses: the jobs' loops should start within a few milliseconds of each other
+    if not wait_until(all_ready, timeout_s, Backoff(5e-4, 2e-3)):
+        raise RuntimeError(f"start barrier {barrier}: after {timeout_s:.0f} s the ranks "
+                           f"ready are {sorted(os.listdir(barrier))}, not all ranks of "
+                           f"{n_jobs} jobs; did every job get --start-jobs {n_jobs}?")
 
 
 def main() -> None:
@@ -135,6 +136,9 @@ def main() -> None:
                         help="the negative control of that check: release the slot "
                              "without waiting for the GPU to finish")
     args = parser.parse_args()
+    if args.start_jobs < 1:
+        parser.error(f"--start-jobs {args.start_jobs}: give the number of jobs launched "
+                     f"together (>= 1)")
 
     hvd.init()
     if args.device == "cuda":

@@ -1,8 +1,9 @@
 """What a benchmark run's rows say: per-repetition ratios, fairness, how far apart a job's
 ranks ran, idle device time, the issue's keys and the README table.
 
-Pure functions of the rows and traces that `crossover_bench.py` and `ab_bench.py` write;
-table-tested in tests/test_bench_order.py.
+Functions of the rows `crossover_bench.py` builds and of the traces its runs write (no
+runs of their own); `paired_vs_best`, `idle_gaps` and `headline` are table-tested in
+tests/test_bench_order.py.
 """
 
 from __future__ import annotations
@@ -134,4 +135,3 @@ def print_table(rows: list[dict]) -> None:
               f"{100 * r['bound_with_link_fraction']:.0f}% | "
               f"{jain_['auto']:.3f} / {jain_['plain_together']:.3f} | "
               f"{100 * r['single_job_overhead']:+.1f}% |")
-
