@@ -8,6 +8,7 @@ import logging
 import sys
 import time
 
+from crossover import environment as E
 from crossover.scheduler import POLICIES
 
 
@@ -27,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--idle-shutdown", type=float, default=None, metavar="S",
                    help="exit after S seconds with no job (default: never)")
     d.add_argument("--runtime-dir", default=None, help="socket directory (default "
-                   "$CROSSOVER_RUNTIME_DIR or /tmp/crossover-UID)")
+                   "$CROSSOVER_RUNTIME_DIR, else $XDG_RUNTIME_DIR/crossover, else "
+                   "/tmp/crossover-UID)")
     d.add_argument("--cpu-devices", type=int, default=None, metavar="N",
                    help="split this node's cores into N devices (default: one per core)")
     d.add_argument("--mode-probe", type=float, default=2.0, metavar="S",
@@ -64,6 +66,14 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("-o", "--output", required=True)
 
     args = parser.parse_args(argv)
+    if args.command in ("daemon", "status"):
+        # the CROSSOVER_* values these read (node, runtime directory, native), refused
+        # before anything starts; a job only warns (see crossover.environment)
+        bad = E.check("daemon")
+        for line in bad:
+            print(f"crossover {args.command}: {line}", file=sys.stderr)
+        if bad:
+            return 2
     if args.command == "daemon":
         return _daemon(args)
     if args.command == "status":

@@ -1,29 +1,58 @@
-"""The CROSSOVER_* environment variables in one place, and the one node name that the
-client, the daemon, the launcher and the local runner all derive from them.
+"""The CROSSOVER_* environment variables in one place: each one's accepted form, default
+and what a bad value does, and the one node name that the client, the daemon, the
+launcher and the local runner all derive from them.
+
+An empty value is the same as an unset one. Flags take 1/0, true/false, yes/no or on/off
+(any case).
 
 Job side (crossoverrun sets them; all optional):
-    CROSSOVER_ENABLE           "0" turns every hook into a no-op (the job trains plain).
-    CROSSOVER_JOB              the job's name, the same on all its ranks.
-    CROSSOVER_RUNTIME_DIR      where the daemons' sockets are (default /tmp/crossover-UID).
-    CROSSOVER_PRIORITY         weight for the priority policy (default 1).
-    CROSSOVER_TRACE            directory for this job's trace files (one per rank).
-    CROSSOVER_PIN_CPU          "1" pins a CPU rank to its device's cores in antiphase
-                               (off by default; see `SlotClient`).
-    CROSSOVER_KEEP_WHEN_ALONE  "0": release at every phase even when the device could be
-                               kept (alone, or concurrent mode), to trace every phase.
+    CROSSOVER_ENABLE           flag, default 1; 0 turns every hook into a no-op (the job
+                               trains plain).
+    CROSSOVER_JOB              the job's name, the same on all its ranks: 1-200 printable
+                               characters without '/' (default "<script>-<pid of rank 0>",
+                               agreed among the ranks).
+    CROSSOVER_RUNTIME_DIR      where the daemons' sockets are (default
+                               $XDG_RUNTIME_DIR/crossover, else /tmp/crossover-<uid>).
+    CROSSOVER_PRIORITY         weight for the priority policy: a number > 0 (default 1).
+    CROSSOVER_TRACE            directory for this job's trace files, one per rank (default:
+                               no trace).
+    CROSSOVER_PIN_CPU          flag, default 0; 1 pins a CPU rank to its device's cores in
+                               antiphase (see `SlotClient`).
+    CROSSOVER_KEEP_WHEN_ALONE  flag, default 1; 0: release at every phase even when the
+                               device could be kept (alone, or concurrent mode), to trace
+                               every phase.
+    CROSSOVER_INJECT           flag, default 0; crossoverrun sets 1 so that its
+                               sitecustomize hooks Horovod's optimizers (crossover.launch).
 Daemon side:
-    CROSSOVER_NATIVE           "0": no slot table; every rank uses the socket path (for
-                               comparison runs; the native fast path is on by default).
+    CROSSOVER_NATIVE           flag, default 1; 0: no slot table, every rank uses the socket
+                               path (for comparison runs).
 Both sides:
-    CROSSOVER_NODE             this process's node name (emulated hosts share a hostname).
-    CROSSOVER_FAKE_NODES       fake N nodes on one machine (tests): daemon rank r is node
-                               fake<r>; a job rank of local rank l talks to fake<l % N>.
+    CROSSOVER_NODE             this process's node name (emulated hosts share a hostname):
+                               letters, digits, '.', '-' or '_' (default: the hostname).
+    CROSSOVER_FAKE_NODES       fake N nodes on one machine (tests): a whole number >= 0,
+                               default 0. Daemon rank r is node fake<r>; a job rank of local
+                               rank l talks to fake<l % N>.
+
+A value that does not parse is named in one line: `VAR='value': <accepted form> (default
+D)`. The launcher (`crossoverrun`) and the daemon's command refuse it before anything
+starts (`check`). A job never crashes over crossover (DESIGN.md, invariant 4), so in a job
+process the accessors say that line once on stderr and go on with the default, or, where
+guessing is unsafe, with crossover off for the process: a bad CROSSOVER_ENABLE or
+CROSSOVER_INJECT means off, and a bad CROSSOVER_NODE or CROSSOVER_FAKE_NODES raises
+ValueError, which the client turns into running uncoordinated (a guessed node could be
+another emulated host's daemon).
 """
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import socket
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 ENABLE = "CROSSOVER_ENABLE"
 JOB = "CROSSOVER_JOB"
@@ -32,15 +61,239 @@ PRIORITY = "CROSSOVER_PRIORITY"
 TRACE = "CROSSOVER_TRACE"
 PIN_CPU = "CROSSOVER_PIN_CPU"
 KEEP_WHEN_ALONE = "CROSSOVER_KEEP_WHEN_ALONE"
+INJECT = "CROSSOVER_INJECT"
 NATIVE = "CROSSOVER_NATIVE"
 NODE = "CROSSOVER_NODE"
 FAKE_NODES = "CROSSOVER_FAKE_NODES"
 
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+FLAG_FORM = "give 1/0, true/false, yes/no or on/off"
 
-def flag(name: str, default: bool = True) -> bool:
-    """A "0"/"1" switch: anything but "0" is on; unset is `default`."""
+
+def parse_flag(value: str) -> bool:
+    """A switch as Horovod and torchrun users write one.
+
+    Raises:
+        ValueError: not one of 1/0, true/false, yes/no, on/off (any case).
+    """
+    v = value.strip().lower()
+    if v in _TRUE or v in _FALSE:
+        return v in _TRUE
+    raise ValueError(value)
+
+
+def _weight(value: str) -> float:
+    w = float(value)  # ValueError for 'abc'
+    # nan and inf parse as floats, but the daemon refuses them in a Hello
+    if not (math.isfinite(w) and w > 0):
+        raise ValueError(value)
+    return w
+
+
+def _count(value: str) -> int:
+    # a regex, not int(): int() also takes '+2', '2_0' and other digit scripts
+    if not re.fullmatch(r"\s*[0-9]+\s*", value):
+        raise ValueError(value)
+    return int(value)
+
+
+def _node(value: str) -> str:
+    # the name is part of the socket's file name (node-<name>.sock): no '/' or spaces
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", value):
+        raise ValueError(value)
+    return value
+
+
+def _job(value: str) -> str:
+    # the daemon takes 1-200 printable characters; '/' would put the trace files
+    # (<job>.rank<r>.json) in another directory
+    if not (len(value) <= 200 and value.isprintable() and "/" not in value):
+        raise ValueError(value)
+    return value
+
+
+def _path(value: str) -> str:
+    return value
+
+
+@dataclass(frozen=True)
+class Var:
+    """One CROSSOVER_* variable.
+
+    Args:
+        name: the variable.
+        parse: the value (never empty) to the setting; ValueError if it does not parse.
+        default: the setting when the variable is unset or empty.
+        shown: the default as the error line shows it.
+        form: the accepted form, as the fix to a bad value ("give ...").
+        sides: who reads it: "job", "daemon" (the launcher reads them all).
+        bad: the setting a job process uses for a value that does not parse.
+        effect: what that means, appended to the job process's warning.
+        strict: a bad value raises ValueError even in a job process (the caller turns
+            crossover off for the process).
+    """
+
+    name: str
+    parse: Callable[[str], Any]
+    default: Any
+    shown: str
+    form: str
+    sides: tuple[str, ...] = ("job",)
+    bad: Any = None
+    effect: str = ""
+    strict: bool = False
+
+    def line(self, value: str) -> str:
+        """The one line naming the variable, its value and the accepted form."""
+        return f"{self.name}={value!r}: {self.form} (default {self.shown})"
+
+
+def _var(name: str, parse: Callable[[str], Any], default: Any, shown: str, form: str,
+         sides: tuple[str, ...] = ("job",), bad: Any = ..., effect: str = "",
+         strict: bool = False) -> Var:
+    if bad is ...:
+        bad, effect = default, effect or f"using {shown}"
+    return Var(name, parse, default, shown, form, sides, bad, effect, strict)
+
+
+_OFF = "crossover is off in this process"
+#: Every variable, by name: the table the accessors, `check` and the tests read.
+VARS: dict[str, Var] = {v.name: v for v in [
+    _var(ENABLE, parse_flag, True, "1", FLAG_FORM, bad=False, effect=_OFF),
+    _var(JOB, _job, None, "<script>-<pid of rank 0>",
+         "give 1-200 printable characters without '/'"),
+    _var(RUNTIME_DIR, _path, None, "$XDG_RUNTIME_DIR/crossover, else /tmp/crossover-<uid>",
+         "give a directory",
+         sides=("job", "daemon")),
+    _var(PRIORITY, _weight, 1.0, "1", "give a number > 0"),
+    _var(TRACE, _path, None, "no trace", "give a directory"),
+    _var(PIN_CPU, parse_flag, False, "0", FLAG_FORM),
+    _var(KEEP_WHEN_ALONE, parse_flag, True, "1", FLAG_FORM),
+    _var(INJECT, parse_flag, False, "0", FLAG_FORM, bad=False,
+         effect="Horovod is not hooked in this process"),
+    _var(NATIVE, parse_flag, True, "1", FLAG_FORM, sides=("daemon",)),
+    _var(NODE, _node, None, "the hostname",
+         "give a node name of letters, digits, '.', '-' or '_'", sides=("job", "daemon"),
+         strict=True),
+    _var(FAKE_NODES, _count, 0, "0", "give a whole number of nodes >= 0",
+         sides=("job", "daemon"), strict=True),
+]}
+
+_reported: set[str] = set()  # variables whose bad value this process has reported
+
+
+def problem(name: str, value: str | None) -> str | None:
+    """The error line for `value` of variable `name`, None if it parses (or is unset)."""
+    if not value:
+        return None
+    var = VARS[name]
+    try:
+        var.parse(value)
+    except ValueError:
+        return var.line(value)
+    return None
+
+
+def check(side: str | None = None, environ: Mapping[str, str] | None = None) -> list[str]:
+    """Every bad value in `environ` (default os.environ), one line each: for a command
+    that refuses them before it starts anything.
+
+    Args:
+        side: only the variables that side reads ("job", "daemon"); None: all of them.
+        environ: the environment to check.
+
+    Returns:
+        The error lines, in the order of `VARS`; empty if every value parses.
+    """
+    env = os.environ if environ is None else environ
+    found = (problem(v.name, env.get(v.name)) for v in VARS.values()
+             if side is None or side in v.sides)
+    return [line for line in found if line]
+
+
+def get(name: str) -> Any:
+    """The setting of variable `name` for this process (see the module doc).
+
+    A bad value is said once on stderr and the variable's safe setting used instead.
+
+    Raises:
+        ValueError: a bad value of a variable whose safe setting is crossover off
+            (CROSSOVER_NODE, CROSSOVER_FAKE_NODES), with the error line.
+    """
+    var = VARS[name]
     value = os.environ.get(name)
-    return default if value is None or value == "" else value != "0"
+    if not value:
+        return var.default
+    try:
+        return var.parse(value)
+    except ValueError:
+        if var.strict:
+            raise ValueError(var.line(value)) from None
+        _report(name, f"{var.line(value)}; {var.effect}")
+        return var.bad
+
+
+def _report(name: str, message: str) -> None:
+    # once per variable: the hooks ask on every step, and one line is enough
+    if name not in _reported:
+        _reported.add(name)
+        print(f"crossover: WARNING: {message}", file=sys.stderr, flush=True)
+
+
+# --- one accessor per variable ---------------------------------------------------------
+def enabled() -> bool:
+    """CROSSOVER_ENABLE: False turns every hook into a no-op (a bad value too)."""
+    return bool(get(ENABLE))
+
+
+def job_name() -> str | None:
+    """CROSSOVER_JOB, or None (unset or bad: the ranks agree on a name)."""
+    return get(JOB)
+
+
+def runtime_dir_setting() -> str | None:
+    """CROSSOVER_RUNTIME_DIR as given, or None (see `crossover.transport.runtime_dir`)."""
+    return get(RUNTIME_DIR)
+
+
+def priority() -> float:
+    """CROSSOVER_PRIORITY: the weight for the priority policy, > 0 (default 1)."""
+    return float(get(PRIORITY))
+
+
+def trace_dir() -> str | None:
+    """CROSSOVER_TRACE: the directory for this job's trace files, or None."""
+    return get(TRACE)
+
+
+def pin_cpu() -> bool:
+    """CROSSOVER_PIN_CPU: pin a CPU rank to its device's cores (default off)."""
+    return bool(get(PIN_CPU))
+
+
+def keep_when_alone() -> bool:
+    """CROSSOVER_KEEP_WHEN_ALONE: keep a device no one else wants (default on)."""
+    return bool(get(KEEP_WHEN_ALONE))
+
+
+def inject() -> bool:
+    """CROSSOVER_INJECT: hook Horovod's optimizer factories at start-up (default off)."""
+    return bool(get(INJECT))
+
+
+def native() -> bool:
+    """CROSSOVER_NATIVE: the daemon makes the node's slot table (default on)."""
+    return bool(get(NATIVE))
+
+
+def node_setting() -> str | None:
+    """CROSSOVER_NODE, or None.
+
+    Raises:
+        ValueError: the value is not a node name, naming the variable.
+    """
+    return get(NODE)
 
 
 def fake_nodes() -> int:
@@ -49,20 +302,37 @@ def fake_nodes() -> int:
     Raises:
         ValueError: the value is not a whole number >= 0, naming the variable.
     """
-    value = os.environ.get(FAKE_NODES, "") or "0"
+    return int(get(FAKE_NODES))
+
+
+def flag(name: str, default: bool = True) -> bool:
+    """A switch (1/0, true/false, yes/no, on/off); unset or empty is `default`.
+
+    A bad value is said once on stderr; a variable of the table then takes its safe
+    setting (off for CROSSOVER_ENABLE), any other name `default`.
+    """
+    value = os.environ.get(name)
+    if not value:
+        return default
+    if name in VARS:
+        return bool(get(name))
     try:
-        n = int(value)
+        return parse_flag(value)
     except ValueError:
-        n = -1
-    if n < 0:
-        raise ValueError(f"{FAKE_NODES}={value!r}: give a number of nodes (>= 0), or unset it")
-    return n
+        _report(name, f"{name}={value!r}: {FLAG_FORM} (default {int(default)}); "
+                      f"using {int(default)}")
+        return default
 
 
 def node_name(index: int = 0) -> str:
     """The node of this process: $CROSSOVER_NODE, else fake<index mod N> under fake
-    nodes (`index`: a daemon's rank, a job rank's local rank), else the hostname."""
-    if os.environ.get(NODE):
-        return os.environ[NODE]
+    nodes (`index`: a daemon's rank, a job rank's local rank), else the hostname.
+
+    Raises:
+        ValueError: CROSSOVER_NODE or CROSSOVER_FAKE_NODES is bad, naming it.
+    """
+    node = node_setting()
+    if node:
+        return node
     fake = fake_nodes()
     return f"fake{index % fake}" if fake else socket.gethostname()

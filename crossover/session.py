@@ -1,8 +1,9 @@
 """The process's crossover session: one slot client per process, set up from the
 environment, plus the context managers for custom training loops.
 
-The environment it reads is listed in `crossover.environment`; without CROSSOVER_JOB
-the job's name is "<script>-<pid of rank 0>", agreed over Horovod so all ranks use it.
+The environment it reads is listed, and parsed, in `crossover.environment`: a bad value
+there is said once and never stops the job. Without CROSSOVER_JOB the job's name is
+"<script>-<pid of rank 0>", agreed over Horovod so all ranks use it.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ _client: SlotClient | None = None
 
 
 def enabled() -> bool:
-    """False when CROSSOVER_ENABLE=0: hooks then leave the job untouched."""
-    return E.flag(E.ENABLE)
+    """False when CROSSOVER_ENABLE is off (or not a flag, said once): hooks then leave
+    the job untouched."""
+    return E.enabled()
 
 
 def init(job: str | None = None, gpu: int | None = None) -> SlotClient:
@@ -43,15 +45,15 @@ def init(job: str | None = None, gpu: int | None = None) -> SlotClient:
     if _client is not None:
         return _client
     info = RankInfo.from_env()
-    name = job or os.environ.get(E.JOB) or _agreed_job_name(info)
-    trace_dir = os.environ.get(E.TRACE)
+    name = job or E.job_name() or _agreed_job_name(info)
+    trace_dir = E.trace_dir()
     trace = TraceRecorder(name, info.rank, Path(trace_dir) / f"{name}.rank{info.rank}.json") \
         if trace_dir else None
     _client = SlotClient(
         name, info,
-        weight=float(os.environ.get(E.PRIORITY, "1")),
+        weight=E.priority(),
         gpu=gpu,
-        pin_cpu=E.flag(E.PIN_CPU, default=False),
+        pin_cpu=E.pin_cpu(),
         trace=trace,
     )
     atexit.register(shutdown)

@@ -23,8 +23,8 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+from crossover import environment as E
 from crossover.backoff import Backoff, wait_until
-from crossover.environment import node_name
 from crossover.launch import jobspec
 from crossover.launch.inject import INJECT_ENV, inject_dir
 from crossover.probe import daemon_listens, daemon_status
@@ -247,7 +247,7 @@ def _start_daemon(rdir: Path, policy: str, hosts: list[str], idle_shutdown_s: fl
     (rdir / "daemon.pid").write_text(f"{proc.pid}\n")  # `kill $(cat daemon.pid)` stops it
     if not any(_local(h) for h in hosts):
         return  # nothing local to wait for
-    path = socket_path(node_name(), rdir)  # CROSSOVER_NODE / _FAKE_NODES name it too
+    path = socket_path(E.node_name(), rdir)  # CROSSOVER_NODE / _FAKE_NODES name it too
     if not wait_until(lambda: daemon_listens(rdir), 60, Backoff(0.01, 0.2)):
         raise UsageError(f"started a crossover daemon but it did not listen on {path} "
                          f"within 60 s; see {rdir / 'daemon.log'}")
@@ -357,6 +357,13 @@ def _prefix(name: str, stream) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `crossoverrun`."""
     argv = sys.argv[1:] if argv is None else argv
+    # Every CROSSOVER_* value, before anything starts: the jobs, the daemon and this
+    # launcher all inherit them, and a job would only warn and go on with a default.
+    bad = E.check()
+    if bad:
+        for line in bad:
+            print(f"crossoverrun: error: {line}", file=sys.stderr)
+        return 2
     try:
         flags, rest = split_argv(argv)
         args = parse_plugin(flags)

@@ -17,7 +17,9 @@ import sys
 from collections.abc import Callable
 from types import ModuleType
 
-INJECT_ENV = "CROSSOVER_INJECT"
+from crossover import environment as E
+
+INJECT_ENV = E.INJECT
 #: Module name -> (factory attribute, adapter module) to wrap on import.
 TARGETS: dict[str, list[tuple[str, str]]] = {
     "horovod.torch": [("DistributedOptimizer", "crossover.hooks.torch")],
@@ -91,7 +93,9 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 
 def _report_at_exit() -> None:
-    if _imported and not _wrapped and os.environ.get("CROSSOVER_ENABLE", "1") != "0":
+    # Not with crossover off: the hooks then wrap nothing on purpose (a bad value of
+    # CROSSOVER_ENABLE is off too, and was said already)
+    if _imported and not _wrapped and E.enabled():
         print(f"crossover: WARNING: this process imported {', '.join(_imported)} but built "
               f"no Horovod DistributedOptimizer or DistributedGradientTape, so it ran "
               f"without crossover", file=sys.stderr, flush=True)

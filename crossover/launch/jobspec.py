@@ -23,6 +23,8 @@ from typing import Any
 
 import yaml
 
+from crossover import environment as E
+
 FIELDS = {"name", "command", "np", "hosts", "priority", "env", "horovodrun_args", "timeout"}
 
 
@@ -146,6 +148,9 @@ def _check(raw: dict) -> list[str]:
     if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str | int | float)
                                             for k, v in env.items()):
         out.append(f"field 'env': expected a mapping of names to strings, got {env!r}")
+    else:  # the job's crossoverrun would refuse them only once the other jobs run
+        out += [f"field 'env': {line}" for line in E.check(environ={
+            k: str(v) for k, v in env.items()})]
     extra = raw.get("horovodrun_args", [])
     if not isinstance(extra, list) or not all(isinstance(a, str) for a in extra):
         out.append(f"field 'horovodrun_args': expected a list of strings, got {extra!r}")

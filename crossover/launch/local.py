@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from crossover import environment as E
 from crossover.backoff import Backoff, wait_until
 from crossover.probe import daemon_listens
 
@@ -69,12 +70,19 @@ class DaemonProcess:
         runtime_dir: socket directory to use (a fresh one isolates a run).
         policy, lease_s, idle_shutdown_s: passed to `crossover daemon`.
         log: file for the daemon's output.
+
+    Raises:
+        ValueError: a CROSSOVER_* value the daemon would refuse, one line each.
+        RuntimeError: the daemon did not listen within `timeout_s`.
     """
 
     def __init__(self, runtime_dir: Path, policy: str = "auto", lease_s: float = 30.0,
                  idle_shutdown_s: float | None = None, log: Path | None = None,
                  timeout_s: float = 60.0) -> None:
         self.runtime_dir = Path(runtime_dir)
+        bad = E.check("daemon")  # the daemon would exit with them: say so, not "timed out"
+        if bad:
+            raise ValueError("\n".join(bad))
         cmd = [sys.executable, "-m", "crossover", "daemon", "--policy", policy,
                "--lease", str(lease_s), "--runtime-dir", str(self.runtime_dir)]
         if idle_shutdown_s is not None:

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = output_shapes(graph, micro[0])
     client = None
     if args.slots:  # the job's name, trace and node come from CROSSOVER_* as for any job
-        client = session.init(job=os.environ.get(E.JOB) or f"pipeline-{args.model}")
+        client = session.init(job=E.job_name() or f"pipeline-{args.model}")
     times, loss = [], 0.0
     runner = StageRunner(graph, plan, sched, stage, comm, shapes, client, args.timeout)
     for _ in range(args.iters):

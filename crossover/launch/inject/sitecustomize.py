@@ -8,10 +8,15 @@ import importlib.util
 import os
 import sys
 
-if os.environ.get("CROSSOVER_INJECT") == "1":
-    from crossover.launch.inject import install
+# Every Python process started with this PYTHONPATH runs this file (mpirun's helpers
+# included): without CROSSOVER_INJECT it does not import crossover (about 0.2 s).
+if os.environ.get("CROSSOVER_INJECT"):
+    from crossover import environment
 
-    install()
+    if environment.inject():  # a bad value is said once, and means no hooks
+        from crossover.launch.inject import install
+
+        install()
 
 _here = os.path.dirname(os.path.abspath(__file__))
 _rest = [p for p in sys.path if os.path.abspath(p or ".") != _here]
