@@ -397,3 +397,54 @@ def test_running_statistics_move_with_their_stage(tmp_path, cluster):
     assert runs[0]["losses"] == pytest.approx(losses, rel=1e-12)
     assert not torch.equal(state["layers.4.running_mean"], torch.zeros(32, dtype=torch.float64))
     assert_close(state, module)
+
+
+# One rank cannot migrate (a sparse tensor to send), or one rank never comes: every rank
+# that migrates ends with the same error, none waits for ever.
+FAILING = """
+import sys, torch
+from mpi4py import MPI
+from crossover.freeze.migrate import migrate
+
+comm, case = MPI.COMM_WORLD, sys.argv[1]
+rank = comm.Get_rank()
+if case == "sparse":  # rank 0 sends w (sparse), rank 1 sends v
+    params = {"w": torch.zeros(3, dtype=torch.float64).to_sparse(), "v": torch.ones(2)}
+    try:
+        migrate(params, {}, {"w": [0], "v": [1]}, {"w": [1], "v": [0]}, comm, timeout=30)
+    except ValueError as exc:
+        print(f"rank {rank} refused: {exc}", flush=True)
+    comm.Barrier()  # the ranks go on together: the failure left MPI usable
+    print(f"rank {rank} went on", flush=True)
+elif rank == 0:  # "absent": rank 1 never migrates
+    try:
+        migrate({"w": torch.ones(2)}, {}, {"w": [1]}, {"w": [0]}, comm, timeout=1)
+    except TimeoutError as exc:
+        print(f"rank {rank} timed out: {exc}", flush=True)
+"""
+
+
+@pytest.mark.mpi
+def test_a_migration_one_rank_cannot_send_fails_on_every_rank(tmp_path, cluster):
+    script = tmp_path / "failing.py"
+    script.write_text(FAILING)
+    proc = Proc(mpirun(2, PY, str(script), "sparse"), {**cluster.env, "CROSSOVER_ENABLE": "0"},
+                tmp_path / "sparse.log")
+    cluster.procs.append(proc)
+    out = proc.wait(90)
+    for rank in (0, 1):
+        assert f"rank {rank} refused: migrating stage parameters failed on rank 0: " \
+               "ValueError: a sparse tensor cannot be migrated byte for byte" in out, out
+        assert f"rank {rank} went on" in out, out
+
+
+@pytest.mark.mpi
+def test_a_migration_a_rank_never_joins_times_out_naming_the_wait(tmp_path, cluster):
+    script = tmp_path / "failing.py"
+    script.write_text(FAILING)
+    proc = Proc(mpirun(2, PY, str(script), "absent"), {**cluster.env, "CROSSOVER_ENABLE": "0"},
+                tmp_path / "absent.log")
+    cluster.procs.append(proc)
+    out = proc.wait(90)
+    assert "rank 0 timed out: migrating stage parameters: every rank's ok or error: " \
+           "not done in 1 s" in out, out

@@ -89,20 +89,88 @@ def test_pipeline_stages_take_slots_from_the_daemon(tmp_path, cluster):
 
 
 def test_a_missing_peer_times_out_with_a_message():
+    """The one polling helper (runner and migration): a deadline, a message naming what
+    was waited for, and cancelling leaves no request in flight."""
     code = (
         "from mpi4py import MPI\n"
         "import numpy as np\n"
-        "from crossover.pipeline.runner import _wait\n"
+        "from crossover.pipeline.waits import InFlight, wait_requests\n"
         "req = MPI.COMM_SELF.Irecv(np.empty(3), source=0, tag=5)\n"
         "try:\n"
-        "    _wait(req, 0.5, 'stage 1 waited for x')\n"
+        "    wait_requests([req], 0.5, 'stage 1 waited for x')\n"
         "except TimeoutError as e:\n"
         "    print('TIMEOUT', e)\n"
-        "    req.Cancel()\n"
+        "flight = InFlight()\n"
+        "flight.add(req, None, 'x from stage 0')\n"
+        "flight.add(MPI.COMM_SELF.Irecv(np.empty(3), source=0, tag=6), None, 'y')\n"
+        "try:\n"
+        "    flight.wait(0.2)\n"
+        "except TimeoutError as e:\n"
+        "    print('FLIGHT', e)\n"
+        "flight.cancel()\n"
+        "print('LEFT', len(flight), req.Test())\n"
     )
     out = subprocess.run([PY, "-c", code], cwd=REPO, capture_output=True, text=True,
                          timeout=60)
-    assert "TIMEOUT stage 1 waited for x: is that rank alive" in out.stdout, out.stderr
+    assert "TIMEOUT stage 1 waited for x: not done in 0.5 s" in out.stdout, out.stderr
+    assert "FLIGHT x from stage 0: not done in 0.2 s" in out.stdout, out.stderr
+    assert "LEFT 0 True" in out.stdout, out.stdout + out.stderr
+
+
+# Rank 0 runs stage 0 of a 2-stage chain; rank 1 never runs stage 1. Rank 0's wait for
+# the first gradient times out; it must leave no request in flight (a late message would
+# land in freed memory, and freeing the communicator would strand it).
+ABANDONED = """
+import torch
+from mpi4py import MPI
+from crossover.pipeline.graph import Graph
+from crossover.pipeline.models import build
+from crossover.pipeline.partition import plan_for
+from crossover.pipeline.runner import StageRunner, output_shapes
+from crossover.pipeline.schedule import schedule_for
+
+class Recording:  # the communicator, keeping every point-to-point request it starts
+    def __init__(self, comm):
+        self.comm, self.requests = comm, []
+    def __getattr__(self, name):
+        return getattr(self.comm, name)
+    def Isend(self, *a, **k):
+        self.requests.append(self.comm.Isend(*a, **k))
+        return self.requests[-1]
+    def Irecv(self, *a, **k):
+        self.requests.append(self.comm.Irecv(*a, **k))
+        return self.requests[-1]
+
+world = MPI.COMM_WORLD
+sub = world.Dup()
+spec = build("chain", torch.float64, small=True)
+graph = Graph.from_fx(spec.module)
+plan = plan_for(graph, 2, 8, 4)
+x, y = spec.make_batch(8, 1)
+shapes = output_shapes(graph, {k: v[:2] for k, v in x.items()})
+if world.Get_rank() == 0:
+    rec = Recording(sub)
+    runner = StageRunner(graph, plan, schedule_for(plan), 0, rec, shapes, timeout=1.0,
+                         replica_comms={})
+    try:
+        runner.run(lambda m: {k: v[2 * m:2 * m + 2] for k, v in x.items()},
+                   lambda m: y[2 * m:2 * m + 2], spec.loss)
+    except TimeoutError as exc:
+        print("TIMEOUT", exc, flush=True)
+    print("REQUESTS", len(rec.requests), "ACTIVE", sum(not r.Test() for r in rec.requests),
+          flush=True)
+    sub.Free()
+world.Barrier()
+"""
+
+
+def test_a_timed_out_runner_leaves_no_request_in_flight(tmp_path):
+    script = tmp_path / "abandoned.py"
+    script.write_text(ABANDONED)
+    env = dict(os.environ, CROSSOVER_ENABLE="0", CROSSOVER_RUNTIME_DIR=str(tmp_path / "run"))
+    out = Proc(mpirun(2, PY, str(script)), env, tmp_path / "abandoned.log").wait(120)
+    assert "ACTIVE 0" in out, out[-3000:]  # the gradient's receive was cancelled
+    assert "TIMEOUT stage 0 receiving the gradient" in out, out[-3000:]
 
 
 # --- replicated (data-parallel) stages ------------------------------------------------------

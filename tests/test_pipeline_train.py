@@ -87,6 +87,17 @@ def test_pipelined_training_equals_one_process_step_by_step(tmp_path, cluster, n
     module.load_state_dict(state)
 
 
+def test_tied_weights_train_like_one_process(tmp_path, cluster):
+    """A tied embedding and output layer (one parameter held by two ops) over 2 stages
+    ends with one process's weights: the two ops share a stage, so one copy trains
+    with both parts of its gradient (split, two copies would drift apart)."""
+    got, state = train(tmp_path, cluster, "tied_lm", 2, 5, "", "0.9")
+    losses, module = one_process("tied_lm", 5, momentum=0.9)
+    assert got["stages"] == 2
+    assert got["losses"] == pytest.approx(losses, rel=1e-12)
+    assert_close(state, module)
+
+
 def test_a_checkpoint_resumes_training(tmp_path, cluster):
     train(tmp_path, cluster, "chain", 2, 3, tag="first")
     got, state = train(tmp_path, cluster, "chain", 2, 5, str(tmp_path / "first.pt"),

@@ -12,7 +12,10 @@ entries' names, shapes and dtypes (and any non-tensor state such as an int step 
 then one message of raw bytes per (sender, receiver) pair, the tensors' own bytes
 concatenated. Bytes in, the same bytes out: nothing is cast or recomputed, so a
 migration changes no bit (`state_hash` proves it in the tests). Every rank of the
-communicator calls `migrate`, owners or not: it is collective.
+communicator calls `migrate`, owners or not: it is collective. Before the first
+exchange the ranks agree that every one of them could prepare its sends, so a rank that
+cannot (a sparse tensor) makes every rank raise its error instead of leaving them
+waiting; every wait has the deadline `timeout` (`crossover.pipeline.waits`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any
 
 import torch
 
-from crossover.backoff import Backoff, wait_until
+from crossover.pipeline.waits import InFlight, agree, alltoall, wait_requests
 
 State = dict[str, dict[str, Any]]  # parameter name -> optimizer state key -> value
 
@@ -139,55 +142,55 @@ def migrate(params: Mapping[str, torch.Tensor], state: Mapping[str, Mapping[str,
         state: this rank's optimizer state by name (`optimizer_state`).
         old, new: name -> owner ranks before and after (see `plan_moves`).
         comm: the mpi4py communicator the ranks are numbered in.
-        timeout: seconds the byte messages may take.
+        timeout: seconds each wait on the other ranks may take.
 
     Returns:
         The optimizer state of the parameters this rank owns under `new`: its own
         entries for those it kept, received ones for the rest.
 
     Raises:
-        ValueError: a parameter with no old owner, or a sparse tensor.
-        TimeoutError: a peer did not send or receive in time (it names the peer).
+        ValueError: on every rank, if any rank could not prepare its sends (a sparse
+            tensor, a parameter it does not hold, one with no old owner): "migrating
+            stage parameters failed on rank r: ..." with that rank's reason.
+        TimeoutError: a peer did not take part, send or receive in time (it names
+            the wait and the peer).
     """
     rank, size = comm.Get_rank(), comm.Get_size()
-    moves = plan_moves(old, new)
-    outgoing: list[list[tuple]] = [[] for _ in range(size)]
-    payload: list[list[torch.Tensor]] = [[] for _ in range(size)]
-    for mv in moves:
-        if mv.src != rank:
-            continue
-        entries = [(mv.name, None, *_meta(params[mv.name]))]
-        payload[mv.dst].append(params[mv.name])
-        for key, value in sorted(state.get(mv.name, {}).items()):
-            if isinstance(value, torch.Tensor):
-                entries.append((mv.name, key, *_meta(value)))
-                payload[mv.dst].append(value)
-            else:  # a plain Python value (an int step count, a flag): pickled exactly
-                entries.append((mv.name, key, "value", value))
-        outgoing[mv.dst] += entries
-    # a private communicator: these messages never meet the stages' activation tags
-    mcomm = comm.Dup()
+    what = "migrating stage parameters"
+    failure: Exception | None = None
     try:
-        incoming = mcomm.alltoall(outgoing)
-        pending = []
+        outgoing, payload = _outgoing(plan_moves(old, new), rank, size, params, state)
+    except Exception as exc:  # whatever it is, the peers must hear of it, not hang
+        failure = exc
+    try:
+        # every rank learns of any rank's failure before the first exchange: a rank
+        # raising alone here would leave the others blocked in it
+        agree(comm, None if failure is None else f"{type(failure).__name__}: {failure}",
+              timeout, what)
+    except ValueError as agreed:
+        raise agreed from failure
+    # a private communicator: these messages never meet the stages' activation tags
+    mcomm, req = comm.Idup()
+    wait_requests([req], timeout, f"{what}: a private communicator")
+    flight = InFlight()
+    try:
+        incoming = alltoall(mcomm, outgoing, timeout, f"{what}: the entries' shapes")
         for dst, tensors in enumerate(payload):
             if tensors:
                 buf = torch.cat([_bytes(t) for t in tensors])
-                pending.append((mcomm.Isend(buf.numpy(), dest=dst, tag=0), buf,
-                                f"rank {rank} sending stage parameters to rank {dst}"))
+                flight.add(mcomm.Isend(buf.numpy(), dest=dst, tag=0), buf,
+                           f"rank {rank} sending stage parameters to rank {dst}")
         received = {}
         for src, entries in enumerate(incoming):
             total = sum(e[4] for e in entries if e[2] != "value")
             if entries:
                 buf = torch.empty(total, dtype=torch.uint8)
                 received[src] = buf
-                pending.append((mcomm.Irecv(buf.numpy(), source=src, tag=0), buf,
-                                f"rank {rank} receiving stage parameters from rank {src}"))
-        for req, _buf, what in pending:
-            if not wait_until(req.Test, timeout, Backoff(1e-5, 1e-3)):
-                raise TimeoutError(f"{what}: not done in {timeout:.0f} s; is that rank "
-                                   f"alive and re-partitioning too?")
+                flight.add(mcomm.Irecv(buf.numpy(), source=src, tag=0), buf,
+                           f"rank {rank} receiving stage parameters from rank {src}")
+        flight.wait(timeout)
     finally:
+        flight.cancel()  # none left after a success; after a failure, before the Free
         mcomm.Free()
     kept: State = {n: dict(s) for n, s in state.items() if rank in new.get(n, ())}
     for src, entries in enumerate(incoming):
@@ -206,6 +209,33 @@ def migrate(params: Mapping[str, torch.Tensor], state: Mapping[str, Mapping[str,
             else:
                 kept.setdefault(name, {})[key] = t
     return kept
+
+
+def _outgoing(moves: Sequence[Move], rank: int, size: int, params: Mapping[str, torch.Tensor],
+              state: Mapping[str, Mapping[str, Any]]
+              ) -> tuple[list[list[tuple]], list[list[torch.Tensor]]]:
+    """This rank's sends: per receiving rank, the entries' names and metadata, and the
+    tensors whose bytes follow in that order.
+
+    Raises:
+        ValueError: a tensor cannot travel as bytes (sparse).
+        KeyError: a moved parameter that `params` does not hold.
+    """
+    outgoing: list[list[tuple]] = [[] for _ in range(size)]
+    payload: list[list[torch.Tensor]] = [[] for _ in range(size)]
+    for mv in moves:
+        if mv.src != rank:
+            continue
+        entries = [(mv.name, None, *_meta(params[mv.name]))]
+        payload[mv.dst].append(params[mv.name])
+        for key, value in sorted(state.get(mv.name, {}).items()):
+            if isinstance(value, torch.Tensor):
+                entries.append((mv.name, key, *_meta(value)))
+                payload[mv.dst].append(value)
+            else:  # a plain Python value (an int step count, a flag): pickled exactly
+                entries.append((mv.name, key, "value", value))
+        outgoing[mv.dst] += entries
+    return outgoing, payload
 
 
 def state_hash(params: Mapping[str, torch.Tensor],

@@ -10,27 +10,69 @@ With `cache_frozen` the frozen front is not priced at a fraction: it is cut off
 partitioner may now run a stage on several data-parallel replicas: the ranks that ran
 the front serve the bottleneck instead (PipeTransformer's AutoPipe + AutoDP). The
 ranks that feed the rest keep the front's parameters to fill the cache.
+
+Dependencies point down: the trainer imports this module, never the other way round.
+What the mixin needs of its host is spelled out as the `Host` protocol, and the plan
+itself comes from `replan`, a function of the graph and the settings alone.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
 
 from crossover.freeze.cache import FrozenPrefix
+from crossover.freeze.criterion import GradientTracker
 from crossover.freeze.migrate import load_optimizer_state, migrate, optimizer_state
 from crossover.pipeline.graph import Graph
 from crossover.pipeline.partition import parameter_costs, plan_for
 from crossover.pipeline.placement import check_ranks, replica_comms, with_replicas
-from crossover.pipeline.plan import Plan
+from crossover.pipeline.plan import PartitionError, Plan
+from crossover.pipeline.profile import Costs
+from crossover.pipeline.ties import split_ties
+from crossover.pipeline.waits import from_rank_0
 
-if TYPE_CHECKING:
-    from crossover.pipeline.train import PipelineTrainer
+
+class Host(Protocol):
+    """What `Repartitioning` reads and rebuilds on the trainer it is mixed into."""
+
+    comm: Any
+    graph: Graph
+    plan: Plan
+    prefix: FrozenPrefix | None
+    replica: int | None
+    replicas: list[int] | None
+    replica_comms: dict[int, Any]
+    optimizer: torch.optim.Optimizer | None
+    scheduler: Any
+    make_optimizer: Any
+    costs: Costs | None
+    partitioner: str
+    batch: int
+    num_micro: int
+    timeout: float
+    frozen_cost: float
+    cache_frozen: bool
+    freeze_every: int | None
+    tracker: GradientTracker
+    steps: int
+    repartitions: list[tuple[int, str]]
+
+    def frozen_ops(self) -> list[str]: ...
+
+    def _build(self, plan: Plan) -> None: ...
+
+    def _schedule(self) -> tuple[list[dict], dict | None] | None: ...
+
+    def _replan(self, plan: Plan | None, prefix: FrozenPrefix | None) -> Plan: ...
 
 
 class Repartitioning:
     """Re-plan and move stages in flight (mixed into `PipelineTrainer`)."""
 
-    def frozen_ops(self: PipelineTrainer) -> list[str]:
+    def frozen_ops(self: Host) -> list[str]:
         """Ops whose output needs no gradient (no trainable parameter on them or before
         them): they run forward only, which is what a re-plan prices them as."""
         needs: set[str] = set()
@@ -40,7 +82,7 @@ class Repartitioning:
                 needs.add(name)
         return [n for n, op in self.graph.ops.items() if n not in needs and not op.is_input]
 
-    def repartition(self: PipelineTrainer, plan: Plan | None = None) -> bool:
+    def repartition(self: Host, plan: Plan | None = None) -> bool:
         """Re-plan with the frozen layers' lower cost and move the stages, in flight.
 
         Rank 0 plans (rank 0's `plan` if given) with the same stage and replica counts,
@@ -65,8 +107,6 @@ class Repartitioning:
                 re-planning on rank 0 failed (every rank raises the reason).
             TimeoutError: a migration message did not arrive in time.
         """
-        from crossover.pipeline.train import from_rank_0
-
         if self.make_optimizer is None:
             raise ValueError("re-partitioning moves optimizer state into a new optimizer: "
                              "pass optimizer=<factory>, e.g. lambda ps: torch.optim.SGD("
@@ -113,7 +153,7 @@ class Repartitioning:
         self.repartitions.append((self.steps, planned.describe()))
         return True
 
-    def _schedule(self: PipelineTrainer) -> tuple[list[dict], dict | None] | None:
+    def _schedule(self: Host) -> tuple[list[dict], dict | None] | None:
         """This rank's optimizer hyperparameters per param group and scheduler state."""
         if self.optimizer is None:
             return None
@@ -121,26 +161,58 @@ class Repartitioning:
                   for g in self.optimizer.param_groups]
         return groups, self.scheduler.state_dict() if self.scheduler is not None else None
 
-    def _replan(self: PipelineTrainer, plan: Plan | None, prefix: FrozenPrefix | None
-                ) -> Plan:
-        """Rank 0: `plan` checked, or the plan for the current frozen set (on the same
-        stages and replicas, or, with the front cut off, over every rank)."""
-        size = self.comm.Get_size()
-        if plan is None:
-            costs = self.costs or parameter_costs(self.graph)
-            if prefix is not None:
-                # the search may leave ranks out: they become spare (`stage` None)
-                plan = plan_for(prefix.rest, size, self.batch, self.num_micro,
-                                self.partitioner, costs.fed(prefix.crossing), replicate=True,
-                                use_all=False)
-            else:
-                costs = costs.frozen(self.frozen_ops(), self.frozen_cost)
-                stages = len(self.replicas) if self.replicas else size
-                plan = plan_for(self.graph, stages, self.batch, self.num_micro,
-                                self.partitioner, costs)
-                plan = with_replicas(plan, self.replicas) if self.replicas else plan
-        check_ranks(plan, size, spare=self.cache_frozen)
-        return plan
+    def _replan(self: Host, plan: Plan | None, prefix: FrozenPrefix | None) -> Plan:
+        """Rank 0: `replan` with this trainer's settings and frozen set."""
+        return replan(self.graph, self.comm.Get_size(), self.batch, self.num_micro,
+                      self.partitioner, self.costs, self.frozen_ops(), self.frozen_cost,
+                      self.replicas, prefix, self.cache_frozen, plan)
+
+
+def replan(graph: Graph, size: int, batch: int, num_micro: int, partitioner: str = "graph",
+           costs: Costs | None = None, frozen: Sequence[str] = (), frozen_cost: float = 1 / 6,
+           replicas: Sequence[int] | None = None, prefix: FrozenPrefix | None = None,
+           spare: bool = False, plan: Plan | None = None) -> Plan:
+    """The plan after layers froze: `plan` checked, or a new one.
+
+    Without `prefix` the graph is planned on the same stage and replica counts, the
+    `frozen` ops priced at `frozen_cost`; with it, the rest of the graph is planned over
+    all `size` ranks, replicas allowed, and the search may leave ranks out (spare).
+
+    Args:
+        graph: the whole model; size: ranks in the communicator.
+        batch, num_micro, partitioner: as the trainer's.
+        costs: op costs of `graph` (default `parameter_costs(graph)`).
+        frozen: ops that need no gradient; frozen_cost: their time as a fraction.
+        replicas: replicas per stage (None: one rank per stage).
+        prefix: the frozen front cut off, or None.
+        spare: ranks past the plan's devices may run no stage.
+        plan: a plan to check instead of searching.
+
+    Returns:
+        The plan.
+
+    Raises:
+        PartitionError: no plan fits, or `plan` splits ops that share a parameter.
+        ValueError: the plan needs another number of ranks.
+    """
+    if plan is None:
+        costs = costs or parameter_costs(graph)
+        if prefix is not None:
+            # the search may leave ranks out: they become spare (`stage` None)
+            plan = plan_for(prefix.rest, size, batch, num_micro, partitioner,
+                            costs.fed(prefix.crossing), replicate=True, use_all=False)
+        else:
+            plan = plan_for(graph, len(replicas) if replicas else size, batch, num_micro,
+                            partitioner, costs.frozen(frozen, frozen_cost))
+            plan = with_replicas(plan, replicas) if replicas else plan
+    run = prefix.rest if prefix is not None else graph
+    ties = split_ties(run, {o: i for i, st in enumerate(plan.stages) for o in st.ops})
+    if ties:  # a plan made by hand: make_plan would have refused it
+        raise PartitionError(f"{'; '.join(ties)}: ops that share a parameter must be in one "
+                             f"stage, or each stage trains its own copy and they drift "
+                             f"apart; move them into one stage")
+    check_ranks(plan, size, spare=spare)
+    return plan
 
 
 def owners(graph: Graph, plan: Plan, prefix: FrozenPrefix | None) -> dict[str, list[int]]:
@@ -151,10 +223,11 @@ def owners(graph: Graph, plan: Plan, prefix: FrozenPrefix | None) -> dict[str, l
     out = {name: plan.devices_of(s) for s, st in enumerate(plan.stages) for o in st.ops
            for name in [*run.ops[o].params, *run.ops[o].buffers]}
     if prefix is not None:
-        feeders = sorted(r for s, st in enumerate(plan.stages)
-                         if any(run.ops[o].is_input for o in st.ops)
-                         for r in plan.devices_of(s))
-        out.update({name: feeders for name in prefix.tensors})
+        feeders = {r for s, st in enumerate(plan.stages)
+                   if any(run.ops[o].is_input for o in st.ops) for r in plan.devices_of(s)}
+        # a tensor of the front may also be held by a stage of the rest (a weight tied
+        # across the cut): its owners are both
+        out.update({name: sorted(feeders | set(out.get(name, ()))) for name in prefix.tensors})
     return out
 
 

@@ -3,6 +3,7 @@
 The pieces, one concept each:
 
     graph.py      model -> operator DAG (torch.fx, or an explicit graph of submodules)
+    ties.py       tied weights: ops sharing a parameter form one unit no plan may cut
     profile.py    per-op costs (measured or given) and the transfer model
     sptree.py     series-parallel decomposition (what the graph partitioner searches)
     plan.py       a partition plan: stages, stage edges, batch split
@@ -13,6 +14,7 @@ The pieces, one concept each:
     schedule.py   schedules as data (GPipe, 1F1B on chains and DAGs), lowering, validator
     simulate.py   a schedule against the cost model: throughput, bubble, memory
     runner.py     one MPI process per stage; slots from the crossover daemon
+    waits.py      MPI waits with deadlines, cancelling on failure; decisions all ranks share
     models.py     example models (chain, two-tower transformer, DLRM, CANDLE-Uno)
 
 Typical use:

@@ -84,7 +84,7 @@ def graph_partition(graph: Graph, costs: Costs, devices: int, batch: int,
                 if best is None or est < best[0]:
                     best = (est, b, m, flatten_stages(pl))
     if best is None:
-        raise PartitionError(no_fit(costs, devices, batch))
+        raise PartitionError(no_fit(costs, devices, batch, graph))
     est, b, m, stages = best
     plan = make_plan(graph, [Stage(ops, r) for ops, r in stages], b, m, "graph")
     plan.notes, plan.estimate, plan.search_s = notes, est, time.perf_counter() - t0

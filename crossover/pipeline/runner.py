@@ -2,11 +2,14 @@
 
 Activations and gradients travel by MPI point-to-point (mpi4py Isend/Irecv on the
 tensors' own memory: a contiguous CPU tensor is sent without a copy and received into
-the tensor that is then used). Every receive polls with a deadline, so a dead or
-diverging peer gives a TimeoutError naming the stage, micro-batch and tensor, never a
-hang. Each compute action holds the device slot from the crossover daemon (ACQ/REL in
-the schedule), so pipeline stages share devices with Horovod jobs under one scheduler;
-an iteration ends holding the device, like a Horovod step (`PipelineTrainer.release_device`
+the tensor that is then used). Every receive polls with a deadline (`waits`), so a dead
+or diverging peer gives a TimeoutError naming the stage, micro-batch and tensor, never a
+hang; an iteration that fails cancels its requests still in flight before it raises, so
+the caller may free the communicators and no late message lands in freed memory.
+
+Each compute action holds the device slot from the crossover daemon (ACQ/REL in the
+schedule), so pipeline stages share devices with Horovod jobs under one scheduler; an
+iteration ends holding the device, like a Horovod step (`PipelineTrainer.release_device`
 gives it up before a pause).
 
 A stage with r replicas runs on r consecutive ranks (`Plan.devices_of`). Every replica
@@ -30,7 +33,6 @@ from typing import Any
 
 import torch
 
-from crossover.backoff import Backoff, wait_until
 from crossover.pipeline.graph import Graph
 from crossover.pipeline.placement import check_ranks, links, shard_rows
 from crossover.pipeline.placement import replica_comms as make_replica_comms
@@ -48,6 +50,7 @@ from crossover.pipeline.schedule import (
     ScheduleError,
 )
 from crossover.pipeline.tags import check_tags, edge_tensor_ids, message_tag, tag_upper_bound
+from crossover.pipeline.waits import InFlight, abandon, wait_requests
 from crossover.protocol import Phase
 
 Feeds = Callable[[int], Mapping[str, torch.Tensor]]
@@ -99,6 +102,7 @@ class StageRunner:
         self.tensor_ids = edge_tensor_ids(plan)
         check_tags(len(self.tensor_ids), schedule.num_micro, tag_upper_bound(comm))
         self.params = {k: p for o in self.ops for k, p in graph.ops[o].params.items()}
+        self.inflight = InFlight()  # this rank's sends and receives not yet complete
         self.compute_s = 0.0
         # most micro-batches whose activations this stage held at once (1F1B bounds it
         # by the stage's depth to the sink; the partitioner prices memory by that)
@@ -139,15 +143,24 @@ class StageRunner:
     def _tag(self, name: str, micro: int, backward: bool) -> int:
         return message_tag(self.tensor_ids[name], backward, micro, self.sched.num_micro)
 
-    def _send(self, tensor: torch.Tensor, peer: int, name: str, micro: int, backward: bool,
-              pending: list) -> None:
-        for rank, _j, rows in links(self.plan, self.s, self.replica, peer):
+    def _what(self, name: str, micro: int, backward: bool, peer: int, j: int, rank: int,
+              sending: bool) -> str:
+        other = f"stage {peer}" if self.plan.stages[peer].replicas == 1 else \
+            f"stage {peer} replica {j} (rank {rank})"
+        kind = "gradient" if backward else "activation"
+        way = "sending" if sending else "receiving"
+        return (f"{self._who()} {way} the {kind} {name!r} of micro-batch {micro} "
+                f"{'to' if sending else 'from'} {other}")
+
+    def _send(self, tensor: torch.Tensor, peer: int, name: str, micro: int,
+              backward: bool) -> None:
+        for rank, j, rows in links(self.plan, self.s, self.replica, peer):
             buf = tensor.detach()[rows].contiguous()
-            pending.append((self.comm.Isend(buf.numpy(), dest=rank,
-                                            tag=self._tag(name, micro, backward)), buf))
+            req = self.comm.Isend(buf.numpy(), dest=rank, tag=self._tag(name, micro, backward))
+            self.inflight.add(req, buf, self._what(name, micro, backward, peer, j, rank, True))
         # drop finished sends' buffers as we go: held to the end, every micro-batch's
         # activations would stay alive until run() returns
-        pending[:] = [(req, b) for req, b in pending if not req.Test()]
+        self.inflight.prune()
 
     def _recv(self, name: str, peer: int, micro: int, backward: bool) -> torch.Tensor:
         shape, dtype = self.shapes[name]
@@ -157,15 +170,13 @@ class StageRunner:
         reqs = []
         for rank, j, rows in links(self.plan, self.s, self.replica, peer):
             piece = buf[rows]  # rows of a contiguous tensor: a contiguous view, no copy
-            reqs.append((self.comm.Irecv(piece.numpy(), source=rank,
-                                         tag=self._tag(name, micro, backward)), piece, j, rank))
-        for req, _piece, j, rank in reqs:
-            src = f"stage {peer}" if self.plan.stages[peer].replicas == 1 else \
-                f"stage {peer} replica {j} (rank {rank})"
-            what = (f"{self._who()} waited {self.timeout:.0f} s for the "
-                    f"{'gradient' if backward else 'activation'} {name!r} of micro-batch "
-                    f"{micro} from {src}")
-            _wait(req, self.timeout, what)
+            req = self.comm.Irecv(piece.numpy(), source=rank,
+                                  tag=self._tag(name, micro, backward))
+            what = self._what(name, micro, backward, peer, j, rank, False)
+            self.inflight.add(req, piece, what)  # a failed wait cancels it (see `run`)
+            reqs.append((req, what))
+        for req, what in reqs:
+            wait_requests([req], self.timeout, what)
         return buf
 
     def _share(self, t: torch.Tensor) -> torch.Tensor:
@@ -194,14 +205,25 @@ class StageRunner:
 
         Raises:
             TimeoutError: a peer did not send in time, or the gradient allreduce did not
-                finish in time.
+                finish in time. Either way the iteration's sends and receives still in
+                flight are cancelled first.
         """
+        try:
+            return self._iterate(feeds, targets, loss_fn)
+        except BaseException:
+            # requests left in flight would outlive their buffers, and the caller may
+            # free the communicator next (a re-plan, a shutdown): take them back first
+            self.inflight.cancel()
+            raise
+
+    def _iterate(self, feeds: Feeds, targets: Callable[[int], torch.Tensor],
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> float:
+        """`run`'s work, which may leave requests in flight when it raises."""
         m_count = self.sched.num_micro
         weight = (self.rows[1] - self.rows[0]) / self.plan.micro_batch / m_count
         envs: dict[int, dict[str, Any]] = {}
         losses: dict[int, torch.Tensor] = {}
         grads: dict[int, dict[str, torch.Tensor]] = {}
-        pending: list = []
         total = 0.0
         frozen = self.frozen_stages()
         live_preds = [p for p in self.sched.preds[self.s] if p not in frozen]
@@ -234,7 +256,7 @@ class StageRunner:
                 self.peak_live = max(self.peak_live, len(envs))
             elif a.kind == SEND_F:
                 for name in self.plan.edges[(self.s, a.peer)]:
-                    self._send(envs[m][name], a.peer, name, m, False, pending)
+                    self._send(envs[m][name], a.peer, name, m, False)
                 if self.s in frozen and a.peer == last_succ:  # no backward will need m
                     envs.pop(m)
             elif a.kind == RECV_B:
@@ -254,7 +276,7 @@ class StageRunner:
                     t = envs[m][name]
                     if t.is_floating_point():
                         gr = t.grad if t.grad is not None else torch.zeros_like(t)
-                        self._send(gr, a.peer, name, m, True, pending)
+                        self._send(gr, a.peer, name, m, True)
                 if a.peer == live_preds[-1]:
                     envs.pop(m)
             elif a.kind == ACQ:
@@ -265,8 +287,7 @@ class StageRunner:
                     self.client.release(Phase.COMMUNICATE)
             else:
                 raise ScheduleError(f"unknown action {a} in stage {self.s}'s schedule")
-        for req, _buf in pending:
-            _wait(req, self.timeout, f"{self._who()}: a send was not received in time")
+        self.inflight.wait(self.timeout)  # every send received
         if self.replicas > 1:
             self._sum_replica_grads()
         if self.client is not None:
@@ -300,9 +321,14 @@ class StageRunner:
             grads = by_dtype[dtype]
             flat = torch.cat([g.reshape(-1) for g in grads])
             req = self.replica_comm.Iallreduce(MPI.IN_PLACE, flat.numpy(), op=MPI.SUM)
-            _wait(req, self.timeout,
-                  f"{self._who()}: the gradient allreduce of {len(grads)} parameters with "
-                  f"its replicas on ranks {self.plan.devices_of(self.s)} did not finish")
+            try:
+                wait_requests([req], self.timeout,
+                              f"{self._who()}: the gradient allreduce of {len(grads)} "
+                              f"parameters with its replicas on ranks "
+                              f"{self.plan.devices_of(self.s)}")
+            except TimeoutError:
+                abandon(req, flat)  # a collective cannot be cancelled: keep its memory
+                raise
             at = 0
             for g in grads:
                 g.copy_(flat[at:at + g.numel()].view_as(g))
@@ -354,12 +380,6 @@ class StageRunner:
             seeds.append(torch.ones_like(loss))
         if roots:
             torch.autograd.backward(roots, seeds)
-
-
-def _wait(req: Any, timeout: float, what: str) -> None:
-    """Poll an MPI request with backoff until it completes or `timeout` passes."""
-    if not wait_until(req.Test, timeout, Backoff(1e-5, 1e-3)):
-        raise TimeoutError(what + ": is that rank alive and running the same schedule?")
 
 
 def output_shapes(graph: Graph, feeds: Mapping[str, torch.Tensor]

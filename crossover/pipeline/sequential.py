@@ -1,7 +1,8 @@
 """The sequential baseline (PipeDream-style): stages are intervals of a topological
 order, forming a chain; a tensor crossing several cuts travels through every stage in
 between. Priced by the same `StagePricer` as the graph partitioner, vectorised over the
-end of the first stage with numpy.
+end of the first stage with numpy. The order is that of `ties.units`, and cuts fall only
+between units, so ops that share a parameter (tied weights) always share a stage.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from crossover.pipeline.graph import Graph
 from crossover.pipeline.plan import PartitionError, Plan, Stage, make_plan
 from crossover.pipeline.pricing import micro_batch_sizes, no_fit, replica_counts
 from crossover.pipeline.profile import Costs
+from crossover.pipeline.ties import units
 
 
 def sequential_partition(graph: Graph, costs: Costs, devices: int, batch: int,
@@ -31,11 +33,18 @@ def sequential_partition(graph: Graph, costs: Costs, devices: int, batch: int,
         The plan (kind "sequential") with the least estimated iteration time.
 
     Raises:
-        PartitionError: nothing fits the memory limit.
+        PartitionError: nothing fits the memory limit, or (with `use_all`) tied ops
+            leave fewer units than stages.
     """
     t0 = time.perf_counter()
-    order = graph.order()
+    groups = units(graph)
+    order = [o for u in groups for o in u]  # topological, each unit contiguous
     n = len(order)
+    # where a stage may start or end: between units, never inside one
+    bounds = np.cumsum([0] + [len(u) for u in groups])
+    cuttable = np.zeros(n + 1, dtype=bool)
+    cuttable[bounds] = True
+    ends = {i: np.flatnonzero(cuttable[i + 1:]) + i + 1 for i in bounds[:-1].tolist()}
     pos = {o: i for i, o in enumerate(order)}
     c, link = costs, costs.link
     fixed = np.concatenate([[0.0], np.cumsum([c.of(o).fwd + c.of(o).bwd for o in order])])
@@ -63,14 +72,12 @@ def sequential_partition(graph: Graph, costs: Costs, devices: int, batch: int,
         cr = np.full_like(bn, inf)
         arg = np.full((devices + 1, devices + 1, n + 1, 2), -1, dtype=np.int64)
         bn[0, 0, n] = cr[0, 0, n] = 0.0
-        js = np.arange(n + 1)
         for h in range(1, devices + 1):
             for d in range(h, devices + 1):
                 for r in rs:
                     if r > d - (h - 1):
                         break
-                    for i in range(n):
-                        j = js[i + 1:]
+                    for i, j in ends.items():
                         share = b / r
                         steps = 2 * (r - 1)
                         t = (fixed[j] - fixed[i] + (per[j] - per[i]) * share
@@ -102,7 +109,7 @@ def sequential_partition(graph: Graph, costs: Costs, devices: int, batch: int,
                         i, hh, dd = int(j), hh - 1, dd - int(r)
                     best = (est, b, m, stages)
     if best is None:
-        raise PartitionError(no_fit(costs, devices, batch))
+        raise PartitionError(no_fit(costs, devices, batch, graph))
     est, b, m, stages = best
     plan = make_plan(graph, [Stage(ops, r) for ops, r in stages], b, m, "sequential")
     plan.estimate, plan.search_s = est, time.perf_counter() - t0

@@ -55,6 +55,7 @@ from crossover.pipeline.plan import Plan
 from crossover.pipeline.profile import Costs
 from crossover.pipeline.runner import StageRunner, output_shapes
 from crossover.pipeline.schedule import schedule_for
+from crossover.pipeline.waits import from_rank_0
 from crossover.protocol import Phase
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -374,21 +375,6 @@ def _check_settings(model: nn.Module, batch: int, num_micro: int,
                          f" but batch norm in training mode mixes the samples of a batch "
                          f"({', '.join(batch_stats[:3])}): train without cache_frozen, "
                          f"or use a per-sample norm (GroupNorm, LayerNorm)")
-
-
-def from_rank_0(comm: Any, what: str, make: Callable[[], Any]) -> Any:
-    """`make()` on rank 0, broadcast; if it fails, every rank raises the reason (none
-    waits forever for a result that never comes)."""
-    value: Any = None
-    if comm.Get_rank() == 0:
-        try:
-            value = make()
-        except (ValueError, KeyError, RuntimeError) as exc:
-            value = exc
-    value = comm.bcast(value, root=0)
-    if isinstance(value, Exception):
-        raise ValueError(f"{what} on rank 0 failed: {value}") from None
-    return value
 
 
 def _check_rows(tensors: Mapping[str, torch.Tensor], batch: int) -> None:
