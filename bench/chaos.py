@@ -3,13 +3,19 @@
     .venv/bin/python bench/chaos.py [--minutes 10] [--seed 0] [--fault-every 3]
 
 Two 2-rank PyTorch jobs (examples/torch_mlp.py, random seed and length) run at any
-time under one daemon on this host; a new one starts when one ends. Every few seconds
-(exponentially distributed, mean --fault-every) one fault strikes at random:
+time under one daemon on this host (the default policy, the native fast path on); a new
+one starts when one ends, every other one with its ranks' descriptors above 1024
+(bench/high_fds.py). Every few seconds (exponentially distributed, mean --fault-every)
+one fault strikes at random; a fault's second half (SIGCONT, the restart) comes later
+from the main loop, so faults overlap:
 
     rank_kill     SIGKILL one rank of a running job (the job dies: it is not compared)
     rank_stop     SIGSTOP one rank for up to lease + 1 s, then SIGCONT
     daemon_kill   SIGKILL the daemon; a new one starts 0-3 s later
     daemon_term   SIGTERM the daemon (a clean exit); a new one starts 0-3 s later
+    daemon_stop   SIGSTOP the daemon for up to its ranks' grant timeout + 3 s, then
+                  SIGCONT: the ranks go on uncoordinated after one grant timeout and
+                  take up coordination again
 
 Checked and written to bench/results/chaos.json:
     mismatches      jobs that were not killed whose weights differ from the same job
@@ -17,9 +23,12 @@ Checked and written to bench/results/chaos.json:
     hangs           jobs that ran past --job-timeout: must be 0
     longest_stall_s the longest slot wait any rank saw (from the ranks' traces), less
                     the time that rank itself was stopped and the time no daemon
-                    listened (neither is a device nobody holds); bound: lease +
-                    patience (a stopped holder loses its device at lease end).
-                    longest_stall_raw_s is the same without the deductions.
+                    listened (neither is a device nobody holds), among the waits
+                    that overlap no daemon stop; bound: lease + patience (a stopped
+                    holder loses its device at lease end). longest_stall_raw_s is
+                    the same without the deductions.
+    longest_stall_daemon_stopped_s  the longest wait that overlaps a daemon stop;
+                    bound: the grant timeout (2 x lease + 5 s), once per stop
     daemon          descriptors and memory of each daemon run (psutil), first and last
 """
 
@@ -36,6 +45,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,10 +61,15 @@ from crossover.probe import daemon_listens  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples/torch_mlp.py"
+HIGH_FDS = REPO / "bench/high_fds.py"
 SEEDS, LENGTHS = (1, 2, 3), (400, 900)  # few distinct jobs: few solo references to train
-FAULTS = {"rank_kill": 0.2, "rank_stop": 0.4, "daemon_kill": 0.25, "daemon_term": 0.15}
+FAULTS = {"rank_kill": 0.15, "rank_stop": 0.35, "daemon_kill": 0.2, "daemon_term": 0.1,
+          "daemon_stop": 0.2}
 STOPS: list[tuple[str, int, float, float]] = []  # (job, rank, from, to): a rank stopped
 OUTAGES: list[tuple[float, float]] = []  # (from, to): no daemon listened
+DAEMON_STOPS: list[tuple[float, float]] = []  # (from, to): the daemon was stopped
+#: A fault's second half, due later: (when, what to do)
+LATER: list[tuple[float, Callable[[], None]]] = []
 
 
 @dataclass
@@ -66,13 +81,14 @@ class RunningJob:
     started: float
     weights: Path
     log: Path
+    high_fds: bool
     killed: bool = False
     stopped: list[int] = field(default_factory=list)  # pids under SIGSTOP
 
     def ranks(self) -> list[psutil.Process]:
         try:
             return [p for p in psutil.Process(self.proc.pid).children(recursive=True)
-                    if "torch_mlp" in " ".join(p.cmdline())]
+                    if "torch_mlp" in " ".join(p.cmdline()) and "mpirun" not in p.name()]
         except psutil.Error:
             return []
 
@@ -84,6 +100,7 @@ class Daemon:
         self.runtime, self.args, self.log = runtime, args, log
         self.proc: subprocess.Popen | None = None
         self.runs: list[dict] = []  # per daemon run: first and last fds / RSS
+        self.busy = False  # stopped, or down until its restart: no new fault on it
 
     def start(self) -> None:
         with open(self.log, "a") as out:
@@ -116,6 +133,8 @@ class Daemon:
     def signal(self, sig: int) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(sig)
+            if sig in (signal.SIGSTOP, signal.SIGCONT):
+                return
             self.proc.wait(timeout=30)
         self.proc = None
 
@@ -129,12 +148,14 @@ def start_job(n: int, rng: random.Random, env: dict, tmp: Path) -> RunningJob:
     seed, steps = rng.choice(SEEDS), rng.choice(LENGTHS)
     name = f"j{n}"
     weights, log = tmp / f"{name}.pt", tmp / f"{name}.log"
-    cmd = mpirun(2, sys.executable, str(SCRIPT), "--seed", str(seed), "--steps", str(steps),
-                 "--out", str(weights))
+    high = n % 2 == 0  # every other job's ranks hold their sockets above descriptor 1024
+    wrap = [str(HIGH_FDS)] if high else []
+    cmd = mpirun(2, sys.executable, *wrap, str(SCRIPT), "--seed", str(seed), "--steps",
+                 str(steps), "--out", str(weights))
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env={**env, "CROSSOVER_JOB": name}, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
-    return RunningJob(name, seed, steps, proc, time.monotonic(), weights, log)
+    return RunningJob(name, seed, steps, proc, time.monotonic(), weights, log, high)
 
 
 def solo_weights(seed: int, steps: int, tmp: Path, env: dict) -> bytes:
@@ -177,22 +198,52 @@ def inject(kind: str, jobs: list[RunningJob], daemon: Daemon, rng: random.Random
         stopped_at = time.time()
         rank.send_signal(signal.SIGSTOP)
         job.stopped.append(rank.pid)
-        time.sleep(pause)
-        try:
-            rank.send_signal(signal.SIGCONT)
-        except psutil.Error:
-            pass
-        job.stopped.remove(rank.pid)
-        STOPS.append((job.name, index, stopped_at, time.time()))
+
+        def cont() -> None:
+            try:
+                rank.send_signal(signal.SIGCONT)
+            except psutil.Error:
+                pass
+            job.stopped.remove(rank.pid)
+            STOPS.append((job.name, index, stopped_at, time.time()))
+
+        LATER.append((time.monotonic() + pause, cont))
         return f"SIGSTOP {pause:.1f} s rank pid {rank.pid} of {job.name}"
+    if daemon.busy:
+        return None
+    daemon.busy = True
     daemon.sample()
     down = time.time()
+    if kind == "daemon_stop":
+        pause = rng.uniform(0.5, 2 * args.lease + 5 + 3)
+        daemon.signal(signal.SIGSTOP)
+
+        def resume() -> None:
+            daemon.signal(signal.SIGCONT)
+            DAEMON_STOPS.append((down, time.time()))
+            daemon.busy = False
+
+        LATER.append((time.monotonic() + pause, resume))
+        return f"SIGSTOP the daemon for {pause:.1f} s"
     daemon.signal(signal.SIGKILL if kind == "daemon_kill" else signal.SIGTERM)
     gap = rng.uniform(0, 3)
-    time.sleep(gap)
-    daemon.start()
-    OUTAGES.append((down, time.time()))
+
+    def restart() -> None:
+        daemon.start()
+        OUTAGES.append((down, time.time()))
+        daemon.busy = False
+
+    LATER.append((time.monotonic() + gap, restart))
     return f"{kind}, back after {gap:.1f} s"
+
+
+def run_due() -> None:
+    """Do the second halves of faults that are due (all of them at the end)."""
+    now = time.monotonic()
+    for item in sorted(LATER, key=lambda x: x[0]):
+        if item[0] <= now:
+            LATER.remove(item)
+            item[1]()
 
 
 def main() -> int:
@@ -201,8 +252,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fault-every", type=float, default=3.0, metavar="S",
                     help="mean seconds between faults (default 3: 150-200 in 10 minutes)")
-    ap.add_argument("--policy", default="crossover",
-                    help="daemon policy (default crossover: every step goes through grants)")
+    ap.add_argument("--policy", default="auto",
+                    help="daemon policy (default auto, the daemon's default)")
     ap.add_argument("--lease", type=float, default=3.0)
     ap.add_argument("--patience", type=float, default=0.5)
     ap.add_argument("--job-timeout", type=float, default=180.0)
@@ -244,8 +295,12 @@ def main() -> int:
                           f"{time.monotonic() - t0:.1f} s ({len(jobs)} jobs so far, "
                           f"{left:.1f} min left)", flush=True)
                 next_fault = time.monotonic() + rng.expovariate(1 / args.fault_every)
+            run_due()
             daemon.sample()
             time.sleep(0.1)
+        while LATER:  # the faults under way end (the daemon runs again)
+            time.sleep(0.1)
+            run_due()
         print("chaos: time is up; letting the running jobs finish", flush=True)
         for j in jobs:
             try:
@@ -270,7 +325,8 @@ def main() -> int:
         elif not same(j.weights, solo_weights(j.seed, j.steps, tmp, env)):
             mismatches.append(j.name)
     waits = slot_waits(traces)
-    stalls = [s for s, _, _ in waits]
+    stalls = [s for s, _, _, stopped in waits if not stopped]
+    stopped_daemon = [s for s, _, _, stopped in waits if stopped]
     reconnects = sum(j.log.read_text().count("is coordinated again") for j in jobs)
     result = {
         "minutes": args.minutes, "seed": args.seed, "policy": args.policy,
@@ -280,9 +336,14 @@ def main() -> int:
         "faults_injected": dict(faults), "faults_total": sum(faults.values()),
         "mismatches": len(mismatches), "mismatched_jobs": mismatches,
         "hangs": len(hangs), "longest_stall_s": round(max(stalls, default=0.0), 3),
-        "longest_stall_raw_s": round(max((raw for _, raw, _ in waits), default=0.0), 3),
-        "longest_stall_where": max(waits, default=(0, 0, ""))[2],
+        "longest_stall_raw_s": round(max((raw for _, raw, _, s in waits if not s),
+                                         default=0.0), 3),
+        "longest_stall_where": max((w for w in waits if not w[3]),
+                                   default=(0, 0, "", False))[2],
         "stall_bound_s": args.lease + args.patience, "slot_waits": len(waits),
+        "longest_stall_daemon_stopped_s": round(max(stopped_daemon, default=0.0), 3),
+        "stall_bound_daemon_stopped_s": 2 * args.lease + 5,
+        "jobs_high_fds": sum(j.high_fds for j in jobs),
         "reconnects": reconnects, "daemon_runs": daemon.runs,
     }
     out = write_result(args.out, result)
@@ -293,9 +354,9 @@ def main() -> int:
     return 0 if ok else 1
 
 
-def slot_waits(traces: Path) -> list[tuple[float, float, str]]:
+def slot_waits(traces: Path) -> list[tuple[float, float, str, bool]]:
     """Every rank's slot waits: (seconds less its own stops and daemon outages, raw
-    seconds, which rank and when)."""
+    seconds, which rank and when, whether it overlaps a daemon stop)."""
     out = []
     for path in sorted(traces.glob("*.rank*.json")):
         job, rank = path.name[:-5].rsplit(".rank", 1)
@@ -305,7 +366,9 @@ def slot_waits(traces: Path) -> list[tuple[float, float, str]]:
                 continue
             start, raw = e["ts"] / 1e6, e["dur"] / 1e6
             lost = sum(max(0.0, min(start + raw, b) - max(start, a)) for a, b in own + OUTAGES)
-            out.append((max(0.0, raw - lost), raw, f"{job} rank {rank} at {start:.1f}"))
+            stopped = any(start < b and a < start + raw for a, b in DAEMON_STOPS)
+            out.append((max(0.0, raw - lost), raw, f"{job} rank {rank} at {start:.1f}",
+                         stopped))
     return out
 
 

@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, given, seed, settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result  # noqa: E402
-from fuzz_cases import CASES, exchange, hello_frame  # noqa: E402
+from fuzz_cases import CASES, GROUPS, exchange, exchange_group, hello_frame  # noqa: E402
 
 from crossover.environment import node_name  # noqa: E402
 from crossover.launch.local import DaemonProcess  # noqa: E402
@@ -79,7 +79,7 @@ class Watched:
         self._start()
 
     def _start(self) -> None:
-        self.daemon = DaemonProcess(self.runtime, policy="crossover", log=self.log)
+        self.daemon = DaemonProcess(self.runtime, policy="auto", log=self.log)
         self.proc = psutil.Process(self.daemon.proc.pid)
 
     def check(self) -> None:
@@ -121,6 +121,23 @@ def _cases(name: str, strategy, rnd: int, path: str, tried: Counter):
     return run
 
 
+def _groups(name: str, strategy, rnd: int, path: str, tried: Counter):
+    """10 hypothesis cases of one group kind (several ranks at once), as a callable."""
+
+    @seed(rnd)
+    @settings(max_examples=10, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(strategy)
+    def run(hellos):
+        tried[name] += 1
+        try:
+            exchange_group(path, hellos)
+        except OSError as exc:  # refused because the daemon died: counted by check()
+            print(f"fuzz: {name}: {exc}", flush=True)
+
+    return run
+
+
 def attack(path: str, watched: Watched, until: float, tried: Counter) -> None:
     """Hypothesis cases, round after round with new seeds, plus floods and stallers."""
     rnd = 0
@@ -131,6 +148,9 @@ def attack(path: str, watched: Watched, until: float, tried: Counter) -> None:
             watched.check()
             if time.monotonic() >= until:
                 return
+        for name, strategy in GROUPS.items():
+            _groups(name, strategy, rnd, path, tried)()
+            watched.check()
         socks = []
         for _ in range(200):  # a flood of connections, then all dropped at once
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -7,7 +7,6 @@ The connection itself (registering, the slot table, failing open and healing) is
 from __future__ import annotations
 
 import os
-import select
 import socket
 import statistics
 import sys
@@ -18,12 +17,17 @@ from pathlib import Path
 from crossover import environment as E
 from crossover import protocol as P
 from crossover.backoff import Backoff
-from crossover.daemon_link import CrossoverVersionError, DaemonLink  # noqa: F401 - re-exported
+from crossover.daemon_link import (  # noqa: F401 - the errors are re-exported
+    CrossoverDuplicateError,
+    CrossoverVersionError,
+    DaemonLink,
+    DaemonRefused,
+)
 from crossover.fastpath import RankPath
 from crossover.placement import pin_process
 from crossover.protocol import Mode, Phase
 from crossover.trace import TraceRecorder
-from crossover.transport import recv_msg, socket_path
+from crossover.transport import readable, recv_msg, socket_path
 
 #: Shortest time between two progress reports of a rank.
 REPORT_S = 0.05
@@ -122,7 +126,7 @@ class SlotClient(DaemonLink):
         self._mode = Mode.ANTIPHASE  # concurrent: every job keeps its device (see Company)
         # CROSSOVER_KEEP_WHEN_ALONE=0: release at every phase even when the device could
         # be kept (alone, or concurrent mode), to trace every phase
-        self._keep_when_alone = E.flag(E.KEEP_WHEN_ALONE)
+        self._keep_when_alone = E.keep_when_alone()
         self.steps = 0  # training steps so far (step boundaries), reported for the mode
         self._last_report = 0.0
         self._waits: list[float] = []  # allreduce waits since the last report of them
@@ -134,27 +138,37 @@ class SlotClient(DaemonLink):
         self._share: list[int] = []  # the job's cores on the host (Company), if any
         self._placed: list[int] = []  # the share the process is pinned to now
         self._heal: Backoff | None = None  # reconnection attempts, while uncoordinated
+        self._attempt = None  # the reconnection under way (`daemon_link._Attempt`)
         self._next_heal = 0.0
         self.reconnects = 0  # how often the rank took up coordination again
         self.path: Path | None = None
         try:
-            fake = 0 if os.environ.get(E.NODE) else E.fake_nodes()
+            fake = 0 if E.node_setting() else E.fake_nodes()
             # Under fake nodes local rank l is local rank l // N of node fake<l % N>.
             local_rank = info.local_rank // fake if fake else info.local_rank
             self._hello = P.Hello(job, info.rank, info.size, local_rank, info.local_size,
                                   os.getpid(), weight, gpu)
-            self.path = socket_path(E.node_name(info.local_rank), runtime_dir)
-        except (OSError, ValueError) as exc:
+            node = E.node_name(info.local_rank)
+        except ValueError as exc:  # a CROSSOVER_NODE / _FAKE_NODES that does not parse
+            self._fail_open(f"{exc}; crossover is off in this process", heal=False)
+            return
+        try:
+            self.path = socket_path(node, runtime_dir)
+        except OSError as exc:
             # A runtime directory with the wrong owner or mode lands here: its error names
             # the directory, mode, owner and fix. Never crash the job over it; a set-up
             # error does not heal, so the rank does not try again.
             self._fail_open(f"cannot use the crossover runtime directory ({exc})", heal=False)
             return
         try:
-            # A refusal (another protocol version, a job name in use) is a set-up error
-            # and raises; a daemon that is not there yet is not.
+            # Another protocol version or a rank in use is a set-up error and raises;
+            # nothing else the daemon says or fails to say stops the job.
             self._connect(self._hello, timeout_s=30.0)
-        except (OSError, P.ProtocolError) as exc:
+        except (CrossoverVersionError, CrossoverDuplicateError):
+            raise
+        except DaemonRefused as exc:  # it would refuse the same hello again: no healing
+            self._fail_open(str(exc), heal=False)
+        except Exception as exc:  # noqa: BLE001 - a client never crashes its job
             self._fail_open(f"cannot reach the crossover daemon at {self.path} ({exc})")
 
     def _welcomed(self, welcome: P.Welcome) -> None:
@@ -229,6 +243,10 @@ class SlotClient(DaemonLink):
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        if self._attempt is not None:
+            self._attempt.sock.close()
+            self._attempt = None
+        self._heal = None
         if self.trace is not None:
             self.trace.flush()
 
@@ -283,8 +301,7 @@ class SlotClient(DaemonLink):
         """
         while self._sock is not None:
             try:
-                readable, _, _ = select.select([self._sock], [], [], 0)
-                if not readable:
+                if not readable(self._sock):
                     break
                 self._sock.settimeout(5.0)  # a notice is one small frame, sent whole
                 self._on_notice(recv_msg(self._sock))
@@ -384,8 +401,7 @@ class SlotClient(DaemonLink):
         while self._sock is not None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                self._warn(f"no grant for {self.device} within {self._wait_s:.0f} s; "
-                           f"this step runs uncoordinated")
+                self._grant_timed_out()
                 return
             try:
                 self._sock.settimeout(remaining)
@@ -423,6 +439,12 @@ class SlotClient(DaemonLink):
         if granted is None:
             return False
         if not granted and self._sock is not None:
-            self._warn(f"no grant for {self.device} within {self._wait_s:.0f} s; "
-                       f"this step runs uncoordinated")
+            self._grant_timed_out()
         return True
+
+    def _grant_timed_out(self) -> None:
+        """No grant within the wait limit: past every lease a live daemon would have
+        revoked, so the daemon is stopped, swapped out or stuck. Waiting again would
+        cost every step as much: go on uncoordinated, and heal when it answers."""
+        self._fail_open(f"no grant for {self.device} within {self._wait_s:.0f} s (the "
+                        f"crossover daemon is stopped or stuck)")

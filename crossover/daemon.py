@@ -21,6 +21,7 @@ import selectors
 import signal
 import socket
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +38,8 @@ from crossover.scheduler.phase import PhaseAligner
 from crossover.transport import PeerChannel, socket_path
 
 log = logging.getLogger("crossover.daemon")
+
+INT32_MAX = 2**31 - 1
 
 class Daemon(Connections, DaemonWorld, TableDaemon):
     """One node's coordinator.
@@ -128,6 +131,10 @@ class Daemon(Connections, DaemonWorld, TableDaemon):
         # wait to be applied or whose plan is to be published again.
         self.fast: fastpath.TablePlane | None = None
         self._replan: set[str] = set()
+        # Changes of the scheduler waiting for a device's table mutex (`_change`), and
+        # since when each device's mutex has been busy.
+        self._backlog: deque[tuple[str | None, Callable[[], None]]] = deque()
+        self._stuck: dict[str, float] = {}
         self._company: dict[str, frozenset[str]] = {}  # device -> its jobs, less dormant ones
 
     # --- life cycle -------------------------------------------------------------------
@@ -155,6 +162,7 @@ class Daemon(Connections, DaemonWorld, TableDaemon):
                         self._drain_wakeups()
                     else:
                         self._read(key.data)
+                self._run_backlog()
                 self._handle_peers()
                 self._drop_silent()
                 self._expire()
@@ -195,12 +203,14 @@ class Daemon(Connections, DaemonWorld, TableDaemon):
         tmp.unlink(missing_ok=True)
         sock.bind(str(tmp))
         os.chmod(tmp, 0o600)
-        sock.listen(128)
+        sock.listen(socket.SOMAXCONN)  # ranks that start together connect at once
         tmp.rename(self.path)  # appears only once it accepts connections
         sock.setblocking(False)
         return sock
 
     def _timeout(self) -> float:
+        if self._backlog:
+            return 0.005  # a device's mutex is busy: try again soon (not at once: a spin)
         t = 0.5 if not self._replan else 0.01
         deadlines = [self.sched.next_deadline()]
         if self.modes is not None and self.peers.rank == 0:
@@ -235,25 +245,22 @@ class Daemon(Connections, DaemonWorld, TableDaemon):
             raise P.ProtocolError(f"{msg.kind} before a completed hello")
         job, rank = conn.key
         if isinstance(msg, P.Ring):
-            self._replan.add(conn.device)  # applied at the end of this loop
+            if self.fast is not None:
+                self._replan.add(conn.device)  # applied at the end of this loop
         elif isinstance(msg, P.Attached):
             if self.fast is not None:
                 self.fast.attach(conn.key, msg.ok)
                 self._replan.add(conn.device)
         elif isinstance(msg, P.Acquire):
-            self._before_change(conn.device)
-            if self.fast is not None:
-                self.fast.asked_by_socket(conn.key)
-            conn.seq = msg.seq
-            grants = self.sched.release(job, rank, Phase.COMPUTE) if msg.release_first else []
-            self._deliver(grants + self.sched.request(job, rank, msg.pos or None))
+            self._change(conn.device, lambda: self._guard(conn, lambda: self._acquire(
+                conn, msg)))
         elif isinstance(msg, P.Release):
             try:
                 phase = Phase(msg.phase)
             except ValueError:
                 raise P.ProtocolError(f"unknown phase {msg.phase!r}") from None
-            self._before_change(conn.device)
-            self._deliver(self.sched.release(job, rank, phase))
+            self._change(conn.device, lambda: self._guard(conn, lambda: self._deliver(
+                self.sched.release(job, rank, phase))))
         elif isinstance(msg, P.Renew):
             self.sched.renew(job, rank)
         elif isinstance(msg, P.Waited):
@@ -269,6 +276,16 @@ class Daemon(Connections, DaemonWorld, TableDaemon):
         else:
             raise P.ProtocolError(f"unexpected {msg.kind} from a client")
 
+    def _acquire(self, conn: RankConn, msg: P.Acquire) -> None:
+        if conn.sock.fileno() < 0 or self._conns.get(conn.key) is not conn:
+            return  # it left while the change waited for the device's table
+        if self.fast is not None:
+            self.fast.asked_by_socket(conn.key)
+        conn.seq = msg.seq
+        job, rank = conn.key
+        grants = self.sched.release(job, rank, Phase.COMPUTE) if msg.release_first else []
+        self._deliver(grants + self.sched.request(job, rank, msg.pos or None))
+
     def _hello(self, conn: RankConn, hello: P.Hello) -> None:
         if conn.hello is not None:
             raise P.ProtocolError("second hello on one connection")
@@ -280,9 +297,9 @@ class Daemon(Connections, DaemonWorld, TableDaemon):
                 ("rank", 0 <= hello.rank < hello.size),
                 ("local_size", hello.local_size >= 1),
                 ("local_rank", hello.local_rank >= 0),
-                ("pid", hello.pid >= 0),
+                ("pid", 0 <= hello.pid <= INT32_MAX),  # the slot table keeps an int32
                 ("weight", math.isfinite(hello.weight) and hello.weight > 0),
-                ("gpu", hello.gpu is None or hello.gpu >= 0),
+                ("gpu", hello.gpu is None or 0 <= hello.gpu <= INT32_MAX),
             ] if not ok
         ]
         if problems:
@@ -295,6 +312,18 @@ class Daemon(Connections, DaemonWorld, TableDaemon):
                 f"--crossover-job)", P.ErrorCode.DUPLICATE.value))
             self._close(conn, "duplicate rank")
             return
+        # A job's ranks share one weight; checked here too, as ranks of a new job wait
+        # for its order and are registered together later.
+        weights = {c.hello.weight for c in self._pending.get(hello.job, [])}
+        if self.sched.weight_of(hello.job) is not None:
+            weights.add(self.sched.weight_of(hello.job))
+        if weights and weights != {hello.weight}:
+            self._reply(conn, P.Error(
+                f"job {hello.job!r} rank {hello.rank} has priority weight {hello.weight}, "
+                f"its other ranks {sorted(weights)}: give every rank of a job the same "
+                f"CROSSOVER_PRIORITY", P.ErrorCode.REFUSED.value))
+            self._close(conn, "weight differs from its job's")
+            return
         conn.hello = hello
         if hello.job in self._orders:
             self._admit(conn)
@@ -305,24 +334,34 @@ class Daemon(Connections, DaemonWorld, TableDaemon):
                 self.peers.send(0, ("join", hello.job))
 
     def _admit(self, conn: RankConn) -> None:
+        """Register a rank whose job has its order (after the table's events before it)."""
+        device = f"gpu{conn.hello.gpu}" if conn.hello.gpu is not None \
+            else self._cpu_device(conn.hello.local_rank % self.cpu_devices)[0]
+        self._change(device, lambda: self._guard(conn, lambda: self._register(conn, device),
+                                                 close=True))
+
+    def _register(self, conn: RankConn, device: str) -> None:
         hello = conn.hello
-        if hello.gpu is not None:
-            device, cores = f"gpu{hello.gpu}", []
-        else:
-            device, cores = self._cpu_device(hello.local_rank % self.cpu_devices)
+        if conn.sock.fileno() < 0:  # it left while its device's table was awaited
+            if not any(j == hello.job for j, _ in self._conns) \
+                    and hello.job not in self._pending:
+                self.peers.send(0, ("leave", hello.job))  # as `_close` would have
+            return
+        cores = [] if hello.gpu is not None else self._cpu_device(
+            hello.local_rank % self.cpu_devices)[1]
         order = self._orders[hello.job]
-        self._before_change(device)
         self.sched.register(hello.job, hello.rank, device, order, hello.weight)
+        # At once, before anything else can raise: `_close` unregisters what is here.
+        conn.registered, conn.device = True, device
+        self._conns[conn.key] = conn
+        self._idle_since = None
         if conn.on_host_cpu and hello.job not in self._steps:
             # The leader can serve it concurrently (and split the cores) now, not after
             # its first steps under the initial antiphase.
             self._steps[hello.job] = 0
             self.peers.send(0, ("progress", hello.job, 0, True, 0))
-        conn.registered, conn.device = True, device
         place = self.fast.reserve(conn.key, device, hello.pid) if self.fast else None
         table, slot, index = (str(self.fast.path), *place) if place else ("", -1, -1)
-        self._conns[conn.key] = conn
-        self._idle_since = None
         log.info("job %s rank %d on node %s -> %s (order %d)",
                  hello.job, hello.rank, self.node, device, order)
         policy = self.sched.policy
@@ -390,17 +429,18 @@ class Daemon(Connections, DaemonWorld, TableDaemon):
     def _realign(self) -> None:
         """A rank back from a pause moved its job's turns on one device: give its job's
         ranks on the other devices the same offset before they cross (scheduler doc)."""
-        if self.sched.misaligned():
-            self._before_change()
+        if not self.sched.misaligned():
+            self.sched.forget_moves()
+        elif not self._backlog and self._before_change():
             self._deliver(self.sched.realign())
 
     def _expire(self) -> None:
         if self.modes is not None and self.peers.rank == 0:
             self._apply_modes(self.modes.tick())
         due = self.sched.next_deadline()
-        if due is None or due > self.clock():
+        # (a busy table mutex: expire on a later loop, after the events before now)
+        if due is None or due > self.clock() or self._backlog or not self._before_change():
             return
-        self._before_change()
         revoked, grants = self.sched.expire()
         for job, rank, device in revoked:
             conn = self._conns.get((job, rank))

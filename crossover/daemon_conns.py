@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import selectors
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -97,20 +98,42 @@ class Connections:
             self._close(conn, "connection closed")
             return
         try:
-            for msg in conn.frames.feed(data):
-                try:
-                    self._handle(conn, msg)
-                except SchedulerError as exc:  # a request that does not fit: the rank stays
-                    self._reply(conn, P.Error(str(exc), P.ErrorCode.REFUSED.value))
+            msgs = conn.frames.feed(data)
         except P.ProtocolError as exc:
-            code = P.ErrorCode.VERSION if isinstance(exc, P.VersionMismatch) \
-                else P.ErrorCode.PROTOCOL
-            self._reply(conn, P.Error(str(exc), code.value))
-            self._close(conn, f"protocol error: {exc}")
+            self._refuse(conn, exc)
+            return
+        for msg in msgs:
+            if not self._guard(conn, lambda msg=msg: self._handle(conn, msg)):
+                return
+
+    def _guard(self: Daemon, conn: RankConn, work: Callable[[], None],
+               close: bool = False) -> bool:
+        """Run `work` for `conn`'s sake so that nothing it raises leaves the daemon: a
+        request that does not fit the scheduler is refused (the rank stays, unless
+        `close`); a malformed one, or an internal error, closes the connection.
+
+        Returns:
+            Whether the connection is still open.
+        """
+        try:
+            work()
+        except SchedulerError as exc:
+            self._reply(conn, P.Error(str(exc), P.ErrorCode.REFUSED.value))
+            if close:
+                self._close(conn, f"refused: {exc}")
+        except P.ProtocolError as exc:
+            self._refuse(conn, exc)
         except Exception as exc:  # noqa: BLE001 - one client's message must not stop the daemon
             log.exception("internal error on a message from %s", conn.key or "a client")
             self._reply(conn, P.Error(f"internal error: {exc}", P.ErrorCode.PROTOCOL.value))
             self._close(conn, f"internal error: {exc}")
+        return conn.sock.fileno() >= 0
+
+    def _refuse(self: Daemon, conn: RankConn, exc: P.ProtocolError) -> None:
+        code = P.ErrorCode.VERSION if isinstance(exc, P.VersionMismatch) \
+            else P.ErrorCode.PROTOCOL
+        self._reply(conn, P.Error(str(exc), code.value))
+        self._close(conn, f"protocol error: {exc}")
 
     def _reply(self: Daemon, conn: RankConn, msg: P.Message) -> None:
         try:
@@ -127,17 +150,28 @@ class Connections:
         key = conn.key
         if key is None:
             return
-        if conn in self._pending.get(key[0], []):
-            self._pending[key[0]].remove(conn)
+        job = key[0]
+        if conn in self._pending.get(job, []):
+            self._pending[job].remove(conn)
+            if not self._pending[job]:
+                del self._pending[job]
+                if not any(j == job for j, _ in self._conns):
+                    # The leader counts this node among the job's members since the
+                    # join: without a leave it never forgets the job.
+                    self.peers.send(0, ("leave", job))
+            return
         if conn.registered and self._conns.get(key) is conn:
             del self._conns[key]
-            log.info("job %s rank %d left node %s (%s)", key[0], key[1], self.node, why)
+            log.info("job %s rank %d left node %s (%s)", job, key[1], self.node, why)
             device = self.sched.device_of(*key)
-            self._before_change(device)
-            self._deliver(self.sched.unregister(*key))
-            if self.fast is not None:
-                self.fast.leave(key)
-            if device is not None:
-                self._tell_company()  # every device: the host's cores may be split anew
-            if not any(j == key[0] for j, _ in self._conns):
-                self.peers.send(0, ("leave", key[0]))
+            self._change(device, lambda: self._unregister(key, device))
+            if not any(j == job for j, _ in self._conns):
+                self.peers.send(0, ("leave", job))
+
+    def _unregister(self: Daemon, key: tuple[str, int], device: str | None) -> None:
+        """Free a rank that left (after the table's events before it were applied)."""
+        self._deliver(self.sched.unregister(*key))
+        if self.fast is not None:
+            self.fast.leave(key)
+        if device is not None:
+            self._tell_company()  # every device: the host's cores may be split anew

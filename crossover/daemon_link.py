@@ -1,11 +1,14 @@
 """A rank's link to its node's daemon: register, map the slot table, fail open, heal.
 
-Fail-open, then heal: if the daemon cannot be reached, dies, or does not grant within
-the wait limit, the rank warns once and trains on uncoordinated. Scheduling never changes
-the math, so a job loses nothing but the sharing. While uncoordinated, the rank tries to
-reconnect whenever it next asks for its device, at most every HEAL_FIRST_S doubling to
-HEAL_MOST_S, so a daemon that comes back (restarted by crossoverrun or by hand) takes the
-job back without a restart of the job.
+Fail-open, then heal: if the daemon cannot be reached, dies, refuses the rank, or does
+not grant within the wait limit (stopped, swapped out, stuck), the rank warns once and
+trains on uncoordinated. Scheduling never changes the math, so a job loses nothing but
+the sharing. While uncoordinated, the rank tries to reconnect whenever it next asks for
+its device, at most every HEAL_FIRST_S doubling to HEAL_MOST_S, without blocking: an
+attempt sends its hello and looks for the welcome at the next requests, so a daemon that
+is stopped costs a step nothing, and one that comes back (restarted by crossoverrun or by
+hand, or continued) takes the job back without a restart of the job. Only a version
+mismatch and a duplicate rank stop a job: both are set-up errors that never heal.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import TYPE_CHECKING
 from crossover import protocol as P
 from crossover.backoff import Backoff
 from crossover.fastpath import RankPath
-from crossover.transport import recv_msg, send_msg
+from crossover.transport import FrameBuffer, connect, frame, readable, recv_msg, send_msg
 
 if TYPE_CHECKING:
     from crossover.client import SlotClient
@@ -30,6 +33,34 @@ HEAL_FIRST_S, HEAL_MOST_S, HEAL_TIMEOUT_S = 0.5, 10.0, 2.0
 
 class CrossoverVersionError(RuntimeError):
     """The daemon speaks another protocol version: a set-up error, never silenced."""
+
+
+class CrossoverDuplicateError(RuntimeError):
+    """Another process registered this job's rank already (two jobs with one name): a
+    set-up error, never silenced."""
+
+
+class DaemonRefused(RuntimeError):
+    """The daemon refused the rank for another reason (an invalid hello, an internal
+    error): the rank trains on uncoordinated."""
+
+
+def refusal(error: P.Error, job: str) -> RuntimeError:
+    """The exception for the daemon's refusal of `job`'s hello."""
+    if error.code == P.ErrorCode.VERSION:
+        return CrossoverVersionError(error.message)
+    text = f"crossover daemon refused job {job!r}: {error.message}"
+    if error.code == P.ErrorCode.DUPLICATE:
+        return CrossoverDuplicateError(text)
+    return DaemonRefused(text)
+
+
+class _Attempt:
+    """A reconnection under way: its socket (hello sent) and what came back so far."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self.sock, self.deadline = sock, deadline
+        self.frames = FrameBuffer()
 
 
 class DaemonLink:
@@ -47,26 +78,29 @@ class DaemonLink:
     def _connect(self: SlotClient, hello: P.Hello, timeout_s: float) -> None:
         """Register with the daemon (`timeout_s`: the longest wait for its welcome, which
         waits for the leader's job order)."""
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(timeout_s)
+        sock = connect(self.path, timeout_s)
         try:
-            sock.connect(str(self.path))
             send_msg(sock, hello)
             reply = recv_msg(sock)
         except BaseException:
             sock.close()
             raise
-        if isinstance(reply, P.Error):
-            sock.close()
-            if reply.code == P.ErrorCode.VERSION:
-                raise CrossoverVersionError(reply.message)
-            raise RuntimeError(f"crossover daemon refused job {self.job!r}: {reply.message}")
+        self._registered(sock, reply, [])
+
+    def _registered(self: SlotClient, sock: socket.socket, reply: P.Message,
+                    after: list[P.Message]) -> None:
+        """The daemon answered the hello on `sock` (`after`: notices read behind it)."""
         if not isinstance(reply, P.Welcome):
             sock.close()
+            if isinstance(reply, P.Error):
+                raise refusal(reply, self.job)
             raise P.ProtocolError(f"expected welcome, got {reply.kind}")
+        sock.settimeout(None)
         self._sock = sock
         self._fast = self._attach(reply, sock)
         self._welcomed(reply)
+        for notice in after:
+            self._on_notice(notice)
 
     def _attach(self: SlotClient, welcome: P.Welcome, sock: socket.socket) -> RankPath | None:
         """Map the node's slot table if the daemon named one, and tell it whether that
@@ -85,20 +119,48 @@ class DaemonLink:
         return fast
 
     def _try_heal(self: SlotClient) -> None:
-        """Uncoordinated: reconnect if an attempt is due (see HEAL_FIRST_S)."""
-        if self._heal is None or time.monotonic() < self._next_heal:
+        """Uncoordinated: start a reconnection if one is due (see HEAL_FIRST_S), or look,
+        without waiting, whether the one under way was welcomed."""
+        if self._heal is None:
             return
-        self._next_heal = time.monotonic() + self._heal.next()
-        if not self.path.exists():  # no daemon yet: one stat, no connect
-            return
+        if self._attempt is None:
+            if time.monotonic() < self._next_heal:
+                return
+            self._next_heal = time.monotonic() + self._heal.next()
+            if not self.path.exists():  # no daemon yet: one stat, no connect
+                return
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.setblocking(False)
+                sock.connect(str(self.path))
+                sock.sendall(frame(self._hello))  # ~200 bytes: fits the socket's buffer
+            except OSError:
+                sock.close()
+                return  # no listener (yet), or its backlog is full: back off
+            self._attempt = _Attempt(sock, time.monotonic() + HEAL_TIMEOUT_S)
+        attempt = self._attempt
         try:
-            self._connect(self._hello, timeout_s=HEAL_TIMEOUT_S)
+            got = []
+            if readable(attempt.sock):
+                data = attempt.sock.recv(65536)
+                if not data:
+                    raise ConnectionError("the daemon closed the connection")
+                got = attempt.frames.feed(data)
+            if not got:
+                if time.monotonic() < attempt.deadline:
+                    return  # no answer yet (a stopped daemon's backlog took the hello)
+                raise TimeoutError(f"no welcome within {HEAL_TIMEOUT_S} s")
+            self._attempt = None
+            self._registered(attempt.sock, got[0], got[1:])
         except CrossoverVersionError as exc:
             self._heal = None  # the daemon was upgraded under the job: do not retry
             self._warn(f"not reconnecting: {exc}", again=True)
             return
         except (OSError, P.ProtocolError, RuntimeError):
-            return  # not back yet (or still busy with our old connection): back off
+            # Not back yet, or still busy with our old connection (a duplicate): back off.
+            attempt.sock.close()
+            self._attempt = None
+            return
         self._heal = None
         self.reconnects += 1
         self._warned = False  # the next loss is news again

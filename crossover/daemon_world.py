@@ -50,7 +50,7 @@ def default_comm() -> Any:
 def node_identity(comm: Any) -> tuple[str, list[int]]:
     """This daemon's node name and the CPU cores its devices are made of."""
     cores = sorted(os.sched_getaffinity(0))
-    if os.environ.get(E.NODE) or not E.fake_nodes():
+    if E.node_setting() or not E.fake_nodes():
         return E.node_name(), cores
     r, fake = comm.Get_rank(), E.fake_nodes()  # fake node r gets every N-th core
     return E.node_name(r), cores[r % len(cores) :: fake] or cores
@@ -106,9 +106,7 @@ class DaemonWorld:
                 if self.aligner is not None:
                     self.aligner.reset()  # waits of the old mode say nothing of the new
                 self._mode_reason = msg[2]
-                self._before_change()
-                self._deliver(self.sched.set_mode(Mode(msg[1]), msg[3]))
-                self._tell_company()
+                self._change(None, lambda msg=msg: self._set_mode(Mode(msg[1]), msg[3]))
             elif kind == "order":
                 self._orders[msg[1]] = msg[2]
                 for conn in self._pending.pop(msg[1], []):
@@ -143,6 +141,10 @@ class DaemonWorld:
             elif kind == "shutdown":
                 self.stop()
 
+    def _set_mode(self, mode: Mode, points: dict[str, int]) -> None:
+        self._deliver(self.sched.set_mode(mode, points))
+        self._tell_company()
+
     def _align(self, job: str, node: int, wait_s: float) -> None:
         """Leader: a rank of `job` on daemon `node` reported its allreduce waits; tell
         a node whose turns run ahead to hand over later (`crossover.scheduler.phase`)."""
@@ -155,9 +157,11 @@ class DaemonWorld:
 
     def _delay_handovers(self, delay_s: float, lead_s: float) -> None:
         """Hand every shared device of this node to its next job `delay_s` later."""
+        self._change(None, lambda: self._delay_shared(delay_s, lead_s))
+
+    def _delay_shared(self, delay_s: float, lead_s: float) -> None:
         if not self.sched.exclusive:
             return  # the mode changed since the leader decided
-        self._before_change()
         shared = [device for device in self.sched.devices()
                   if len(self.sched.company(device)) > 1]
         for device in shared:

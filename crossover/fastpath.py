@@ -40,6 +40,9 @@ PHASES = list(Phase)  # a release's phase travels through the table as its index
 LOCK_S = 0.5
 #: The daemon's wait for a mutex: short, it tries again on its next loop.
 DAEMON_LOCK_S = 0.02
+#: How long the daemon defers its changes of a device whose mutex stays busy (a rank
+#: stopped inside it) before it fences the device: its ranks then use their sockets.
+FENCE_S = 2.0
 RING_FRAME = frame(P.Ring())
 # the table's event kinds
 KINDS = {Step.REQUEST: _native.REQUEST, Step.RELEASE: _native.RELEASE} if _native else {}
@@ -61,6 +64,7 @@ class TablePlane:
         self.path = path
         self.table = _native.Table.create(str(path), _native.MAX_DEVICES)
         self._devices: dict[str, int] = {}  # device name -> index in the table
+        self._fenced: set[str] = set()  # devices whose ring is closed (`fence`)
         self._owner: dict[int, Key] = {}  # slot -> the rank it is reserved for
         self._slot: dict[Key, int] = {}
         self._attached: set[int] = set()  # slots whose rank mapped the table
@@ -74,10 +78,12 @@ class TablePlane:
     # --- membership ---------------------------------------------------------------------
     def reserve(self, key: Key, device: str, pid: int) -> tuple[int, int] | None:
         """A slot and device index for a newly registered rank, or None (table full)."""
+        if device in self._fenced:
+            return None
         dev = self._devices.get(device)
         if dev is None:
             if len(self._devices) >= _native.MAX_DEVICES:
-                return None
+                return None  # the 65th device and on: the socket path
             dev = self._devices[device] = len(self._devices)
         free = next((s for s in range(_native.MAX_SLOTS) if s not in self._owner), None)
         if free is None:
@@ -104,12 +110,20 @@ class TablePlane:
             self._attached.discard(slot)
             self.table.unbind(slot)
 
-    def native(self, key: Key) -> bool:
-        """Whether the rank's requests, releases and grants go through the table."""
-        return self._slot.get(key) in self._attached
+    def has(self, device: str) -> bool:
+        """Whether `device`'s ranks go through the table (it has an index and no fence)."""
+        return device in self._devices and device not in self._fenced
 
     def devices(self) -> list[str]:
-        return list(self._devices)
+        """The devices whose ring the daemon drains."""
+        return [d for d in self._devices if d not in self._fenced]
+
+    def fence(self, device: str) -> None:
+        """Close `device`'s ring for good (its mutex stayed busy): its ranks ask over
+        their sockets from now on. A rank waiting in the table for a grant the daemon
+        made still gets it there (`grant` needs no mutex)."""
+        self._fenced.add(device)
+        self.table.fence(self._devices[device])
 
     # --- events in, grants and plans out ----------------------------------------------
     def drain(self, sched: SlotScheduler, device: str, invalidate: bool
@@ -214,6 +228,15 @@ class TablePlane:
         return {d: self.table.fast_grants(i) for d, i in self._devices.items()}
 
 
+def _run(change: Callable[[], None]) -> None:
+    """Run a change of the scheduler; whatever it raises stays out of the serve loop (a
+    rank's own changes are guarded with their connection, see `Connections._guard`)."""
+    try:
+        change()
+    except Exception:  # noqa: BLE001 - the daemon serves every job on the node
+        log.exception("internal error in a change of the scheduler; the daemon goes on")
+
+
 class TableDaemon:
     """The daemon's use of its table, mixed into `Daemon` (whose scheduler, path and
     delivery these methods use): open it, keep its ring and the scheduler in one order,
@@ -222,7 +245,7 @@ class TableDaemon:
     def _open_table(self) -> None:
         """Create the node's slot table (replacing a killed daemon's), or say once why the
         ranks here use the socket path."""
-        why = UNAVAILABLE or ("" if E.flag(E.NATIVE) else f"{E.NATIVE}=0")
+        why = UNAVAILABLE or ("" if E.native() else f"{E.NATIVE} is off")
         if why:
             log.info("native fast path off (%s); ranks use the socket path", why)
             return
@@ -231,15 +254,52 @@ class TableDaemon:
         except (OSError, RuntimeError, ValueError) as exc:
             log.warning("native fast path off: %s; ranks use the socket path", exc)
 
-    def _before_change(self, device: str | None = None) -> None:
+    def _before_change(self, device: str | None = None) -> bool:
         """About to change the scheduler for another reason than a table event: withdraw
         the plan of `device` (None: every device) and apply the events before it, so the
-        table's ring and the scheduler keep one order."""
+        table's ring and the scheduler keep one order. False if a device's mutex stayed
+        busy: the change must wait (`_change`), or two jobs could hold one device."""
         if self.fast is None:
-            return
+            return True
+        done = True
         for name in [device] if device is not None else self.fast.devices():
-            if name in self.fast.devices():
-                self._drain(name, invalidate=True)
+            if self.fast.has(name) and self._drain(name, invalidate=True) is None:
+                self._stuck.setdefault(name, self.clock())
+                done = False
+        return done
+
+    def _change(self, device: str | None, change: Callable[[], None]) -> None:
+        """Run `change` (of the scheduler on `device`; None: every device) now, or once
+        the table's events before it are applied, in the order the changes came."""
+        if not self._backlog and self._before_change(device):
+            _run(change)
+        else:
+            self._backlog.append((device, change))
+
+    def _run_backlog(self) -> None:
+        """Run the deferred changes whose devices can be drained now; fence a device
+        whose mutex stayed busy for FENCE_S (a rank stopped inside it)."""
+        while self._backlog:
+            device, change = self._backlog[0]
+            if not self._before_change(device):
+                self._fence_stuck()
+                return
+            self._backlog.popleft()
+            _run(change)
+        self._stuck.clear()
+
+    def _fence_stuck(self) -> None:
+        now = self.clock()
+        for device, since in list(self._stuck.items()):
+            if now - since < FENCE_S:
+                continue
+            del self._stuck[device]
+            self.fast.fence(device)
+            pids = sorted(conn.hello.pid for key, conn in self._conns.items()
+                          if self.sched.device_of(*key) == device)
+            log.warning("the slot table's mutex of %s stayed busy for %.0f s (a rank "
+                        "stopped inside it? pids there: %s): its ranks use the socket "
+                        "path from now on", device, now - since, pids)
 
     def _drain(self, device: str, invalidate: bool) -> int | None:
         # A busy mutex (a rank stopped inside it) is tried again on the next loop.
@@ -253,12 +313,14 @@ class TableDaemon:
     def _publish_plans(self) -> None:
         """Apply the events that came and publish each touched device's next plan."""
         for device in list(self._replan):
+            if self.fast is None or not self.fast.has(device):
+                self._replan.discard(device)  # the socket path: no plan to publish
+                continue
             for _ in range(3):  # events keep coming: they ring again, so stop trying soon
                 seq = self._drain(device, invalidate=False)
                 if seq is not None and self.fast.publish(self.sched, device, seq):
                     self._replan.discard(device)
                     break
-
 
 
 class RankPath:

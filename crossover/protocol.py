@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import types
 from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
@@ -198,6 +199,14 @@ class Error(Message):
     code: str = ErrorCode.REFUSED.value
 
 
+#: What a rank may send. Every number in these is a count, an index, a pid, a weight
+#: or a duration: finite, >= 0 and within 64 bits, or the decoder refuses it (a NaN
+#: wait once reached the leader's phase aligner and stopped a peer daemon).
+REQUESTS = frozenset({"hello", "acquire", "attached", "ring", "progress", "waited",
+                      "release", "renew", "status"})
+#: The largest number a request may carry.
+MAX_NUMBER = 2**63 - 1
+
 KINDS: dict[str, type[Message]] = {
     cls.kind: cls
     for cls in (Hello, Welcome, Acquire, Attached, Ring, Grant, Company, Progress, Waited,
@@ -248,7 +257,20 @@ def decode(data: bytes) -> Message:
         if not _fits(value, hint):
             raise ProtocolError(f"{kind}: field {name} is {type(value).__name__} "
                                 f"{str(value)[:40]!r}, not {hint}")
+        if kind in REQUESTS and not _in_range(value):
+            raise ProtocolError(f"{kind}: field {name} is {str(value)[:40]}: a request's "
+                                f"numbers are finite, >= 0 and at most 2**63 - 1")
     return msg
+
+
+def _in_range(value: Any) -> bool:
+    """Whether a number of a request is finite, >= 0 and within 64 bits (not a number:
+    True; lists are checked item by item)."""
+    if isinstance(value, list):
+        return all(_in_range(v) for v in value)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return True
+    return math.isfinite(value) and 0 <= value <= MAX_NUMBER
 
 
 @functools.cache

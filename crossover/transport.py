@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import os
 import queue
+import select
 import socket
 import stat
 import struct
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
+from crossover import environment as E
 from crossover.backoff import Backoff
 from crossover.protocol import Message, ProtocolError, decode, encode
 
@@ -23,27 +26,57 @@ _HEADER = struct.Struct("!I")
 MAX_FRAME = 1 << 24  # a status report of a big cluster stays far below 16 MiB
 
 
+def default_runtime_dir() -> Path:
+    """$XDG_RUNTIME_DIR/crossover where the session has one (private to the user by
+    construction), else /tmp/crossover-<uid>."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    return Path(xdg) / "crossover" if xdg else Path(f"/tmp/crossover-{os.getuid()}")
+
+
 def runtime_dir(path: str | os.PathLike | None = None, create: bool = True) -> Path:
     """The private directory that holds the daemons' sockets; created 0700 if missing.
 
+    The directory itself is checked without following a symbolic link: any local user
+    may create a path in /tmp before us, and a link there would point our sockets and
+    slot table wherever its owner likes. Once it is ours and 0700, nobody else can add,
+    rename or replace an entry in it, so the names inside resolve to what we made.
+
     Args:
         path: an explicit directory; default $CROSSOVER_RUNTIME_DIR, else
-            /tmp/crossover-<uid>.
+            `default_runtime_dir()`.
         create: make it if missing (the daemon); clients only look.
 
     Raises:
-        PermissionError: the directory belongs to another user or others can open it.
+        PermissionError: the path is a symbolic link or not a directory, belongs to
+            another user, or others can open it; the message names the fix.
     """
-    d = Path(path or os.environ.get("CROSSOVER_RUNTIME_DIR") or f"/tmp/crossover-{os.getuid()}")
+    d = Path(path or E.runtime_dir_setting() or default_runtime_dir())
+    fix = "remove it, or set CROSSOVER_RUNTIME_DIR to a directory of your own"
     if create:
-        d.mkdir(mode=0o700, parents=True, exist_ok=True)
-    elif not d.exists():
+        d.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            d.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+    try:
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        if create:
+            raise
         return d
-    st = d.stat()
+    except OSError as exc:  # ELOOP: a symbolic link; ENOTDIR: a file
+        kind = "a symbolic link" if os.path.islink(d) else "not a directory"
+        raise PermissionError(f"crossover runtime directory {d} is {kind} ({exc.strerror}); "
+                              f"{fix}") from None
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
     if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
         raise PermissionError(
-            f"{d} must belong to uid {os.getuid()} with mode 0700 (it has uid {st.st_uid}, "
-            f"mode {oct(stat.S_IMODE(st.st_mode))}); remove it or set CROSSOVER_RUNTIME_DIR"
+            f"crossover runtime directory {d} must belong to uid {os.getuid()} with mode "
+            f"0700 (it has uid {st.st_uid}, mode {oct(stat.S_IMODE(st.st_mode))}): another "
+            f"user may have made it first; {fix}"
         )
     return d
 
@@ -54,10 +87,47 @@ def socket_path(node: str, directory: str | os.PathLike | None = None,
     return runtime_dir(directory, create) / f"node-{node}.sock"
 
 
+def connect(path: str | os.PathLike, timeout_s: float) -> socket.socket:
+    """A Unix socket connected to `path`, with `timeout_s` as its timeout.
+
+    A socket with a timeout is non-blocking underneath, and its connect to a listener
+    whose backlog is full fails at once with EAGAIN (ranks that start together, or a
+    daemon that is stopped): that is tried again with backoff until `timeout_s`.
+
+    Raises:
+        OSError: no listener, or its backlog stayed full for `timeout_s`.
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout_s)
+    deadline = time.monotonic() + timeout_s
+    backoff = Backoff(0.001, 0.05)
+    while True:
+        try:
+            sock.connect(str(path))
+            return sock
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                sock.close()
+                raise
+            time.sleep(backoff.next())
+        except BaseException:
+            sock.close()
+            raise
+
+
 def frame(msg: Message) -> bytes:
     """One message as the bytes of its frame (length prefix and JSON)."""
     data = encode(msg)
     return _HEADER.pack(len(data)) + data
+
+
+def readable(sock: socket.socket) -> bool:
+    """Whether `sock` has data (or its end) to read now. poll, not select: select fails
+    on descriptors of 1024 and more, which a rank reaches with data loader workers,
+    NCCL and a raised `ulimit -n`."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def send_msg(sock: socket.socket, msg: Message) -> None:

@@ -3,6 +3,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstddef>
+
 #include "table.hpp"
 
 namespace py = pybind11;
@@ -21,6 +23,11 @@ PYBIND11_MODULE(_native, m) {
   m.attr("LOCK_TIMEOUT") = crossover::kLockTimeout;
   m.attr("RING_FULL") = crossover::kRingFull;
   m.attr("BAD_ARGUMENT") = crossover::kBadArgument;
+  m.attr("FENCED") = crossover::kFenced;
+  // Where device i's record (its mutex first) lies in the file: offset + i * size. For
+  // tools and tests that look at a live table from outside.
+  m.attr("DEVICE_OFFSET") = offsetof(crossover::Header, dev);
+  m.attr("DEVICE_SIZE") = sizeof(crossover::Device);
   m.attr("REQUEST") = static_cast<int>(crossover::kRequest);
   m.attr("RELEASE") = static_cast<int>(crossover::kRelease);
 
@@ -90,5 +97,7 @@ PYBIND11_MODULE(_native, m) {
       .def("grant", &Table::Grant, py::arg("slot"), py::arg("gen"))
       .def("bind", &Table::Bind, py::arg("slot"), py::arg("dev"), py::arg("pid"))
       .def("unbind", &Table::Unbind, py::arg("slot"))
+      .def("fence", &Table::Fence, py::arg("dev"),
+           "Close the device's ring for good: its ranks ask over their sockets.")
       .def("fast_grants", &Table::FastGrants, py::arg("dev"));
 }

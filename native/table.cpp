@@ -20,9 +20,9 @@ std::runtime_error SysError(const std::string& what, const std::string& path) {
   return std::runtime_error(what + " " + path + ": " + std::strerror(errno));
 }
 
-timespec Deadline(double seconds) {  // CLOCK_REALTIME, as pthread_mutex_timedlock wants
+timespec Deadline(double seconds) {  // monotonic: a clock step never stretches a wait
   timespec ts;
-  clock_gettime(CLOCK_REALTIME, &ts);
+  clock_gettime(CLOCK_MONOTONIC, &ts);
   auto ns = static_cast<long long>(seconds * 1e9) + ts.tv_nsec;
   ts.tv_sec += ns / 1000000000LL;
   ts.tv_nsec = ns % 1000000000LL;
@@ -118,7 +118,7 @@ Table::~Table() {
 
 bool Table::Lock(Device* d, double timeout_s) {
   timespec deadline = Deadline(timeout_s);
-  int rc = pthread_mutex_timedlock(&d->mu, &deadline);
+  int rc = pthread_mutex_clocklock(&d->mu, CLOCK_MONOTONIC, &deadline);
   if (rc == EOWNERDEAD) {
     // Its holder died inside. Every change under the mutex is committed by the tail's
     // increment, after the event is whole, so the state is consistent as it is.
@@ -157,11 +157,13 @@ bool Table::Planned(Device* d, uint32_t slot, uint32_t kind, bool use_plan,
   *left = 0;
   if (!d->plan_valid || d->tail < d->plan_seq) return false;
   uint64_t pos = d->tail - d->plan_seq;
-  bool follows = use_plan && d->chain_ok && pos < d->chain_len &&
+  // The table is shared memory any process of the user can write: never trust a length.
+  uint32_t chain_len = d->chain_len < kChain ? d->chain_len : kChain;
+  bool follows = use_plan && d->chain_ok && pos < chain_len &&
                  d->chain[pos].slot == slot && d->chain[pos].kind == kind;
   d->chain_ok = follows;  // once off the chain, stay off until the next plan
   if (!use_plan) return false;
-  if (follows) *left = d->chain_len - uint32_t(pos) - 1;
+  if (follows) *left = chain_len - uint32_t(pos) - 1;
   if (pos == 0) {  // any slot's next event: its own answer
     *grants = kind == kRequest ? d->on_request[slot] : d->on_release[slot];
     return true;
@@ -182,6 +184,7 @@ bool Table::Ring(Device* d, bool planned, uint64_t grants, bool handed_on, uint3
 int Table::Enter(int dev, int slot, double lock_timeout_s, Device** out) {
   if (dev < 0 || dev >= devices() || slot < 0 || slot >= kMaxSlots) return kBadArgument;
   Device* d = &h_->dev[dev];
+  if (d->fenced.load(std::memory_order_acquire)) return kFenced;
   if (!Lock(d, lock_timeout_s)) return kLockTimeout;
   if (d->tail - d->head >= kRing) {
     Unlock(d);
@@ -305,6 +308,11 @@ void Table::Bind(int slot, int dev, int pid) {
   if (slot < 0 || slot >= kMaxSlots) return;
   h_->slots[slot].pid.store(pid);
   h_->slots[slot].device.store(dev);
+}
+
+void Table::Fence(int dev) {
+  if (dev < 0 || dev >= devices()) return;
+  h_->dev[dev].fenced.store(1, std::memory_order_release);
 }
 
 void Table::Unbind(int slot) {

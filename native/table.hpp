@@ -36,7 +36,7 @@
 namespace crossover {
 
 constexpr uint64_t kMagic = 0x43524f5353545331ULL;  // "CROSSTS1"
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;
 constexpr int kMaxSlots = 63;  // ranks per node on the fast path (a bit mask each)
 // In a plan's answer, beside the slots it grants: the event leaves the device free but
 // waiting for the rank whose turn it is, which only the daemon's clock ends (patience),
@@ -56,6 +56,7 @@ constexpr int kRingDaemon = 2;  // the daemon has no wake-up pending: send one
 constexpr int kLockTimeout = -1;  // the device's mutex was not free in time
 constexpr int kRingFull = -2;  // the daemon stopped draining
 constexpr int kBadArgument = -3;
+constexpr int kFenced = -4;  // the daemon gave up on this device's mutex: use the socket
 
 struct Event {
   uint32_t slot;
@@ -87,7 +88,9 @@ struct Device {
   uint32_t plan_valid;
   uint32_t concurrent;  // every request is granted at once, whatever came before
   std::atomic<uint32_t> doorbell;  // a wake-up for the daemon is pending
-  uint32_t pad;
+  // Set, never cleared, by a daemon that could not take the mutex for long (a rank
+  // stopped inside it): no rank enters again, they all ask over their sockets.
+  std::atomic<uint32_t> fenced;
   uint64_t on_request[kMaxSlots];  // grants if this slot requests next
   uint64_t on_release[kMaxSlots];  // grants if this holder releases next (not to idle)
   uint32_t chain_len;
@@ -146,6 +149,8 @@ class Table {
   void Grant(int slot, uint32_t gen);
   void Bind(int slot, int dev, int pid);  // a rank takes the slot
   void Unbind(int slot);  // the rank left
+  // Closes the device's ring for good, without its mutex (see Device::fenced).
+  void Fence(int dev);
   uint64_t FastGrants(int dev) const { return h_->dev[dev].fast_grants; }
 
  private:

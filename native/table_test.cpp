@@ -170,6 +170,42 @@ int main() {
   waitpid(child, nullptr, 0);
   CHECK(rank.Request(1, 5, 0.0, 1.0, &g7) >= 0);
 
+  // A chain length written past its array (the table is writable shared memory) is
+  // clamped: a chain of kChain events ends there, and its last events ring the daemon
+  // to plan on (unclamped, `left` would stay huge and none would).
+  ev.clear();
+  CHECK(daemon.Drain(0, &ev, &seq, true, 1.0));
+  std::vector<ChainStep> releases(kChain, ChainStep{5, kRelease, 0});
+  CHECK(daemon.Publish(0, seq, Masks(-1, 0), Masks(-1, 0), releases, false, 1.0));
+  raw->dev[0].chain_len = 0xFFFFFFFFu;
+  int rang = 0;
+  for (uint32_t i = 0; i < kChain; ++i) {
+    int flags = rank.Release(0, 5, 7, true, 0.0, 1.0);
+    CHECK(flags >= 0);
+    rang += (flags & kRingDaemon) ? 1 : 0;
+  }
+  CHECK(rang == 1);
+  ev.clear();
+  CHECK(daemon.Drain(0, &ev, &seq, false, 1.0));
+
+  // A fenced device takes no event again, even with its mutex stuck, so its ranks go to
+  // their sockets; the other device is untouched.
+  child = fork();
+  if (child == 0) {
+    pthread_mutex_lock(&raw->dev[0].mu);
+    sleep(5);
+    _exit(0);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  daemon.Fence(0);
+  t0 = std::chrono::steady_clock::now();
+  CHECK(rank.Request(0, 5, 0.0, 1.0, &g7) == kFenced);
+  CHECK(rank.Release(0, 5, 7, true, 0.0, 1.0) == kFenced);
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(100));
+  CHECK(rank.Request(1, 5, 0.0, 1.0, &g7) >= 0);
+  kill(child, SIGKILL);
+  waitpid(child, nullptr, 0);
+
   // Bad arguments are refused; a table of another layout is not attached.
   CHECK(rank.Request(9, 0, 0.0, 1.0, &g7) == kBadArgument);
   CHECK(rank.Release(0, kMaxSlots, 7, false, 0.0, 1.0) == kBadArgument);

@@ -413,7 +413,7 @@ def test_a_runtime_dir_with_the_wrong_mode_warns_and_trains_on(tmp_path, capsys)
     err = capsys.readouterr().err
     assert err.count("WARNING") == 1, err
     assert str(run) in err and "mode 0o755" in err and f"uid {os.getuid()}" in err, err
-    assert "remove it or set CROSSOVER_RUNTIME_DIR" in err and "trains on uncoordinated" in err
+    assert "remove it, or set CROSSOVER_RUNTIME_DIR" in err and "trains on uncoordinated" in err
     c.close()
 
 

@@ -141,6 +141,8 @@ class Harness:
             self.daemon_change()
             self.deliver(self.sched.realign())
             self.ref.realign()
+        self.sched.forget_moves()
+        self.ref.forget_moves()
         for dev in self.plane.devices():
             grants, seq = self.plane.drain(self.sched, dev, invalidate=False)
             self.deliver(grants)

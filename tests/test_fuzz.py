@@ -25,7 +25,7 @@ from crossover.protocol import Phase
 from tests.conftest import Cluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from fuzz_cases import CASES, exchange, frame, hello_frame  # noqa: E402
+from fuzz_cases import CASES, GROUPS, exchange, exchange_group, frame, hello_frame  # noqa: E402
 
 pytestmark = pytest.mark.mpi  # real processes
 
@@ -81,6 +81,26 @@ def test_bad_input_gets_an_error_or_a_disconnect(daemon, case):
     good_round_trip(c)
 
 
+@pytest.mark.parametrize("case", sorted(GROUPS))
+def test_ranks_that_arrive_together_never_stop_the_daemon(daemon, case):
+    """Several ranks of one new job read in one pass (weights that differ, 1 to 300
+    devices): each gets a welcome or an error, and the daemon lives on."""
+    c, proc = daemon
+    path = socket_of(c)
+
+    @settings(max_examples=10, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(GROUPS[case])
+    def run(hellos):
+        answers = exchange_group(path, hellos)
+        assert all(isinstance(a, P.Welcome | P.Error) for a in answers), answers
+        assert any(isinstance(a, P.Welcome) for a in answers), answers
+        assert proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+
+    run()
+    good_round_trip(c)
+
+
 def test_a_length_prefix_claiming_gigabytes_is_refused_at_once(daemon):
     c, _ = daemon
     (reply,) = exchange(socket_of(c), frame(b"x" * 10, length=3 << 30))
@@ -123,7 +143,9 @@ def test_hundreds_of_connections_leave_no_descriptors_behind(daemon):
     (b'{"v": VERSION, "kind": "hello", "job": "t", "rank": 0, "size": "2", "local_rank": 0, '
      b'"local_size": 1, "pid": 1}', "field size is str"),
     (b'{"v": VERSION, "kind": "hello", "job": "t", "rank": 0, "size": 1, "local_rank": 0, '
-     b'"local_size": 1, "pid": 1, "weight": NaN}', "invalid weight"),
+     b'"local_size": 1, "pid": 1, "weight": NaN}', "field weight is nan"),
+    (b'{"v": VERSION, "kind": "hello", "job": "t", "rank": 0, "size": 1, "local_rank": 0, '
+     b'"local_size": 1, "pid": 2147483648}', "invalid pid"),
     (b'{"v": VERSION, "kind": "hello", "job": ["t"], "rank": 0, "size": 1, "local_rank": 0, '
      b'"local_size": 1, "pid": 1}', "field job is list"),
     (b'{"v": VERSION, "kind": "hello", "job": "t", "rank": true, "size": 2, "local_rank": 0, '

@@ -104,6 +104,7 @@ def simulate(picks: list[int], switch_at: tuple[int, int], notices: list[int],
         for sched in scheds:
             if sched.misaligned():
                 granted(sched.realign())
+            sched.forget_moves()
     return crossed(order), stalls
 
 

@@ -141,6 +141,7 @@ def simulate(policy: str, picks: list[int], join: int, notices: tuple[int, int],
         for sched in scheds:
             if sched.misaligned():
                 granted(sched.realign())
+            sched.forget_moves()
     return stalls
 
 

@@ -178,12 +178,17 @@ class SlotScheduler(ModeSwitching, SchedulerViews):
 
     def misaligned(self) -> bool:
         """Whether a job's ranks have different turn offsets (see the module doc): the
-        caller should `realign` now. Only exclusive grants use turns."""
-        if self.exclusive and any(o != offset for job, offset in self._moved.items()
-                                  for o in self._offsets(job)):
-            return True
-        self._moved.clear()
-        return False
+        caller should `realign` now, else `forget_moves`. Only exclusive grants use
+        turns."""
+        return self.exclusive and any(o != offset for job, offset in self._moved.items()
+                                      for o in self._offsets(job))
+
+    def forget_moves(self) -> None:
+        """Drop the offsets a rank back from a pause gave its job when `realign` is not
+        needed (its peers agree, or grants are concurrent): while any is kept, plans are
+        not previewed (`preview`), so the fast path would wait for the daemon."""
+        if not self.misaligned():
+            self._moved.clear()
 
     def realign(self) -> list[SlotGrant]:
         """Give every rank of a job the offset its latest rank back from a pause gave it;

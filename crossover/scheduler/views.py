@@ -30,6 +30,11 @@ class SchedulerViews:
         """The device the rank is registered on, None if it is not."""
         return self._where.get((job, rank))
 
+    def weight_of(self, job: str) -> float | None:
+        """The priority weight of a registered job, None if it has no rank here."""
+        entry = self._jobs.get(job)
+        return entry[1] if entry else None
+
     def jobs_on(self, device: str) -> set[str]:
         """The jobs with a rank registered on `device`."""
         dev = self._devices.get(device)
