@@ -90,4 +90,4 @@ def test_a_runtime_dir_with_a_wrong_owner_or_mode_is_refused(tmp_path, problem, 
     assert res.returncode == 2, res.stderr[-2000:]
     assert "Traceback" not in res.stderr
     assert f"{run} must belong to uid {os.getuid()} with mode 0700" in res.stderr
-    assert "remove it or set CROSSOVER_RUNTIME_DIR" in res.stderr
+    assert "remove it, or set CROSSOVER_RUNTIME_DIR" in res.stderr
