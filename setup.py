@@ -60,6 +60,8 @@ class CMakeBuild(build_ext):
 setup(
     packages=[
         "crossover",
+        "crossover.client",
+        "crossover.daemon",
         "crossover.scheduler",
         "crossover.launch",
         "crossover.pipeline",

@@ -38,6 +38,12 @@ class Phase(str, Enum):
     IDLE = "idle"  # it does not need the device for a while
 
 
+#: The phase the daemon's plans for the slot table are made for: the one a holder gives
+#: the device up in under crossover (the handoff that happens every step); a release in
+#: another phase never runs a plan (an idle rank, say, changes who is in line).
+PLANNED_PHASE = Phase.COMMUNICATE
+
+
 class Mode(str, Enum):
     """How a device serves the jobs that share it (the daemons decide, see
     `crossover.scheduler.mode`)."""

@@ -95,7 +95,7 @@ PYBIND11_MODULE(_native, m) {
           "Publish the plan made after event `seq` (chain: [(slot, kind, grants)]); False "
           "if events came since.")
       .def("grant", &Table::Grant, py::arg("slot"), py::arg("gen"))
-      .def("bind", &Table::Bind, py::arg("slot"), py::arg("dev"), py::arg("pid"))
+      .def("bind", &Table::Bind, py::arg("slot"), py::arg("dev"))
       .def("unbind", &Table::Unbind, py::arg("slot"))
       .def("fence", &Table::Fence, py::arg("dev"),
            "Close the device's ring for good: its ranks ask over their sockets.")

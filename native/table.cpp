@@ -304,9 +304,8 @@ void Table::Grant(int slot, uint32_t gen) {
   Futex(&word, FUTEX_WAKE, INT32_MAX, nullptr);
 }
 
-void Table::Bind(int slot, int dev, int pid) {
+void Table::Bind(int slot, int dev) {
   if (slot < 0 || slot >= kMaxSlots) return;
-  h_->slots[slot].pid.store(pid);
   h_->slots[slot].device.store(dev);
 }
 
@@ -318,7 +317,6 @@ void Table::Fence(int dev) {
 void Table::Unbind(int slot) {
   if (slot < 0 || slot >= kMaxSlots) return;
   h_->slots[slot].device.store(-1);
-  h_->slots[slot].pid.store(0);
 }
 
 }  // namespace crossover

@@ -77,7 +77,6 @@ struct Slot {
   std::atomic<uint32_t> grant_gen;  // the generation of the latest granted request (futex)
   std::atomic<uint32_t> req_gen;  // the generation of the latest request
   std::atomic<int32_t> device;  // -1: free
-  std::atomic<int32_t> pid;
 };
 
 struct Device {
@@ -147,7 +146,7 @@ class Table {
                bool concurrent, double lock_timeout_s);
   // Grants request `gen` of `slot` (idempotent; never grants a later request).
   void Grant(int slot, uint32_t gen);
-  void Bind(int slot, int dev, int pid);  // a rank takes the slot
+  void Bind(int slot, int dev);  // a rank takes the slot
   void Unbind(int slot);  // the rank left
   // Closes the device's ring for good, without its mutex (see Device::fenced).
   void Fence(int dev);

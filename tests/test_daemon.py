@@ -271,7 +271,7 @@ def test_policy_off_shows_overlaps(cluster: Cluster):
 
 def test_crossover_node_names_the_daemon_and_its_clients(tmp_path, monkeypatch):
     """CROSSOVER_NODE overrides hostname and fake nodes on both sides (emulated hosts)."""
-    from crossover.daemon_world import node_identity
+    from crossover.daemon.world import node_identity
     from crossover.environment import node_name
 
     monkeypatch.setenv("CROSSOVER_NODE", "hostB")
@@ -537,7 +537,7 @@ def test_without_align_phases_waits_are_not_forwarded(tmp_path):
     from crossover.daemon import Daemon
 
     daemon = Daemon(runtime_dir=tmp_path / "run", policy="crossover")
-    assert daemon.aligner is None
+    assert daemon.leader.aligner is None
     sent = []
     daemon.peers.send = lambda dest, obj: sent.append((dest, obj))
     daemon.peers.inbox.put((1, ("waited", "A", 0.5)))

@@ -4,7 +4,6 @@ the pure scheduler grants for the same sequence."""
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -14,7 +13,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from crossover import _native, fastpath
+from crossover import _native, slot_table
+from crossover.client.fastpath import RING_FRAME, RankPath
+from crossover.daemon.table import TablePlane
 from crossover.protocol import Mode, Phase
 from crossover.scheduler import SlotScheduler, make_policy
 from crossover.scheduler.preview import PlanCache, preview
@@ -39,7 +40,7 @@ def test_the_cpp_unit_test_passes_under_ctest(tmp_path):
 def test_the_module_is_built_by_the_install():
     # `make test` builds it (setup.py -> CMake); the socket path covers its absence, but
     # here it must be present, or the rest of this file would test nothing.
-    assert fastpath.UNAVAILABLE == ""
+    assert slot_table.UNAVAILABLE == ""
     assert _native.MAX_SLOTS == 63  # the 64th bit of a plan's mask asks for the daemon
 
 
@@ -103,7 +104,7 @@ class Harness:
         self.clock = FakeClock()
         make = lambda: SlotScheduler(make_policy(policy), self.clock, 5.0, 1.0)  # noqa: E731
         self.ref, self.sched = make(), make()
-        self.plane = fastpath.TablePlane(tmp / "node.slots")
+        self.plane = TablePlane(tmp / "node.slots")
         self.table = _native.Table.attach(str(tmp / "node.slots"))
         self.jobs = jobs
         self.gen: dict[tuple[str, int], int] = {}  # waiting or holding ranks' request
@@ -118,7 +119,7 @@ class Harness:
         self.daemon_change()
         for s in (self.ref, self.sched):
             s.register(*key, device, order)
-        self.plane.reserve(key, device, os.getpid())
+        self.plane.reserve(key, device)
         self.plane.attach(key, True)
         self.state[key] = "idle"
 
@@ -162,9 +163,9 @@ class Harness:
         return self.ref.request(*key)
 
     def release(self, key, phase):
-        plannable = phase == fastpath.PLANNED_PHASE
+        plannable = phase == slot_table.PLANNED_PHASE
         flags = self.table.release(self.dev(key), self.slot(key),
-                                   fastpath.PHASES.index(phase), plannable, self.clock.now,
+                                   slot_table.PHASES.index(phase), plannable, self.clock.now,
                                    1.0)
         assert flags >= 0
         self.rang |= bool(flags & _native.RING_DAEMON)
@@ -324,7 +325,7 @@ def test_handoffs_on_the_chain_need_no_daemon(tmp_path):
     h.request(b)
     h.catch_up()
     for _ in range(3):
-        for _round in range(fastpath._native.CHAIN // 4):  # two handoffs each
+        for _round in range(_native.CHAIN // 4):  # two handoffs each
             h.release(a, M)
             assert h.table_holders() == {b}
             h.request(a)
@@ -332,7 +333,7 @@ def test_handoffs_on_the_chain_need_no_daemon(tmp_path):
             assert h.table_holders() == {a}
             h.request(b)
         h.catch_up()
-    assert h.plane.fast_grants()["d0"] == 1 + 3 * fastpath._native.CHAIN // 2
+    assert h.plane.fast_grants()["d0"] == 1 + 3 * _native.CHAIN // 2
     assert h.plane.mismatches == 0
     assert h.sched.holders("d0") == h.ref.holders("d0") == {a}
 
@@ -343,8 +344,8 @@ def test_a_request_drained_before_the_ranks_attached_message_is_granted_in_the_t
     # behind its first request: its grant went over the socket, where nobody listened,
     # and the rank waited 65 s (seen in the handoff benchmark).
     sched, _ = build("crossover", {"A": ["d0"]})
-    plane = fastpath.TablePlane(tmp_path / "node.slots")
-    slot, dev = plane.reserve(("A", 0), "d0", os.getpid())
+    plane = TablePlane(tmp_path / "node.slots")
+    slot, dev = plane.reserve(("A", 0), "d0")
     table = _native.Table.attach(str(plane.path))
     flags, gen = table.request(dev, slot, 0.0, 1.0)
     grants, _ = plane.drain(sched, "d0", invalidate=True)
@@ -372,14 +373,14 @@ def test_an_event_that_leaves_a_waiter_on_a_free_device_wakes_the_daemon(tmp_pat
 
 
 def test_a_rank_path_rings_the_daemon_once_per_round(tmp_path):
-    plane = fastpath.TablePlane(tmp_path / "node.slots")
-    slot, dev = plane.reserve(("A", 0), "d0", os.getpid())
+    plane = TablePlane(tmp_path / "node.slots")
+    slot, dev = plane.reserve(("A", 0), "d0")
     ours, theirs = socket.socketpair()
-    path = fastpath.RankPath(str(plane.path), dev, slot, ours)
+    path = RankPath(str(plane.path), dev, slot, ours)
     assert not path.acquire(0.05, lambda: True)  # no plan, no daemon: the wait ends
     assert path.release(M)
     theirs.setblocking(False)
-    assert theirs.recv(100) == fastpath.RING_FRAME  # one doorbell for both events
+    assert theirs.recv(100) == RING_FRAME  # one doorbell for both events
     with pytest.raises(BlockingIOError):
         theirs.recv(100)
 
@@ -387,7 +388,7 @@ def test_a_rank_path_rings_the_daemon_once_per_round(tmp_path):
 def test_an_install_without_the_module_says_why(tmp_path):
     # Hide the module: the client must go on over the socket path, said once.
     code = ("import sys; sys.modules['crossover._native'] = None\n"
-            "from crossover import fastpath; print(repr(fastpath.UNAVAILABLE))")
+            "from crossover import slot_table; print(repr(slot_table.UNAVAILABLE))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=60).stdout
     assert "crossover._native is not importable" in out

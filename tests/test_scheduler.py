@@ -399,3 +399,28 @@ def test_a_job_idle_for_patience_is_dormant_and_no_company_until_it_asks():
     assert sched.next_deadline() == 15.0  # dormancy has come: only B's lease is left
     assert sched.request("A", 0) == []  # B holds; A waits and is company again
     assert sched.company("d0") == {"A", "B"} and not sched.dormant("A", "d0")
+
+
+def test_misaligned_is_a_query_and_forget_moves_the_change():
+    """Asking changes nothing; the offsets a paused rank moved are dropped by
+    `forget_moves` only when no realign is due."""
+    sched, clock = build("crossover", {"A": ["d0", "d1"], "B": ["d0", "d1"]},
+                         patience_s=1.0)
+    for job in ("A", "B"):
+        for rank in (0, 1):
+            sched.request(job, rank)
+    sched.release("A", 0, M)
+    sched.release("A", 1, M)
+    sched.release("A", 0, Phase.IDLE)
+    clock.now += 1.5
+    sched.expire()
+    sched.request("A", 0)  # back from a pause on d0 alone
+    moved = dict(sched._moved)
+    assert [sched.misaligned() for _ in range(3)] == [bool(moved)] * 3
+    assert sched._moved == moved  # three questions changed nothing
+    sched.forget_moves()
+    assert sched._moved == (moved if sched.misaligned() else {})
+    sched.realign()
+    assert not sched.misaligned()
+    sched.forget_moves()
+    assert sched._moved == {}

@@ -21,16 +21,13 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from enum import Enum
 
-from crossover.protocol import Phase
+from crossover.protocol import PLANNED_PHASE
 from crossover.scheduler.core import SlotScheduler
 from crossover.scheduler.policies import Policy
 from crossover.scheduler.state import HOLDING, IDLE, SKIPPED, DeviceEntry, SlotGrant
 
 Key = tuple[str, int]  # (job, rank)
 
-#: The release phase a plan is made for: the one a holder gives the device up in under
-#: crossover (the handoff that happens every step).
-PLANNED_PHASE = Phase.COMMUNICATE
 
 
 class Step(str, Enum):

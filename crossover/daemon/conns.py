@@ -1,9 +1,10 @@
 """The daemon's connections from ranks: accept, read frames, reply, close.
 
-A mixin of `Daemon`. Sockets are non-blocking and frames bounded (MAX_REQUEST), so one
-client that stops reading or sends garbage is dropped without stalling the others; a
-connection that says nothing within the hello timeout is closed; a closed connection
-frees its rank's slot at once (the daemon's `_close` bookkeeping).
+Sockets are non-blocking and frames bounded (MAX_REQUEST), so one client that stops
+reading or sends garbage is dropped without stalling the others; a connection that says
+nothing within the hello timeout is closed. What a message means, and what a closed
+connection frees, is the daemon's (`serve`): it hands `Connections` a handler for each
+message and one for each close.
 """
 
 from __future__ import annotations
@@ -13,14 +14,10 @@ import selectors
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from crossover import protocol as P
 from crossover.scheduler import SchedulerError
 from crossover.transport import FrameBuffer, send_msg
-
-if TYPE_CHECKING:
-    from crossover.daemon import Daemon
 
 log = logging.getLogger("crossover.daemon")
 
@@ -44,6 +41,10 @@ class RankConn:
     device: str | None = None  # where the scheduler placed the rank
 
     @property
+    def open(self) -> bool:
+        return self.sock.fileno() >= 0
+
+    @property
     def key(self) -> tuple[str, int] | None:
         return (self.hello.job, self.hello.rank) if self.hello else None
 
@@ -56,14 +57,38 @@ class RankConn:
 
 
 class Connections:
-    """Accepting, reading, replying to and closing rank connections (a mixin)."""
+    """Rank connections on the serve loop's selector.
 
-    def _accept(self: Daemon, listener: socket.socket) -> None:
+    Args:
+        sel: the serve loop's selector; a connection is registered with its `RankConn`.
+        clock: monotonic clock.
+        hello_timeout_s: a connection that says nothing within this long is closed.
+        max_conns: the most connections open at once (the rest are refused).
+        handle: called for each message read, as `handle(conn, msg)`; what it raises is
+            answered (see `guard`), never passed on.
+        closed: called once for each connection closed, as `closed(conn, why)`.
+    """
+
+    def __init__(self, sel: selectors.BaseSelector, clock: Callable[[], float],
+                 hello_timeout_s: float, max_conns: int,
+                 handle: Callable[[RankConn, P.Message], None],
+                 closed: Callable[[RankConn, str], None]) -> None:
+        self.sel, self.clock = sel, clock
+        self.hello_timeout_s, self.max_conns = hello_timeout_s, max_conns
+        self._handle, self._closed = handle, closed
+        self._refused_at = -1e9  # when a connection over max_conns was last logged
+        self._swept_at = clock()
+
+    def count(self) -> int:
+        """Connections open now."""
+        return sum(isinstance(k.data, RankConn) for k in self.sel.get_map().values())
+
+    def accept(self, listener: socket.socket) -> None:
         try:
             sock, _ = listener.accept()
         except OSError:  # gone already, or out of descriptors: the listener stays
             return
-        if len(self._sel.get_map()) >= self.max_conns:
+        if len(self.sel.get_map()) >= self.max_conns:
             sock.close()
             if self.clock() - self._refused_at > 10:
                 self._refused_at = self.clock()
@@ -73,29 +98,29 @@ class Connections:
         # Non-blocking: replies are tiny, so a send that would block means the client
         # stopped reading; it is dropped rather than allowed to stall every other job.
         sock.setblocking(False)
-        self._sel.register(sock, selectors.EVENT_READ, RankConn(sock, self.clock()))
+        self.sel.register(sock, selectors.EVENT_READ, RankConn(sock, self.clock()))
 
-    def _drop_silent(self: Daemon) -> None:
-        """Close connections that said nothing useful within hello_timeout_s (at most
-        one sweep a second)."""
+    def drop_silent(self, asking: set[int]) -> None:
+        """Close connections that said nothing useful within hello_timeout_s, but those
+        (by id) waiting for a status report (at most one sweep a second)."""
         now = self.clock()
         if now - self._swept_at < 1.0:
             return
         self._swept_at = now
-        asking = {id(conn) for conn, _, _ in self._status_waits.values()}
-        for key in list(self._sel.get_map().values()):
+        for key in list(self.sel.get_map().values()):
             conn = key.data
             if (isinstance(conn, RankConn) and conn.hello is None and id(conn) not in asking
                     and now - conn.opened > self.hello_timeout_s):
-                self._close(conn, "no hello")
+                self.close(conn, "no hello")
 
-    def _read(self: Daemon, conn: RankConn) -> None:
+    def read(self, conn: RankConn) -> None:
+        """Read what `conn` sent and handle each whole message."""
         try:
             data = conn.sock.recv(65536)
         except OSError:
             data = b""
         if not data:
-            self._close(conn, "connection closed")
+            self.close(conn, "connection closed")
             return
         try:
             msgs = conn.frames.feed(data)
@@ -103,11 +128,10 @@ class Connections:
             self._refuse(conn, exc)
             return
         for msg in msgs:
-            if not self._guard(conn, lambda msg=msg: self._handle(conn, msg)):
+            if not self.guard(conn, lambda msg=msg: self._handle(conn, msg)):
                 return
 
-    def _guard(self: Daemon, conn: RankConn, work: Callable[[], None],
-               close: bool = False) -> bool:
+    def guard(self, conn: RankConn, work: Callable[[], None], close: bool = False) -> bool:
         """Run `work` for `conn`'s sake so that nothing it raises leaves the daemon: a
         request that does not fit the scheduler is refused (the rank stays, unless
         `close`); a malformed one, or an internal error, closes the connection.
@@ -118,60 +142,34 @@ class Connections:
         try:
             work()
         except SchedulerError as exc:
-            self._reply(conn, P.Error(str(exc), P.ErrorCode.REFUSED.value))
+            self.reply(conn, P.Error(str(exc), P.ErrorCode.REFUSED.value))
             if close:
-                self._close(conn, f"refused: {exc}")
+                self.close(conn, f"refused: {exc}")
         except P.ProtocolError as exc:
             self._refuse(conn, exc)
         except Exception as exc:  # noqa: BLE001 - one client's message must not stop the daemon
             log.exception("internal error on a message from %s", conn.key or "a client")
-            self._reply(conn, P.Error(f"internal error: {exc}", P.ErrorCode.PROTOCOL.value))
-            self._close(conn, f"internal error: {exc}")
-        return conn.sock.fileno() >= 0
+            self.reply(conn, P.Error(f"internal error: {exc}", P.ErrorCode.PROTOCOL.value))
+            self.close(conn, f"internal error: {exc}")
+        return conn.open
 
-    def _refuse(self: Daemon, conn: RankConn, exc: P.ProtocolError) -> None:
+    def _refuse(self, conn: RankConn, exc: P.ProtocolError) -> None:
         code = P.ErrorCode.VERSION if isinstance(exc, P.VersionMismatch) \
             else P.ErrorCode.PROTOCOL
-        self._reply(conn, P.Error(str(exc), code.value))
-        self._close(conn, f"protocol error: {exc}")
+        self.reply(conn, P.Error(str(exc), code.value))
+        self.close(conn, f"protocol error: {exc}")
 
-    def _reply(self: Daemon, conn: RankConn, msg: P.Message) -> None:
+    def reply(self, conn: RankConn, msg: P.Message) -> None:
         try:
             send_msg(conn.sock, msg)
         except OSError as exc:
-            self._close(conn, f"send failed: {exc}")
+            self.close(conn, f"send failed: {exc}")
 
-    def _close(self: Daemon, conn: RankConn, why: str) -> None:
+    def close(self, conn: RankConn, why: str) -> None:
+        """Close `conn` (once) and tell the daemon, which frees what its rank held."""
         try:
-            self._sel.unregister(conn.sock)
+            self.sel.unregister(conn.sock)
         except (KeyError, ValueError):
             return  # closed already
         conn.sock.close()
-        key = conn.key
-        if key is None:
-            return
-        job = key[0]
-        if conn in self._pending.get(job, []):
-            self._pending[job].remove(conn)
-            if not self._pending[job]:
-                del self._pending[job]
-                if not any(j == job for j, _ in self._conns):
-                    # The leader counts this node among the job's members since the
-                    # join: without a leave it never forgets the job.
-                    self.peers.send(0, ("leave", job))
-            return
-        if conn.registered and self._conns.get(key) is conn:
-            del self._conns[key]
-            log.info("job %s rank %d left node %s (%s)", job, key[1], self.node, why)
-            device = self.sched.device_of(*key)
-            self._change(device, lambda: self._unregister(key, device))
-            if not any(j == job for j, _ in self._conns):
-                self.peers.send(0, ("leave", job))
-
-    def _unregister(self: Daemon, key: tuple[str, int], device: str | None) -> None:
-        """Free a rank that left (after the table's events before it were applied)."""
-        self._deliver(self.sched.unregister(*key))
-        if self.fast is not None:
-            self.fast.leave(key)
-        if device is not None:
-            self._tell_company()  # every device: the host's cores may be split anew
+        self._closed(conn, why)

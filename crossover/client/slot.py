@@ -1,7 +1,7 @@
 """The job side: one connection per rank to its node's daemon; acquire, release, phases.
 
 The connection itself (registering, the slot table, failing open and healing) is
-`crossover.daemon_link`; a rank never crashes its job over the daemon.
+`crossover.client.link`; a rank never crashes its job over the daemon.
 """
 
 from __future__ import annotations
@@ -9,22 +9,21 @@ from __future__ import annotations
 import os
 import socket
 import statistics
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from crossover import environment as E
 from crossover import protocol as P
 from crossover.backoff import Backoff
-from crossover.daemon_link import (  # noqa: F401 - the errors are re-exported
+from crossover.client.fastpath import RankPath
+from crossover.client.info import RankInfo
+from crossover.client.link import (
     CrossoverDuplicateError,
     CrossoverVersionError,
     DaemonLink,
     DaemonRefused,
 )
-from crossover.fastpath import RankPath
-from crossover.placement import pin_process
+from crossover.client.pinning import Pinning
 from crossover.protocol import Mode, Phase
 from crossover.trace import TraceRecorder
 from crossover.transport import readable, recv_msg, socket_path
@@ -34,36 +33,6 @@ REPORT_S = 0.05
 #: Shortest time between two reports of a rank's allreduce waits, and the fewest waits
 #: one reports the median of (a single step's wait carries its hold's jitter).
 WAIT_REPORT_S, WAIT_REPORT_MIN = 0.5, 3
-
-
-@dataclass(frozen=True)
-class RankInfo:
-    """Where a rank stands in its job."""
-
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int
-
-    @classmethod
-    def from_env(cls) -> RankInfo:
-        """From Horovod if initialised, else from the launcher's environment."""
-        try:
-            import horovod.common.basics  # noqa: F401 - cheap check that horovod exists
-
-            for mod in ("horovod.torch", "horovod.tensorflow"):
-                hvd = sys.modules.get(mod)
-                if hvd is not None and hvd.is_initialized():
-                    return cls(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size())
-        except ImportError:
-            pass
-        env = os.environ
-        for prefix in ("OMPI_COMM_WORLD_", "HOROVOD_"):  # mpirun, horovodrun --gloo
-            if prefix + "RANK" in env:
-                return cls(int(env[prefix + "RANK"]), int(env[prefix + "SIZE"]),
-                           int(env.get(prefix + "LOCAL_RANK", 0)),
-                           int(env.get(prefix + "LOCAL_SIZE", 1)))
-        return cls(0, 1, 0, 1)
 
 
 class SlotClient(DaemonLink):
@@ -102,7 +71,6 @@ class SlotClient(DaemonLink):
         self.device: str | None = None
         self.policy: str | None = None
         self.label: str | None = None  # node/device, for traces
-        self._cores: list[int] = []
         self._phase: str | None = None
         self._phase_start = time.time()
         self._seq = 0
@@ -132,13 +100,9 @@ class SlotClient(DaemonLink):
         self._waits: list[float] = []  # allreduce waits since the last report of them
         self._last_wait_report = 0.0
         self._wait_s = wait_s
-        self._pin_cpu = pin_cpu
-        self._pin = False  # set once the daemon has named the device's cores
-        self._unpinned = os.sched_getaffinity(0)  # where the launcher put us
-        self._share: list[int] = []  # the job's cores on the host (Company), if any
-        self._placed: list[int] = []  # the share the process is pinned to now
+        self._pinning = Pinning(pin_cpu, self._warn, trace)
         self._heal: Backoff | None = None  # reconnection attempts, while uncoordinated
-        self._attempt = None  # the reconnection under way (`daemon_link._Attempt`)
+        self._attempt = None  # the reconnection under way (`link._Attempt`)
         self._next_heal = 0.0
         self.reconnects = 0  # how often the rank took up coordination again
         self.path: Path | None = None
@@ -171,12 +135,14 @@ class SlotClient(DaemonLink):
         except Exception as exc:  # noqa: BLE001 - a client never crashes its job
             self._fail_open(f"cannot reach the crossover daemon at {self.path} ({exc})")
 
+    def _rank(self) -> int:
+        return self.info.rank
+
     def _welcomed(self, welcome: P.Welcome) -> None:
         """What a (re)registration tells the slot: device, policy, lease, cores."""
         self.device, self.policy = welcome.device, welcome.policy
         self._lease_s = welcome.lease_s
         self.label = f"{welcome.node}/{welcome.device}"
-        self._cores = welcome.cores
         self._release_on_communicate = welcome.release_on_communicate
         self._yield_on_step = welcome.yield_on_step
         self._report_waits = welcome.report_waits
@@ -184,8 +150,7 @@ class SlotClient(DaemonLink):
             self._wait_s = 2 * welcome.lease_s + 5.0
         self._alone, self._mode = False, Mode.ANTIPHASE  # until the daemon's notice
         self._asked = 0  # this daemon has seen no request of ours yet
-        self._share = []
-        self._pin = self._pin_cpu and bool(self._cores)
+        self._pinning.welcomed(welcome.cores)
         self._place()
 
     # --- the slot ----------------------------------------------------------------------
@@ -324,45 +289,13 @@ class SlotClient(DaemonLink):
                     self.trace.instant(f"mode {mode.value}", time.time(), reason=msg.reason,
                                        device=self.label)
                 self._mode = mode
-            self._share = msg.cores
+            self._pinning.share = msg.cores
             self._place()
         elif isinstance(msg, P.Error):
             self._fail_open(f"crossover daemon error: {msg.message}")
 
     def _place(self) -> None:
-        """Pin to the device's cores in antiphase, as a GPU rank is bound to its GPU.
-        Concurrent grants are plain co-location, placement included: pinned there, a
-        rank waiting on its allreduce and a rank computing share one core, and the
-        kernel cannot move either to the other core when it idles. An uncoordinated
-        rank is co-located too: pinned and uncoordinated, two jobs once ran 100x slower
-        after their daemon died.
-
-        A share of the host's cores for the whole job (`crossover.placement`: CPU jobs
-        on one host, served concurrently) pins every thread of the process, and holds
-        only while the daemon is there to change it when the jobs change."""
-        share = self._share if self._sock is not None else []
-        if share != self._placed:
-            self._pin_process(share or sorted(self._unpinned), share)
-            self._placed = list(share)
-        if not self._pin or share:
-            return
-        pinned = self._mode == Mode.ANTIPHASE and self._sock is not None
-        try:
-            os.sched_setaffinity(0, self._cores if pinned else self._unpinned)
-        except OSError as exc:  # the launcher's cpuset changed under us: train on
-            self._warn(f"cannot set CPU affinity ({exc})")
-
-    def _pin_process(self, cores: list[int], share: list[int]) -> None:
-        """Every thread of the process onto `cores` (`share`: the job's, for the trace)."""
-        try:
-            pin_process(cores)
-        except OSError as exc:  # no /proc, or the launcher's cpuset changed: train on
-            self._warn(f"cannot set CPU affinity ({exc})")
-            return
-        if self.trace is not None:
-            self.trace.instant("cores " + (",".join(map(str, share)) or "all"), time.time(),
-                               device=self.label, share=share,
-                               applied=sorted(os.sched_getaffinity(0)))
+        self._pinning.place(self._sock is not None, self._mode, self.label)
 
     @property
     def holding(self) -> bool:

@@ -1,56 +1,35 @@
-"""The native fast path: a node's slot table, from the daemon's side and from a rank's.
+"""The daemon's side of the node's slot table (`crossover.slot_table`).
 
-The daemon decides, the table executes (DESIGN.md, invariant 8; the design is in
-native/table.hpp). A rank appends its requests and releases to its device's ring in the
-table; when the daemon's published plan holds, the event's grants happen at once, a
-futex wake from rank to rank with no daemon on the path. The daemon applies every event
-to its scheduler in ring order, delivers the grants the plan did not make, and publishes
-the next plan (`crossover.scheduler.preview`). Without the compiled module
-(`crossover._native`) every rank uses the socket path, and the daemon says so once.
+The daemon applies every event of a device's ring to its scheduler in ring order,
+delivers the grants the plan did not make, and publishes the next plan
+(`crossover.scheduler.preview`). `TablePlane` is the table itself; `TableSync` keeps it
+and the scheduler in one order for the daemon: every change of the scheduler that is not
+a table event waits until the events before it are applied (`change`), and a device
+whose mutex stays busy is fenced.
 """
 
 from __future__ import annotations
 
 import logging
-import socket
-import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
 from crossover import environment as E
-from crossover import protocol as P
-from crossover.protocol import Phase
 from crossover.scheduler import SlotGrant, SlotScheduler
-from crossover.scheduler.preview import PLANNED_PHASE, PlanCache, Step
-from crossover.transport import frame
+from crossover.scheduler.preview import PlanCache, Step
+from crossover.slot_table import PHASES, UNAVAILABLE, _native, table_path
 
-try:
-    from crossover import _native
-    UNAVAILABLE = ""
-except ImportError as exc:  # not built (no compiler or CMake at install time)
-    _native = None
-    UNAVAILABLE = f"crossover._native is not importable ({exc})"
-
-log = logging.getLogger("crossover.fastpath")
+log = logging.getLogger("crossover.daemon")
 
 Key = tuple[str, int]
-PHASES = list(Phase)  # a release's phase travels through the table as its index here
-#: Longest wait for a device's mutex: only a rank stopped inside its few instructions
-#: holds it longer; the caller then goes on as if the daemon were slow.
-LOCK_S = 0.5
 #: The daemon's wait for a mutex: short, it tries again on its next loop.
 DAEMON_LOCK_S = 0.02
 #: How long the daemon defers its changes of a device whose mutex stays busy (a rank
 #: stopped inside it) before it fences the device: its ranks then use their sockets.
 FENCE_S = 2.0
-RING_FRAME = frame(P.Ring())
 # the table's event kinds
 KINDS = {Step.REQUEST: _native.REQUEST, Step.RELEASE: _native.RELEASE} if _native else {}
-
-
-def table_path(socket_file: Path) -> Path:
-    """Where the daemon listening on `socket_file` keeps its slot table."""
-    return socket_file.with_suffix(".slots")
 
 
 class TablePlane:
@@ -76,7 +55,7 @@ class TablePlane:
         self.plans = PlanCache()
 
     # --- membership ---------------------------------------------------------------------
-    def reserve(self, key: Key, device: str, pid: int) -> tuple[int, int] | None:
+    def reserve(self, key: Key, device: str) -> tuple[int, int] | None:
         """A slot and device index for a newly registered rank, or None (table full)."""
         if device in self._fenced:
             return None
@@ -91,7 +70,7 @@ class TablePlane:
         self._owner[free], self._slot[key] = key, free
         self._gen.pop(free, None)
         self._by_table.pop(free, None)
-        self.table.bind(free, dev, pid)
+        self.table.bind(free, dev)
         return free, dev
 
     def attach(self, key: Key, ok: bool) -> None:
@@ -230,19 +209,36 @@ class TablePlane:
 
 def _run(change: Callable[[], None]) -> None:
     """Run a change of the scheduler; whatever it raises stays out of the serve loop (a
-    rank's own changes are guarded with their connection, see `Connections._guard`)."""
+    rank's own changes are guarded with their connection, see `Connections.guard`)."""
     try:
         change()
     except Exception:  # noqa: BLE001 - the daemon serves every job on the node
         log.exception("internal error in a change of the scheduler; the daemon goes on")
 
 
-class TableDaemon:
-    """The daemon's use of its table, mixed into `Daemon` (whose scheduler, path and
-    delivery these methods use): open it, keep its ring and the scheduler in one order,
-    publish plans."""
+class TableSync:
+    """The daemon's use of its table: open it, keep its rings and the scheduler in one
+    order, publish plans. Without a table (no compiled module, CROSSOVER_NATIVE off, or
+    a device past the table's 64) every call is a no-op and a change runs at once.
 
-    def _open_table(self) -> None:
+    Args:
+        sched: the daemon's scheduler.
+        deliver: hands grants to their ranks (through the table or over the socket).
+        pids_on: the pids of the ranks on a device, for the log when one is fenced.
+    """
+
+    def __init__(self, sched: SlotScheduler, deliver: Callable[[list[SlotGrant]], None],
+                 pids_on: Callable[[str], list[int]]) -> None:
+        self.sched, self._deliver, self._pids_on = sched, deliver, pids_on
+        self.plane: TablePlane | None = None
+        self.replan: set[str] = set()  # devices whose events wait or whose plan is stale
+        # Changes of the scheduler waiting for a device's mutex, and since when each
+        # device's mutex has been busy.
+        self._backlog: deque[tuple[str | None, Callable[[], None]]] = deque()
+        self._stuck: dict[str, float] = {}
+
+    # --- the table ----------------------------------------------------------------------
+    def open(self, socket_file: Path) -> None:
         """Create the node's slot table (replacing a killed daemon's), or say once why the
         ranks here use the socket path."""
         why = UNAVAILABLE or ("" if E.native() else f"{E.NATIVE} is off")
@@ -250,38 +246,89 @@ class TableDaemon:
             log.info("native fast path off (%s); ranks use the socket path", why)
             return
         try:
-            self.fast = TablePlane(table_path(self.path))
+            self.plane = TablePlane(table_path(socket_file))
         except (OSError, RuntimeError, ValueError) as exc:
             log.warning("native fast path off: %s; ranks use the socket path", exc)
 
-    def _before_change(self, device: str | None = None) -> bool:
-        """About to change the scheduler for another reason than a table event: withdraw
-        the plan of `device` (None: every device) and apply the events before it, so the
-        table's ring and the scheduler keep one order. False if a device's mutex stayed
-        busy: the change must wait (`_change`), or two jobs could hold one device."""
-        if self.fast is None:
+    def close(self) -> None:
+        if self.plane is not None:
+            self.plane.path.unlink(missing_ok=True)
+
+    @property
+    def path(self) -> str:
+        """The table's file ("" without one), for the welcome."""
+        return str(self.plane.path) if self.plane is not None else ""
+
+    def reserve(self, key: Key, device: str) -> tuple[int, int] | None:
+        """A slot and device index for a new rank, or None: it uses the socket path."""
+        return self.plane.reserve(key, device) if self.plane is not None else None
+
+    def attached(self, key: Key, device: str, ok: bool) -> None:
+        """The rank said whether it mapped the table."""
+        if self.plane is not None:
+            self.plane.attach(key, ok)
+            self.replan.add(device)
+
+    def rang(self, device: str) -> None:
+        """A rank's doorbell: events wait in `device`'s ring (applied at the loop's end)."""
+        if self.plane is not None:
+            self.replan.add(device)
+
+    def leave(self, key: Key) -> None:
+        if self.plane is not None:
+            self.plane.leave(key)
+
+    def asked_by_socket(self, key: Key) -> None:
+        if self.plane is not None:
+            self.plane.asked_by_socket(key)
+
+    def grant(self, key: Key) -> bool:
+        """Deliver a grant through the table; False if it goes over the socket."""
+        return self.plane is not None and self.plane.grant(key)
+
+    def company_changed(self, device: str) -> None:
+        """A device's jobs changed: its plan is stale (a dormant job's request must ring)."""
+        if self.plane is not None:
+            self.replan.add(device)
+
+    def fast_grants(self) -> dict[str, int] | None:
+        """Grants made without the daemon, per device; None without a table."""
+        return self.plane.fast_grants() if self.plane is not None else None
+
+    # --- one order: changes wait for the events before them ---------------------------
+    @property
+    def waiting(self) -> bool:
+        """Whether changes wait for a device's mutex."""
+        return bool(self._backlog)
+
+    def settle(self, device: str | None = None) -> bool:
+        """Withdraw the plan of `device` (None: every device) and apply the events before
+        now, so that the daemon may change the scheduler itself. False if a device's
+        mutex stayed busy: the change must wait (`change`), or two jobs could hold one
+        device."""
+        if self.plane is None:
             return True
         done = True
-        for name in [device] if device is not None else self.fast.devices():
-            if self.fast.has(name) and self._drain(name, invalidate=True) is None:
-                self._stuck.setdefault(name, self.clock())
+        for name in [device] if device is not None else self.plane.devices():
+            if self.plane.has(name) and self._drain(name, invalidate=True) is None:
+                self._stuck.setdefault(name, self.sched.clock())
                 done = False
         return done
 
-    def _change(self, device: str | None, change: Callable[[], None]) -> None:
+    def change(self, device: str | None, change: Callable[[], None]) -> None:
         """Run `change` (of the scheduler on `device`; None: every device) now, or once
         the table's events before it are applied, in the order the changes came."""
-        if not self._backlog and self._before_change(device):
+        if not self._backlog and self.settle(device):
             _run(change)
         else:
             self._backlog.append((device, change))
 
-    def _run_backlog(self) -> None:
+    def run_backlog(self) -> None:
         """Run the deferred changes whose devices can be drained now; fence a device
         whose mutex stayed busy for FENCE_S (a rank stopped inside it)."""
         while self._backlog:
             device, change = self._backlog[0]
-            if not self._before_change(device):
+            if not self.settle(device):
                 self._fence_stuck()
                 return
             self._backlog.popleft()
@@ -289,94 +336,33 @@ class TableDaemon:
         self._stuck.clear()
 
     def _fence_stuck(self) -> None:
-        now = self.clock()
+        now = self.sched.clock()
         for device, since in list(self._stuck.items()):
             if now - since < FENCE_S:
                 continue
             del self._stuck[device]
-            self.fast.fence(device)
-            pids = sorted(conn.hello.pid for key, conn in self._conns.items()
-                          if self.sched.device_of(*key) == device)
+            self.plane.fence(device)
             log.warning("the slot table's mutex of %s stayed busy for %.0f s (a rank "
                         "stopped inside it? pids there: %s): its ranks use the socket "
-                        "path from now on", device, now - since, pids)
+                        "path from now on", device, now - since, self._pids_on(device))
 
     def _drain(self, device: str, invalidate: bool) -> int | None:
         # A busy mutex (a rank stopped inside it) is tried again on the next loop.
-        self._replan.add(device)
-        got = self.fast.drain(self.sched, device, invalidate)
+        self.replan.add(device)
+        got = self.plane.drain(self.sched, device, invalidate)
         if got is None:
             return None
         self._deliver(got[0])
         return got[1]
 
-    def _publish_plans(self) -> None:
+    def publish_plans(self) -> None:
         """Apply the events that came and publish each touched device's next plan."""
-        for device in list(self._replan):
-            if self.fast is None or not self.fast.has(device):
-                self._replan.discard(device)  # the socket path: no plan to publish
+        for device in list(self.replan):
+            if self.plane is None or not self.plane.has(device):
+                self.replan.discard(device)  # the socket path: no plan to publish
                 continue
             for _ in range(3):  # events keep coming: they ring again, so stop trying soon
                 seq = self._drain(device, invalidate=False)
-                if seq is not None and self.fast.publish(self.sched, device, seq):
-                    self._replan.discard(device)
+                if seq is not None and self.plane.publish(self.sched, device, seq):
+                    self.replan.discard(device)
                     break
-
-
-class RankPath:
-    """A rank's side: its slot in the node's table.
-
-    Args:
-        path: the table the daemon named in its welcome.
-        device, slot: the rank's device index and slot in it.
-        sock: the connection to the daemon, for the doorbell.
-
-    Raises:
-        RuntimeError: the table cannot be mapped (the message says why).
-    """
-
-    def __init__(self, path: str, device: int, slot: int, sock: socket.socket) -> None:
-        if _native is None:
-            raise RuntimeError(UNAVAILABLE)
-        self.table = _native.Table.attach(path)
-        self.device, self.slot, self.sock = device, slot, sock
-
-    def acquire(self, wait_s: float, alive: Callable[[], bool]) -> bool | None:
-        """Request the device and wait for the grant.
-
-        Args:
-            wait_s: the longest wait.
-            alive: polled while waiting (at most every 50 ms); False ends the wait.
-
-        Returns:
-            True once granted; False if the wait ended without a grant; None if the
-            table refused the request (its mutex or ring is stuck): ask over the socket.
-        """
-        flags, gen = self.table.request(self.device, self.slot, time.monotonic(), LOCK_S)
-        if flags < 0:
-            return None
-        self._ring(flags)
-        if flags & _native.GRANTED:
-            return True
-        waited = 0.0
-        while waited < wait_s:
-            step = min(0.05, wait_s - waited)
-            if self.table.wait_grant(self.slot, gen, step):
-                return True
-            waited += step
-            if not alive():
-                return False
-        return False
-
-    def release(self, phase: Phase) -> bool:
-        """Give the device up in `phase`; False if the table refused (use the socket)."""
-        flags = self.table.release(self.device, self.slot, PHASES.index(phase),
-                                   phase == PLANNED_PHASE, time.monotonic(), LOCK_S)
-        if flags < 0:
-            return False
-        self._ring(flags)
-        return True
-
-    def _ring(self, flags: int) -> None:
-        if flags & _native.RING_DAEMON:
-            self.sock.sendall(RING_FRAME)

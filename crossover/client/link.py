@@ -16,15 +16,12 @@ from __future__ import annotations
 import socket
 import sys
 import time
-from typing import TYPE_CHECKING
+from pathlib import Path
 
 from crossover import protocol as P
 from crossover.backoff import Backoff
-from crossover.fastpath import RankPath
+from crossover.client.fastpath import RankPath
 from crossover.transport import FrameBuffer, connect, frame, readable, recv_msg, send_msg
-
-if TYPE_CHECKING:
-    from crossover.client import SlotClient
 
 #: Reconnection attempts after losing the daemon: the first after this long, then
 #: doubling up to HEAL_MOST_S; each attempt waits at most HEAL_TIMEOUT_S for a welcome.
@@ -64,18 +61,51 @@ class _Attempt:
 
 
 class DaemonLink:
-    """The connection half of `SlotClient` (a mixin): it owns `_sock` and `_fast`, and
-    calls the client's `_welcomed(welcome)` on every (re)registration and `_place()`
-    when coordination is lost."""
+    """A rank's connection to its daemon: register, map the table, fail open, heal.
+
+    The base of `SlotClient`, which answers the hooks below; the link owns `_sock` and
+    `_fast`.
+    """
 
     _said_socket_path = False  # the process said once why it uses the socket path
+    job: str
+    path: Path | None
+    _hello: P.Hello
+    _sock: socket.socket | None
+    _fast: RankPath | None
+    _heal: Backoff | None
+    _attempt: _Attempt | None
+    _next_heal: float
+    _warned: bool
+    reconnects: int
+
+    # --- what the client answers ------------------------------------------------------
+    def _welcomed(self, welcome: P.Welcome) -> None:
+        """A (re)registration: take what the welcome says."""
+        raise NotImplementedError
+
+    def _on_notice(self, msg: P.Message) -> None:
+        """A message the daemon sent unasked."""
+        raise NotImplementedError
+
+    def _place(self) -> None:
+        """Coordination changed: pin or unpin the process."""
+        raise NotImplementedError
+
+    def _keep_alone(self) -> bool:
+        """Read the daemon's pending notices (fails open on a closed socket)."""
+        raise NotImplementedError
+
+    def _rank(self) -> int:
+        """The rank's place in its job, for messages."""
+        raise NotImplementedError
 
     @property
-    def coordinated(self: SlotClient) -> bool:
+    def coordinated(self) -> bool:
         """True while a daemon schedules this rank."""
         return self._sock is not None
 
-    def _connect(self: SlotClient, hello: P.Hello, timeout_s: float) -> None:
+    def _connect(self, hello: P.Hello, timeout_s: float) -> None:
         """Register with the daemon (`timeout_s`: the longest wait for its welcome, which
         waits for the leader's job order)."""
         sock = connect(self.path, timeout_s)
@@ -87,7 +117,7 @@ class DaemonLink:
             raise
         self._registered(sock, reply, [])
 
-    def _registered(self: SlotClient, sock: socket.socket, reply: P.Message,
+    def _registered(self, sock: socket.socket, reply: P.Message,
                     after: list[P.Message]) -> None:
         """The daemon answered the hello on `sock` (`after`: notices read behind it)."""
         if not isinstance(reply, P.Welcome):
@@ -102,7 +132,7 @@ class DaemonLink:
         for notice in after:
             self._on_notice(notice)
 
-    def _attach(self: SlotClient, welcome: P.Welcome, sock: socket.socket) -> RankPath | None:
+    def _attach(self, welcome: P.Welcome, sock: socket.socket) -> RankPath | None:
         """Map the node's slot table if the daemon named one, and tell it whether that
         worked: the native fast path, or the socket path (said once)."""
         if not welcome.table:
@@ -118,7 +148,7 @@ class DaemonLink:
         send_msg(sock, P.Attached(fast is not None))
         return fast
 
-    def _try_heal(self: SlotClient) -> None:
+    def _try_heal(self) -> None:
         """Uncoordinated: start a reconnection if one is due (see HEAL_FIRST_S), or look,
         without waiting, whether the one under way was welcomed."""
         if self._heal is None:
@@ -165,15 +195,15 @@ class DaemonLink:
         self.reconnects += 1
         self._warned = False  # the next loss is news again
         print(f"crossover: reconnected to the crossover daemon at {self.path}; job "
-              f"{self.job!r} rank {self.info.rank} is coordinated again", file=sys.stderr,
+              f"{self.job!r} rank {self._rank()} is coordinated again", file=sys.stderr,
               flush=True)
 
-    def _daemon_alive(self: SlotClient) -> bool:
+    def _daemon_alive(self) -> bool:
         """While waiting in the table: read the daemon's notices; False once it is gone."""
         self._keep_alone()  # reads pending notices, and fails open on a closed socket
         return self._sock is not None
 
-    def _send(self: SlotClient, msg: P.Message) -> None:
+    def _send(self, msg: P.Message) -> None:
         if self._sock is None:
             return
         try:
@@ -181,7 +211,7 @@ class DaemonLink:
         except OSError as exc:
             self._fail_open(f"lost the crossover daemon ({exc})")
 
-    def _fail_open(self: SlotClient, why: str, heal: bool = True) -> None:
+    def _fail_open(self, why: str, heal: bool = True) -> None:
         """Go on uncoordinated (and, if `heal`, try to reconnect from time to time)."""
         if self._sock is not None:
             self._sock.close()
@@ -189,13 +219,13 @@ class DaemonLink:
             self._fast = None
             self._place()
         then = "; it reconnects when the daemon is back" if heal else ""
-        self._warn(f"{why}; job {self.job!r} rank {self.info.rank} trains on "
+        self._warn(f"{why}; job {self.job!r} rank {self._rank()} trains on "
                    f"uncoordinated{then}")
         if heal:
             self._heal = Backoff(HEAL_FIRST_S, HEAL_MOST_S)
             self._next_heal = time.monotonic() + self._heal.next()
 
-    def _warn(self: SlotClient, message: str, again: bool = False) -> None:
+    def _warn(self, message: str, again: bool = False) -> None:
         """Print a warning, once per loss of the daemon (`again`: whatever was said)."""
         if again or not self._warned:
             self._warned = True

@@ -1,0 +1,320 @@
+"""The ranks of one node: their hellos, registration, requests, company and leaving.
+
+`Ranks` turns what a rank's connection says into the scheduler's calls and the replies:
+a hello is checked, waits for its job's global order (the leader's, see `world`), and is
+registered; requests go through `TableSync.change`, so the slot table's events before
+them are applied first; a closed connection frees its rank. The ranks beside each other
+on a device are told of their company and the mode (`Company`), and CPU jobs that share
+this host under concurrent service get their share of its cores (`placement`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from crossover import protocol as P
+from crossover.daemon.conns import Connections, RankConn
+from crossover.daemon.table import TableSync
+from crossover.placement import partition
+from crossover.protocol import Mode, Phase
+from crossover.scheduler import SlotGrant, SlotScheduler
+from crossover.transport import PeerChannel
+
+log = logging.getLogger("crossover.daemon")
+
+INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class Node:
+    """This node: its name, its cores, and the CPU devices they form."""
+
+    name: str
+    cores: list[int]
+    cpu_devices: int
+
+    def cpu_device(self, index: int) -> tuple[str, list[int]]:
+        """Device i is every cpu_devices-th core from core i: one core each by default."""
+        return f"cpu{index}", self.cores[index :: self.cpu_devices]
+
+
+class Ranks:
+    """The node's ranks.
+
+    Args:
+        node: this node.
+        sched: the node's scheduler.
+        table: the slot table's order keeper (no-op without a table).
+        conns: the connections, to reply and close.
+        peers: the daemons' channel (the leader is daemon 0).
+        aligning: the daemons align the nodes' phases (ranks report their waits).
+        deciding: the mode is decided from step rates (ranks report their steps).
+        clock: monotonic clock.
+    """
+
+    def __init__(self, node: Node, sched: SlotScheduler, table: TableSync,
+                 conns: Connections, peers: PeerChannel, aligning: bool, deciding: bool,
+                 clock: Callable[[], float]) -> None:
+        self.node, self.sched, self.table, self.conns = node, sched, table, conns
+        self.peers, self.aligning, self.deciding, self.clock = peers, aligning, deciding, clock
+        self.by_key: dict[tuple[str, int], RankConn] = {}
+        self.orders: dict[str, int] = {}  # global job order, decided by the leader
+        self.pending: dict[str, list[RankConn]] = {}  # ranks waiting for their job's order
+        self.steps: dict[str, int] = {}  # job -> most steps a local rank reported
+        self.mode_reason = "policy " + sched.policy.name
+        self._company: dict[str, frozenset[str]] = {}  # device -> its jobs, less dormant
+        self._last_shares: dict[str, list[int]] = {}  # for the log
+
+    @property
+    def busy(self) -> bool:
+        """Whether a rank is here or on its way."""
+        return bool(self.by_key) or bool(self.pending)
+
+    def has_job(self, job: str) -> bool:
+        return any(j == job for j, _ in self.by_key)
+
+    def pids(self) -> dict[str, list[int]]:
+        """Each job's pids here."""
+        out: dict[str, list[int]] = {}
+        for (job, _), conn in self.by_key.items():
+            out.setdefault(job, []).append(conn.hello.pid)
+        return out
+
+    def pids_on(self, device: str) -> list[int]:
+        return sorted(conn.hello.pid for key, conn in self.by_key.items()
+                      if self.sched.device_of(*key) == device)
+
+    # --- requests -----------------------------------------------------------------------
+    def handle(self, conn: RankConn, msg: P.Message) -> None:
+        """A message of a rank (not Status: the daemon answers that)."""
+        if isinstance(msg, P.Hello):
+            self._hello(conn, msg)
+            return
+        if not conn.registered:
+            raise P.ProtocolError(f"{msg.kind} before a completed hello")
+        job, rank = conn.key
+        if isinstance(msg, P.Ring):
+            self.table.rang(conn.device)
+        elif isinstance(msg, P.Attached):
+            self.table.attached(conn.key, conn.device, msg.ok)
+        elif isinstance(msg, P.Acquire):
+            self.table.change(conn.device, lambda: self.conns.guard(
+                conn, lambda: self._acquire(conn, msg)))
+        elif isinstance(msg, P.Release):
+            try:
+                phase = Phase(msg.phase)
+            except ValueError:
+                raise P.ProtocolError(f"unknown phase {msg.phase!r}") from None
+            self.table.change(conn.device, lambda: self.conns.guard(
+                conn, lambda: self.deliver(self.sched.release(job, rank, phase))))
+        elif isinstance(msg, P.Renew):
+            self.sched.renew(job, rank)
+        elif isinstance(msg, P.Waited):
+            if self.aligning:  # (the leader's: every daemon has the setting)
+                self.peers.send(0, ("waited", job, msg.wait_s))
+        elif isinstance(msg, P.Progress):
+            # Only the mode decision (an adaptive policy's leader) reads step counts; a
+            # client of an older version may still send them from every rank.
+            if self.deciding and msg.steps > self.steps.get(job, -1):
+                self.steps[job] = msg.steps
+                self.peers.send(0, ("progress", job, msg.steps, conn.on_host_cpu,
+                                    msg.points))
+        else:
+            raise P.ProtocolError(f"unexpected {msg.kind} from a client")
+
+    def _acquire(self, conn: RankConn, msg: P.Acquire) -> None:
+        if not conn.open or self.by_key.get(conn.key) is not conn:
+            return  # it left while the change waited for the device's table
+        self.table.asked_by_socket(conn.key)
+        conn.seq = msg.seq
+        job, rank = conn.key
+        grants = self.sched.release(job, rank, Phase.COMPUTE) if msg.release_first else []
+        self.deliver(grants + self.sched.request(job, rank, msg.pos or None))
+
+    def deliver(self, grants: list[SlotGrant]) -> None:
+        """Hand grants to their ranks: through the table, or over the socket."""
+        for g in grants:
+            if self.table.grant((g.job, g.rank)):
+                continue
+            conn = self.by_key.get((g.job, g.rank))
+            if conn is not None:
+                self.conns.reply(conn, P.Grant(conn.seq))
+
+    def _hello(self, conn: RankConn, hello: P.Hello) -> None:
+        if conn.hello is not None:
+            raise P.ProtocolError("second hello on one connection")
+        # The decoder checked the types; these are the values that make sense.
+        problems = [
+            name for name, ok in [
+                ("job", 0 < len(hello.job) <= 200 and hello.job.isprintable()),
+                ("size", hello.size >= 1),
+                ("rank", 0 <= hello.rank < hello.size),
+                ("local_size", hello.local_size >= 1),
+                ("local_rank", hello.local_rank >= 0),
+                ("pid", 0 <= hello.pid <= INT32_MAX),  # a C pid_t
+                ("weight", math.isfinite(hello.weight) and hello.weight > 0),
+                ("gpu", hello.gpu is None or 0 <= hello.gpu <= INT32_MAX),
+            ] if not ok
+        ]
+        if problems:
+            raise P.ProtocolError(f"hello with invalid {', '.join(problems)}: {hello}")
+        key = (hello.job, hello.rank)
+        if key in self.by_key or any(c.key == key for c in self.pending.get(hello.job, [])):
+            self.conns.reply(conn, P.Error(
+                f"job {hello.job!r} rank {hello.rank} is connected already: two jobs with "
+                f"one name? Give each job its own name (CROSSOVER_JOB or crossoverrun "
+                f"--crossover-job)", P.ErrorCode.DUPLICATE.value))
+            self.conns.close(conn, "duplicate rank")
+            return
+        # A job's ranks share one weight; checked here too, as ranks of a new job wait
+        # for its order and are registered together later.
+        weights = {c.hello.weight for c in self.pending.get(hello.job, [])}
+        if self.sched.weight_of(hello.job) is not None:
+            weights.add(self.sched.weight_of(hello.job))
+        if weights and weights != {hello.weight}:
+            self.conns.reply(conn, P.Error(
+                f"job {hello.job!r} rank {hello.rank} has priority weight {hello.weight}, "
+                f"its other ranks {sorted(weights)}: give every rank of a job the same "
+                f"CROSSOVER_PRIORITY", P.ErrorCode.REFUSED.value))
+            self.conns.close(conn, "weight differs from its job's")
+            return
+        conn.hello = hello
+        if hello.job in self.orders:
+            self._admit(conn)
+        else:
+            first = hello.job not in self.pending
+            self.pending.setdefault(hello.job, []).append(conn)
+            if first:
+                self.peers.send(0, ("join", hello.job))
+
+    def _admit(self, conn: RankConn) -> None:
+        """Register a rank whose job has its order (after the table's events before it)."""
+        hello = conn.hello
+        device = f"gpu{hello.gpu}" if hello.gpu is not None \
+            else self.node.cpu_device(hello.local_rank % self.node.cpu_devices)[0]
+        self.table.change(device, lambda: self.conns.guard(
+            conn, lambda: self._register(conn, device), close=True))
+
+    def _register(self, conn: RankConn, device: str) -> None:
+        hello = conn.hello
+        if not conn.open:  # it left while its device's table was awaited
+            if not self.has_job(hello.job) and hello.job not in self.pending:
+                self.peers.send(0, ("leave", hello.job))  # as `closed` would have
+            return
+        cores = [] if hello.gpu is not None else self.node.cpu_device(
+            hello.local_rank % self.node.cpu_devices)[1]
+        order = self.orders[hello.job]
+        self.sched.register(hello.job, hello.rank, device, order, hello.weight)
+        # At once, before anything else can raise: `closed` unregisters what is here.
+        conn.registered, conn.device = True, device
+        self.by_key[conn.key] = conn
+        if conn.on_host_cpu and hello.job not in self.steps:
+            # The leader can serve it concurrently (and split the cores) now, not after
+            # its first steps under the initial antiphase.
+            self.steps[hello.job] = 0
+            self.peers.send(0, ("progress", hello.job, 0, True, 0))
+        place = self.table.reserve(conn.key, device)
+        table, slot, index = (self.table.path, *place) if place else ("", -1, -1)
+        log.info("job %s rank %d on node %s -> %s (order %d)",
+                 hello.job, hello.rank, self.node.name, device, order)
+        policy = self.sched.policy
+        self.conns.reply(conn, P.Welcome(device, cores, self.node.name, order, policy.name,
+                                         self.sched.lease_s, policy.release_on_communicate,
+                                         policy.yield_on_step, table, slot, index,
+                                         report_waits=self.aligning))
+        self.tell_company()  # every device: the host's cores may be split anew
+
+    def closed(self, conn: RankConn, why: str) -> None:
+        """`conn` closed: forget a rank that waited for its job's order, free one that
+        was registered (after the table's events before now), tell the leader when the
+        job has no rank left here."""
+        key = conn.key
+        if key is None:
+            return
+        job = key[0]
+        if conn in self.pending.get(job, []):
+            self.pending[job].remove(conn)
+            if not self.pending[job]:
+                del self.pending[job]
+                if not self.has_job(job):
+                    # The leader counts this node among the job's members since the
+                    # join: without a leave it never forgets the job.
+                    self.peers.send(0, ("leave", job))
+            return
+        if conn.registered and self.by_key.get(key) is conn:
+            del self.by_key[key]
+            log.info("job %s rank %d left node %s (%s)", job, key[1], self.node.name, why)
+            device = self.sched.device_of(*key)
+            self.table.change(device, lambda: self._unregister(key, device))
+            if not self.has_job(job):
+                self.peers.send(0, ("leave", job))
+
+    def _unregister(self, key: tuple[str, int], device: str | None) -> None:
+        """Free a rank that left (after the table's events before it were applied)."""
+        self.deliver(self.sched.unregister(*key))
+        self.table.leave(key)
+        if device is not None:
+            self.tell_company()  # every device: the host's cores may be split anew
+
+    # --- the leader's decisions ---------------------------------------------------------
+    def order(self, job: str, order: int) -> None:
+        """The leader gave `job` its place: register its ranks that waited for it."""
+        self.orders[job] = order
+        for conn in self.pending.pop(job, []):
+            self._admit(conn)
+
+    def forget(self, job: str) -> None:
+        """The job left every node (unless a rank of it came back here since)."""
+        if not self.has_job(job) and job not in self.pending:
+            self.orders.pop(job, None)
+            self.steps.pop(job, None)
+
+    def set_mode(self, mode: Mode, points: dict[str, int]) -> None:
+        self.deliver(self.sched.set_mode(mode, points))
+        self.tell_company()
+
+    # --- company ------------------------------------------------------------------------
+    def update_company(self) -> None:
+        """A job went dormant (its time ran out) or woke (its request was applied):
+        tell the ranks beside it, and re-plan, since a dormant job's request must ring."""
+        for device in self.sched.devices():
+            now = frozenset(self.sched.company(device))
+            if self._company.get(device) != now:
+                self._company[device] = now
+                self.tell_company(device)
+                self.table.company_changed(device)
+
+    def tell_company(self, device: str | None = None) -> None:
+        """Tell each rank on `device` (None: every device) how many other jobs share it
+        and the mode, when that changed."""
+        shares = self._shares()
+        for key, conn in list(self.by_key.items()):
+            mine = self.sched.device_of(*key)
+            if mine is None or device not in (None, mine):
+                continue
+            told = (len(self.sched.company(mine) - {key[0]}), self.sched.mode.value,
+                    shares.get(key[0], []))
+            if conn.told != told:
+                conn.told = told
+                self.conns.reply(conn, P.Company(told[0], told[1], self.mode_reason, told[2]))
+
+    def _shares(self) -> dict[str, list[int]]:
+        """Each job's cores on this host (`crossover.placement`), while `auto` serves
+        CPU jobs that all live on this host concurrently; otherwise none."""
+        if not (self.sched.policy.adaptive and self.sched.mode == Mode.CONCURRENT):
+            return {}
+        ranks: dict[str, int] = {}
+        for (job, _), conn in self.by_key.items():
+            if not conn.on_host_cpu:
+                return {}  # a GPU job or one that spans hosts: leave the cores alone
+            ranks[job] = ranks.get(job, 0) + 1
+        jobs = sorted(ranks, key=lambda job: self.orders[job])
+        shares = partition(self.node.cores, [(job, ranks[job]) for job in jobs])
+        if shares != self._last_shares:
+            self._last_shares = shares
+            log.info("cores on node %s: %s", self.node.name,
+                     ", ".join(f"{j} {c}" for j, c in shares.items()) or "shared by all")
+        return shares

@@ -1,0 +1,336 @@
+"""The coordinator daemon: one process per node, jobs' ranks connect over a Unix socket.
+
+The daemon processes of all nodes form one MPI world. Daemon 0 (the leader) decides the
+global job order when a job first joins anywhere and tells every daemon; each daemon then
+grants its own devices with that order, so a job's ranks are in the same phase on every
+node without any cross-node message on the grant path.
+
+Reliability: a rank whose connection closes (crash, kill, exit) loses its slot at once;
+a rank that holds past its lease loses it then. Clients treat a vanished daemon as
+"run uncoordinated" (see `client`).
+
+The parts, composed here, each with its own module: `Connections` (sockets and frames),
+`Ranks` (what ranks say, and their company), `TableSync` (the slot table and the
+scheduler in one order), `Leader` (daemon 0's decisions). `Daemon` owns the serve loop,
+the scheduler's clock-driven changes (leases, re-alignment), and what a node does with
+the other daemons' messages.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import resource
+import selectors
+import signal
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+from crossover import protocol as P
+from crossover.daemon.conns import Connections, RankConn
+from crossover.daemon.ranks import Node, Ranks
+from crossover.daemon.table import TableSync
+from crossover.daemon.world import Leader, default_comm, node_identity
+from crossover.procstats import RankUsage, daemon_figures, process_state
+from crossover.protocol import Mode
+from crossover.scheduler import ModeController, SlotScheduler, make_policy
+from crossover.scheduler.phase import PhaseAligner
+from crossover.transport import PeerChannel, socket_path
+
+log = logging.getLogger("crossover.daemon")
+
+
+class Daemon:
+    """One node's coordinator.
+
+    Args:
+        policy: scheduling policy name (see `crossover.scheduler.POLICIES`).
+        lease_s: how long a grant lasts without renewal.
+        patience_s: how long a free device waits for the job whose turn it is.
+        idle_shutdown_s: exit after no job has been connected anywhere for this long
+            (None: never).
+        runtime_dir: directory of the sockets (default: see `transport.runtime_dir`).
+        comm: the daemons' communicator (default: COMM_WORLD under mpirun).
+        cpu_devices: how many devices this node's CPU cores form (default: one per core).
+        mode_probe_s: policy auto: the shortest window measuring a mode.
+        mode_hold_s: policy auto: how long a mode decision holds before a re-probe.
+        mode_probe_local: policy auto: probe jobs whose ranks all share one host's CPU
+            too (by default they are served concurrently without a probe).
+        hello_timeout_s: a connection that neither says hello nor asks for status within
+            this long is dropped (a stalled or hostile client holds no descriptor long).
+        clock: monotonic clock, injectable for tests.
+
+    Raises:
+        ValueError: a setting out of range, naming it.
+    """
+
+    def __init__(
+        self,
+        policy: str = "auto",
+        lease_s: float = 30.0,
+        patience_s: float = 1.0,
+        idle_shutdown_s: float | None = None,
+        runtime_dir: str | os.PathLike | None = None,
+        comm: Any = None,
+        cpu_devices: int | None = None,
+        mode_probe_s: float = 2.0,
+        mode_hold_s: float = 30.0,
+        mode_probe_local: bool = False,
+        align_phases: bool = False,
+        hello_timeout_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        comm = comm if comm is not None else default_comm()
+        name, cores = node_identity(comm)
+        self.node = Node(name, cores, max(1, min(cpu_devices or len(cores), len(cores))))
+        self.clock = clock
+        self.sched = SlotScheduler(make_policy(policy), clock, lease_s, patience_s)
+        self.path = socket_path(name, runtime_dir, create=True)
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = os.pipe()
+        # Both ends non-blocking: a full pipe already holds a wake-up, and a blocked
+        # write would stall the peer thread or the signal handler that calls _wakeup.
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self.peers = PeerChannel(comm, self._wakeup)
+        # Descriptors for connections: the soft limit, less room for the daemon's own.
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        max_conns = max(16, min(soft if soft > 0 else 65536, 65536) - 64)
+        policy_ = self.sched.policy
+        aligning = align_phases and policy_.exclusive
+        self.conns = Connections(self._sel, clock, hello_timeout_s, max_conns,
+                                 handle=self._handle, closed=lambda c, why: self.ranks.closed(
+                                     c, why))
+        self.table = TableSync(self.sched, deliver=lambda g: self.ranks.deliver(g),
+                               pids_on=lambda device: self.ranks.pids_on(device))
+        self.ranks = Ranks(self.node, self.sched, self.table, self.conns, self.peers,
+                           aligning=aligning, deciding=policy_.adaptive, clock=clock)
+        # Daemon 0 decides for all: the mode from what it measures (policy auto), the
+        # nodes' phases (`align_phases`), the idle shutdown.
+        modes = ModeController(clock, probe_s=mode_probe_s, hold_s=mode_hold_s,
+                               max_hold_s=max(240.0, mode_hold_s),
+                               probe_local=mode_probe_local) if policy_.adaptive else None
+        aligner = PhaseAligner(clock, min(0.015, patience_s), min(0.25, patience_s)) \
+            if aligning else None
+        self.leader = Leader(self.peers, modes, aligner, idle_shutdown_s, clock) \
+            if self.peers.rank == 0 else None
+        self.handovers_delayed = 0  # on this node, by the leader's corrections
+        self._status_waits: dict[int, tuple[RankConn, dict, float]] = {}
+        self._status_token = 0
+        self._stop = False
+        self._started = time.monotonic()
+        self._usage = RankUsage()
+
+    # --- life cycle -------------------------------------------------------------------
+    def serve(self) -> None:
+        """Listen and serve until stopped (SIGTERM/SIGINT, idle shutdown or `stop`)."""
+        listener = self._listen()
+        self.table.open(self.path)
+        self._sel.register(listener, selectors.EVENT_READ, "listen")
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stop())
+        log.info("daemon %s/%s for node %s on %s: policy %s, devices %s",
+                 self.peers.rank, self.peers.size, self.node.name, self.path,
+                 self.sched.policy.name,
+                 [self.node.cpu_device(i)[0] for i in range(self.node.cpu_devices)])
+        try:
+            while not self._stop:
+                events = self._sel.select(self._timeout())
+                # registered ranks first: a flood of new or hostile connections waits
+                # behind the jobs' grants, not in front of them
+                events.sort(key=lambda ev: not getattr(ev[0].data, "registered", False))
+                for key, _ in events:
+                    if key.data == "listen":
+                        self.conns.accept(listener)
+                    elif key.data == "wake":
+                        self._drain_wakeups()
+                    else:
+                        self.conns.read(key.data)
+                self.table.run_backlog()
+                self._handle_peers()
+                self.conns.drop_silent({id(c) for c, _, _ in self._status_waits.values()})
+                self._expire()
+                if self.leader is not None:
+                    self.leader.check_idle(self.ranks.busy)
+                self._finish_status_waits()
+                self._realign()
+                self.table.publish_plans()
+                self.ranks.update_company()
+        finally:
+            self._sel.close()
+            listener.close()
+            self.path.unlink(missing_ok=True)
+            self.table.close()
+            self.peers.close()
+            log.info("daemon for node %s stopped", self.node.name)
+
+    def stop(self) -> None:
+        """Ask the serve loop to exit (safe from a signal handler or another thread)."""
+        self._stop = True
+        self._wakeup()
+
+    def _listen(self) -> socket.socket:
+        # One daemon per node and directory: a lock held for the daemon's lifetime (the
+        # kernel drops it if the daemon dies, so a stale socket never blocks a restart).
+        self._lock = open(self.path.with_suffix(".lock"), "w")  # noqa: SIM115
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise RuntimeError(
+                f"a crossover daemon already listens on {self.path}; reuse it, stop it, "
+                f"or give this one another CROSSOVER_RUNTIME_DIR"
+            ) from None
+        self.path.unlink(missing_ok=True)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        tmp = self.path.with_suffix(".new")
+        tmp.unlink(missing_ok=True)
+        sock.bind(str(tmp))
+        os.chmod(tmp, 0o600)
+        sock.listen(socket.SOMAXCONN)  # ranks that start together connect at once
+        tmp.rename(self.path)  # appears only once it accepts connections
+        sock.setblocking(False)
+        return sock
+
+    def _timeout(self) -> float:
+        if self.table.waiting:
+            return 0.005  # a device's mutex is busy: try again soon (not at once: a spin)
+        t = 0.5 if not self.table.replan else 0.01
+        deadlines = [self.sched.next_deadline()]
+        if self.leader is not None:
+            deadlines.append(self.leader.next_deadline())
+        for deadline in deadlines:
+            if deadline is not None:
+                t = min(t, max(0.0, deadline - self.clock()))
+        return t
+
+    def _wakeup(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass  # a wakeup is pending already
+
+    def _drain_wakeups(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _handle(self, conn: RankConn, msg: P.Message) -> None:
+        if isinstance(msg, P.Status):
+            self._start_status(conn)
+        else:
+            self.ranks.handle(conn, msg)
+
+    # --- the scheduler's clock --------------------------------------------------------
+    def _realign(self) -> None:
+        """A rank back from a pause moved its job's turns on one device: give its job's
+        ranks on the other devices the same offset before they cross (scheduler doc)."""
+        if not self.sched.misaligned():
+            self.sched.forget_moves()
+        elif not self.table.waiting and self.table.settle():
+            self.ranks.deliver(self.sched.realign())
+
+    def _expire(self) -> None:
+        if self.leader is not None:
+            self.leader.tick()
+        due = self.sched.next_deadline()
+        # (a busy table mutex: expire on a later loop, after the events before now)
+        if due is None or due > self.clock() or self.table.waiting \
+                or not self.table.settle():
+            return
+        revoked, grants = self.sched.expire()
+        for job, rank, device in revoked:
+            conn = self.ranks.by_key.get((job, rank))
+            state = process_state(conn.hello.pid) if conn is not None else "unknown"
+            log.warning("job %s rank %d held %s past its %.0f s lease: slot revoked (its "
+                        "process is %s)", job, rank, device, self.sched.lease_s, state)
+        self.ranks.deliver(grants)
+
+    # --- the other daemons --------------------------------------------------------------
+    def _handle_peers(self) -> None:
+        while not self.peers.inbox.empty():
+            source, msg = self.peers.inbox.get_nowait()
+            if msg[0] == "waited" and not self.sched.exclusive:
+                continue  # measured in another mode: nothing to say of the turns
+            if self.leader is not None and self.leader.handle(source, msg):
+                continue
+            self._on_peer(source, msg)
+
+    def _on_peer(self, source: int, msg: tuple) -> None:
+        """What this node does with the leader's (or a peer's) message."""
+        kind = msg[0]
+        if kind == "order":
+            self.ranks.order(msg[1], msg[2])
+        elif kind == "forget":
+            self.ranks.forget(msg[1])
+        elif kind == "mode":
+            if self.leader is not None and self.leader.aligner is not None:
+                self.leader.aligner.reset()  # waits of the old mode say nothing of the new
+            self.ranks.mode_reason = msg[2]
+            self.table.change(None, lambda: self.ranks.set_mode(Mode(msg[1]), msg[3]))
+        elif kind == "delay":  # this node's turns ran ahead: hand over later, once
+            self.table.change(None, lambda: self._delay_handovers(msg[1], msg[2]))
+        elif kind == "status?":
+            self.peers.send(source, ("status!", msg[1], self.node.name, self._snapshot()))
+        elif kind == "status!":
+            wait = self._status_waits.get(msg[1])
+            if wait is not None:
+                wait[1][msg[2]] = msg[3]
+        elif kind == "shutdown":
+            self.stop()
+
+    def _delay_handovers(self, delay_s: float, lead_s: float) -> None:
+        """Hand every shared device of this node to its next job `delay_s` later."""
+        if not self.sched.exclusive:
+            return  # the mode changed since the leader decided
+        shared = [device for device in self.sched.devices()
+                  if len(self.sched.company(device)) > 1]
+        for device in shared:
+            self.sched.delay_handover(device, delay_s)
+        self.handovers_delayed += 1
+        log.info("node %s's turns %.0f ms ahead of another node's: next hand-over of %s "
+                 "%.0f ms later", self.node.name, 1000 * lead_s, ", ".join(shared)
+                 or "no device", 1000 * delay_s)
+
+    # --- status -------------------------------------------------------------------------
+    def _snapshot(self) -> dict:
+        """This node's part of a status report."""
+        snap = self.sched.snapshot()
+        snap["mode_reason"] = self.ranks.mode_reason
+        # the nodes' phases: hand-overs this node delayed to get back in step
+        snap["handovers_delayed"] = self.handovers_delayed
+        if self.leader is not None and self.leader.snapshot() is not None:
+            snap["mode_decision"] = self.leader.snapshot()
+        snap["devices_cores"] = dict(self.node.cpu_device(i)
+                                     for i in range(self.node.cpu_devices))
+        snap["daemon"] = {**daemon_figures(self._started),
+                          "connections": self.conns.count()}
+        snap["job_usage"] = self._usage.job_usage(self.ranks.pids())
+        # the native fast path: on or off, and the grants it made per device
+        snap["fast_path"] = self.table.fast_grants()
+        return snap
+
+    def _start_status(self, conn: RankConn) -> None:
+        self._status_token += 1
+        self._status_waits[self._status_token] = (conn, {}, self.clock() + 2.0)
+        self.peers.broadcast(("status?", self._status_token))
+
+    def _finish_status_waits(self) -> None:
+        now = self.clock()
+        for token, (conn, nodes, deadline) in list(self._status_waits.items()):
+            if len(nodes) == self.peers.size or now >= deadline:
+                del self._status_waits[token]
+                if not conn.open:
+                    continue  # the asker left
+                # A report of many nodes may outgrow the socket's buffer: give the asker
+                # a second to read it (status is rare and never on the grant path).
+                conn.sock.settimeout(1.0)
+                self.conns.reply(conn, P.StatusReport(nodes))
+                if conn.open:
+                    conn.sock.setblocking(False)
