@@ -155,6 +155,16 @@ def out_of_order(draw):
 
 
 @st.composite
+def deep_nesting(draw):
+    """JSON nested past the parser's stack (it once raised RecursionError, which no
+    guard caught, and stopped the daemon)."""
+    depth = draw(st.integers(900, 60_000))
+    body = draw(st.sampled_from([b"[", b'{"a":'])) * depth
+    opening = hello_frame("deep") if draw(st.booleans()) else b""
+    return opening, frame(body), True
+
+
+@st.composite
 def hello_ranges(draw):
     body = P.encode(draw(_hello))
     return b"", frame(body), malformed(body)
@@ -183,6 +193,7 @@ CASES = {
     "lying_frames": lying_frames(),
     "wrong_types": wrong_types(),
     "hello_ranges": hello_ranges(),
+    "deep_nesting": deep_nesting(),
     "every_state": every_state(),
     "out_of_order": out_of_order(),
     "truncated": truncated(),

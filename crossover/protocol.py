@@ -235,7 +235,8 @@ def decode(data: bytes) -> Message:
     try:
         obj = json.loads(data)
         version, kind = obj.pop("v"), obj.pop("kind")
-    except (ValueError, KeyError, AttributeError, TypeError) as exc:
+    except (ValueError, KeyError, AttributeError, TypeError, RecursionError) as exc:
+        # (RecursionError: JSON nested deeper than the parser's stack, say "[[[[...")
         raise ProtocolError(f"malformed crossover message: {exc}") from None
     if kind == "error" and isinstance(obj.get("message"), str):
         # Readable across versions, since it explains the refusal. An error from another

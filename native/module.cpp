@@ -97,7 +97,19 @@ PYBIND11_MODULE(_native, m) {
       .def("grant", &Table::Grant, py::arg("slot"), py::arg("gen"))
       .def("bind", &Table::Bind, py::arg("slot"), py::arg("dev"))
       .def("unbind", &Table::Unbind, py::arg("slot"))
-      .def("fence", &Table::Fence, py::arg("dev"),
-           "Close the device's ring for good: its ranks ask over their sockets.")
+      .def(
+          "fence",
+          [](Table& t, int dev) {
+            std::vector<Event> events;
+            t.Fence(dev, &events);
+            py::list out;
+            for (const Event& e : events) {
+              out.append(py::make_tuple(e.slot, e.kind, e.phase, e.gen, e.fast, e.time));
+            }
+            return out;
+          },
+          py::arg("dev"),
+          "Close the device's ring for good (its ranks ask over their sockets); returns "
+          "the events not drained yet, as drain does.")
       .def("fast_grants", &Table::FastGrants, py::arg("dev"));
 }

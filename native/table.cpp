@@ -99,7 +99,8 @@ Table Table::Attach(const std::string& path) {
   ::close(fd);
   if (base == MAP_FAILED) throw SysError("cannot map the slot table", path);
   auto* h = static_cast<Header*>(base);
-  if (h->magic != kMagic || h->version != kVersion) {
+  if (h->magic != kMagic || h->version != kVersion || h->devices < 1 ||
+      h->devices > static_cast<uint32_t>(kMaxDevices)) {
     ::munmap(base, sizeof(Header));
     throw std::runtime_error("the slot table " + path + " is not a version " +
                              std::to_string(kVersion) + " table: restart the daemon");
@@ -133,7 +134,9 @@ void Table::Unlock(Device* d) { pthread_mutex_unlock(&d->mu); }
 uint64_t Table::Append(Device* d, Event ev, uint64_t plan_mask, bool use_plan) {
   ev.fast = use_plan ? plan_mask & ~kWake : 0;
   d->ring[d->tail % kRing] = ev;
-  d->tail += 1;  // committed: the daemon will apply it, whatever happens next
+  // Committed: the daemon will apply it, whatever happens next. Released, so that a
+  // daemon reading the ring without the mutex (`Fence`) sees the event whole.
+  __atomic_store_n(&d->tail, d->tail + 1, __ATOMIC_RELEASE);
   for (int s = 0; s < kMaxSlots; ++s) {
     if (ev.fast & Bit(s)) {
       // A waiting rank's latest request is the one the plan grants.
@@ -309,9 +312,20 @@ void Table::Bind(int slot, int dev) {
   h_->slots[slot].device.store(dev);
 }
 
-void Table::Fence(int dev) {
+void Table::Fence(int dev, std::vector<Event>* out) {
   if (dev < 0 || dev >= devices()) return;
-  h_->dev[dev].fenced.store(1, std::memory_order_release);
+  Device* d = &h_->dev[dev];
+  d->fenced.store(1, std::memory_order_seq_cst);
+  // No rank enters from now on (the one stopped inside may still commit its event: that
+  // one is never applied). The plan is withdrawn without the mutex, and the events
+  // committed before are read without it: the tail moves only once an event is whole.
+  d->plan_valid = 0;
+  d->concurrent = 0;
+  d->chain_ok = 0;
+  uint64_t tail = __atomic_load_n(&d->tail, __ATOMIC_ACQUIRE);
+  uint64_t head = d->head + (tail - d->head > kRing ? tail - d->head - kRing : 0);
+  for (uint64_t i = head; i < tail; ++i) out->push_back(d->ring[i % kRing]);
+  d->head = tail;
 }
 
 void Table::Unbind(int slot) {

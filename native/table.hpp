@@ -148,8 +148,9 @@ class Table {
   void Grant(int slot, uint32_t gen);
   void Bind(int slot, int dev);  // a rank takes the slot
   void Unbind(int slot);  // the rank left
-  // Closes the device's ring for good, without its mutex (see Device::fenced).
-  void Fence(int dev);
+  // Closes the device's ring for good, without its mutex (see Device::fenced), and takes
+  // the events committed but not drained yet.
+  void Fence(int dev, std::vector<Event>* out);
   uint64_t FastGrants(int dev) const { return h_->dev[dev].fast_grants; }
 
  private:

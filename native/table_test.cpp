@@ -190,6 +190,7 @@ int main() {
 
   // A fenced device takes no event again, even with its mutex stuck, so its ranks go to
   // their sockets; the other device is untouched.
+  CHECK(rank.Release(0, 5, 7, false, 0.0, 1.0) >= 0);  // committed, not drained
   child = fork();
   if (child == 0) {
     pthread_mutex_lock(&raw->dev[0].mu);
@@ -197,7 +198,9 @@ int main() {
     _exit(0);
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  daemon.Fence(0);
+  std::vector<Event> left;
+  daemon.Fence(0, &left);
+  CHECK(left.size() == 1 && left[0].slot == 5 && left[0].kind == kRelease);
   t0 = std::chrono::steady_clock::now();
   CHECK(rank.Request(0, 5, 0.0, 1.0, &g7) == kFenced);
   CHECK(rank.Release(0, 5, 7, true, 0.0, 1.0) == kFenced);

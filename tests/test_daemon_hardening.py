@@ -130,6 +130,27 @@ def test_seventy_devices_through_a_company_change(cluster: Cluster, native):
     assert "Traceback" not in cluster.procs[0].output()
 
 
+@pytest.mark.parametrize("opening", [False, True])
+def test_json_nested_past_the_parsers_stack_is_refused(cluster: Cluster, opening):
+    with cluster.daemon() as daemon:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(5)
+        sock.connect(str(next(cluster.runtime.glob("node-*.sock"))))
+        if opening:
+            body = P.encode(hello("deep"))
+            sock.sendall(len(body).to_bytes(4, "big") + body)
+            assert isinstance(recv_msg(sock), P.Welcome)
+        body = b"[" * 60_000
+        sock.sendall(len(body).to_bytes(4, "big") + body)
+        replies = []
+        while not replies or not isinstance(replies[-1], P.Error):
+            replies.append(recv_msg(sock))
+        assert "malformed crossover message" in replies[-1].message
+        sock.close()
+        assert daemon.popen.poll() is None, daemon.output()
+        round_trip(cluster)
+
+
 def test_a_ring_without_a_table_is_ignored(cluster: Cluster):
     """A doorbell from a rank of a daemon that has no slot table (CROSSOVER_NATIVE=0, or
     no compiled module) once made it look the device up in a table that is not there."""
@@ -363,3 +384,88 @@ def test_a_rank_that_leaves_before_its_job_has_an_order_is_forgotten(cluster: Cl
         if daemons.poll() is None:
             daemons.kill()
     assert "no job for 3 s: shutting down" in log.read_text()
+
+
+HOLDER = """
+import sys, time
+from crossover.client import RankInfo, SlotClient
+c = SlotClient("holder", RankInfo(0, 1, 0, 1), runtime_dir=sys.argv[1], pin_cpu=False)
+c.acquire()
+print("held", flush=True)
+time.sleep(600)  # hangs while holding
+"""
+
+
+def test_a_busy_mutex_on_one_device_does_not_hold_the_leases_of_another(cluster: Cluster):
+    """Nothing queued, one device's mutex stuck: a hung holder on another device still
+    loses its slot, once the stuck device is fenced."""
+    with cluster.daemon(lease=1.0) as daemon:
+        other = client(cluster, "other", RankInfo(0, 1, 1, 1))  # cpu1: table device 0
+        assert other.device == "cpu1"
+        holder = subprocess.Popen([PY, "-c", HOLDER, str(cluster.runtime)],
+                                  stdout=subprocess.PIPE, text=True, cwd=REPO)
+        assert holder.stdout.readline().strip() == "held"  # cpu0, hung while holding
+        stuck = hold_mutex(cluster, 0, 600)
+        try:
+            waiter = client(cluster, "waiter")
+            start = time.monotonic()
+            waiter.acquire()
+            took = time.monotonic() - start
+            assert waiter.coordinated and took < 8, took  # lease 1 s + fence 2 s + slack
+            waiter.close()
+        finally:
+            for proc in (stuck, holder):
+                proc.kill()
+                proc.wait()
+        other.close()
+        assert daemon.popen.poll() is None
+    assert "job holder rank 0 held cpu0 past its 1 s lease" in cluster.procs[0].output()
+
+
+def test_a_rank_registered_behind_a_busy_mutex_keeps_its_job(cluster: Cluster):
+    """Its job's only registered rank leaves while its registration waits: the job is
+    not forgotten under it, and it is welcomed once the mutex frees."""
+    with cluster.daemon() as daemon:
+        first, reply = raw(cluster, hello("j", 0, 2))
+        assert isinstance(reply, P.Welcome)
+        stuck = hold_mutex(cluster, 0, 1.0)
+        try:
+            second = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            second.settimeout(10)
+            second.connect(str(next(cluster.runtime.glob("node-*.sock"))))
+            body = P.encode(hello("j", 1, 2))
+            second.sendall(len(body).to_bytes(4, "big") + body)
+            time.sleep(0.2)  # read and queued behind the mutex
+            first.close()
+            reply = recv_msg(second)
+            assert isinstance(reply, P.Welcome), reply
+            second.close()
+        finally:
+            stuck.kill()
+            stuck.wait()
+        assert daemon.popen.poll() is None
+
+
+def test_healing_never_connects_into_a_directory_it_would_refuse(tmp_path, capsys):
+    run = tmp_path / "run"
+    c = SlotClient("heal", SOLO, runtime_dir=run, pin_cpu=False)  # no directory: fail open
+    assert not c.coordinated
+    run.mkdir(mode=0o777)
+    run.chmod(0o777)  # someone else's doing: anyone may put a socket here
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(c.path))
+    listener.listen(8)
+    listener.setblocking(False)
+    try:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            c.acquire()
+            c.release(Phase.IDLE)
+            time.sleep(0.05)
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # never connected to
+        assert not c.coordinated
+    finally:
+        listener.close()
+        c.close()
+    assert "not reconnecting" in capsys.readouterr().err

@@ -115,8 +115,9 @@ class Plane:
         self.drained.append(device)
         return [], 0
 
-    def fence(self, device: str) -> None:
+    def fence(self, sched, device: str) -> list:
         self.fenced.append(device)
+        return []
 
     def publish(self, sched, device, seq) -> bool:
         return True
@@ -157,8 +158,23 @@ def test_a_busy_mutex_defers_the_changes_in_their_order_then_fences():
     clock.now = FENCE_S + 0.1
     table.run_backlog()  # fenced: its ranks use their sockets, the changes go on
     assert table.plane.fenced == ["d0"]
-    table.run_backlog()
-    assert ran == ["d1 first", "d0", "d1 after"] and not table.waiting
+    assert ran == ["d1 first", "d0", "d1 after"] and not table.waiting and not table.stuck
+
+
+def test_a_busy_mutex_with_no_change_queued_is_fenced_too():
+    """Leases expire through `settle` alone, with nothing queued: a mutex stuck there
+    must not hold every lease of the node for ever."""
+    table, _, clock = sync(["d0", "d1"])
+    table.plane.busy.add("d1")
+    assert not table.settle() and table.stuck
+    clock.now = FENCE_S / 2
+    table.plane.busy.discard("d1")
+    table.plane.busy.add("d0")  # d1 came free: only d0 counts from now
+    assert not table.settle()
+    clock.now = FENCE_S + 0.1
+    assert not table.settle()  # d0 busy for FENCE_S / 2 + 0.1 only
+    clock.now = FENCE_S * 1.5 + 0.1
+    assert table.settle() and table.plane.fenced == ["d0"] and not table.stuck
 
 
 def test_a_mutex_freed_in_time_runs_the_changes_without_a_fence():

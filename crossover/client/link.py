@@ -21,11 +21,21 @@ from pathlib import Path
 from crossover import protocol as P
 from crossover.backoff import Backoff
 from crossover.client.fastpath import RankPath
-from crossover.transport import FrameBuffer, connect, frame, readable, recv_msg, send_msg
+from crossover.transport import (
+    FrameBuffer,
+    connect,
+    frame,
+    readable,
+    recv_msg,
+    runtime_dir,
+    send_msg,
+)
 
 #: Reconnection attempts after losing the daemon: the first after this long, then
 #: doubling up to HEAL_MOST_S; each attempt waits at most HEAL_TIMEOUT_S for a welcome.
 HEAL_FIRST_S, HEAL_MOST_S, HEAL_TIMEOUT_S = 0.5, 10.0, 2.0
+#: The longest lease a welcome may name (a day: no daemon grants for longer).
+MAX_LEASE_S = 86400.0
 
 
 class CrossoverVersionError(RuntimeError):
@@ -125,6 +135,9 @@ class DaemonLink:
             if isinstance(reply, P.Error):
                 raise refusal(reply, self.job)
             raise P.ProtocolError(f"expected welcome, got {reply.kind}")
+        if not 0 < reply.lease_s <= MAX_LEASE_S:  # the grant wait is twice that
+            sock.close()
+            raise P.ProtocolError(f"welcome with a lease of {reply.lease_s} s")
         sock.settimeout(None)
         self._sock = sock
         self._fast = self._attach(reply, sock)
@@ -157,6 +170,11 @@ class DaemonLink:
             if time.monotonic() < self._next_heal:
                 return
             self._next_heal = time.monotonic() + self._heal.next()
+            try:  # the directory again: it may have been made since, by anyone
+                runtime_dir(self.path.parent, create=False)
+            except PermissionError as exc:
+                self._warn(f"not reconnecting: {exc}", again=True)
+                return
             if not self.path.exists():  # no daemon yet: one stat, no connect
                 return
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

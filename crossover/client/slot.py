@@ -264,6 +264,14 @@ class SlotClient(DaemonLink):
         Reads the daemon's pending notices first, so a job that arrived since the last
         step is seen at this release point: a newcomer waits at most one hold of ours.
         """
+        self._read_notices()
+        keep = self._alone or self._mode == Mode.CONCURRENT
+        return keep and self._keep_when_alone and self._sock is not None
+
+    def _read_notices(self) -> None:
+        """Take in what the daemon sent unasked. Also at every request: a rank whose
+        grants come through the table and which releases only to idle reads its socket
+        nowhere else, and a daemon whose notices pile up unread drops the rank."""
         while self._sock is not None:
             try:
                 if not readable(self._sock):
@@ -272,8 +280,6 @@ class SlotClient(DaemonLink):
                 self._on_notice(recv_msg(self._sock))
             except (OSError, P.ProtocolError) as exc:
                 self._fail_open(f"lost the crossover daemon ({exc})")
-        keep = self._alone or self._mode == Mode.CONCURRENT
-        return keep and self._keep_when_alone and self._sock is not None
 
     def _on_notice(self, msg: P.Message) -> None:
         """A message the daemon sent unasked (or a grant for an abandoned wait)."""
@@ -313,6 +319,8 @@ class SlotClient(DaemonLink):
         if self._sock is None:
             self._try_heal()
             release_first = False  # a new daemon has granted us nothing to give back
+        else:
+            self._read_notices()
         self._pass_point()
         settled = False
         # The table carries no point: a request after points passed holding goes by socket.

@@ -122,10 +122,8 @@ class Connections:
         if not data:
             self.close(conn, "connection closed")
             return
-        try:
-            msgs = conn.frames.feed(data)
-        except P.ProtocolError as exc:
-            self._refuse(conn, exc)
+        msgs: list[P.Message] = []
+        if not self.guard(conn, lambda: msgs.extend(conn.frames.feed(data))):
             return
         for msg in msgs:
             if not self.guard(conn, lambda msg=msg: self._handle(conn, msg)):

@@ -63,6 +63,8 @@ class Ranks:
         self.by_key: dict[tuple[str, int], RankConn] = {}
         self.orders: dict[str, int] = {}  # global job order, decided by the leader
         self.pending: dict[str, list[RankConn]] = {}  # ranks waiting for their job's order
+        # ranks whose registration waits for their device's table (`TableSync.change`)
+        self.joining: dict[tuple[str, int], RankConn] = {}
         self.steps: dict[str, int] = {}  # job -> most steps a local rank reported
         self.mode_reason = "policy " + sched.policy.name
         self._company: dict[str, frozenset[str]] = {}  # device -> its jobs, less dormant
@@ -71,10 +73,11 @@ class Ranks:
     @property
     def busy(self) -> bool:
         """Whether a rank is here or on its way."""
-        return bool(self.by_key) or bool(self.pending)
+        return bool(self.by_key) or bool(self.pending) or bool(self.joining)
 
     def has_job(self, job: str) -> bool:
-        return any(j == job for j, _ in self.by_key)
+        """Whether a rank of `job` is registered here, or its registration is queued."""
+        return any(j == job for j, _ in self.by_key) or any(j == job for j, _ in self.joining)
 
     def pids(self) -> dict[str, list[int]]:
         """Each job's pids here."""
@@ -162,7 +165,8 @@ class Ranks:
         if problems:
             raise P.ProtocolError(f"hello with invalid {', '.join(problems)}: {hello}")
         key = (hello.job, hello.rank)
-        if key in self.by_key or any(c.key == key for c in self.pending.get(hello.job, [])):
+        if key in self.by_key or key in self.joining \
+                or any(c.key == key for c in self.pending.get(hello.job, [])):
             self.conns.reply(conn, P.Error(
                 f"job {hello.job!r} rank {hello.rank} is connected already: two jobs with "
                 f"one name? Give each job its own name (CROSSOVER_JOB or crossoverrun "
@@ -195,15 +199,15 @@ class Ranks:
         hello = conn.hello
         device = f"gpu{hello.gpu}" if hello.gpu is not None \
             else self.node.cpu_device(hello.local_rank % self.node.cpu_devices)[0]
+        self.joining[conn.key] = conn
         self.table.change(device, lambda: self.conns.guard(
             conn, lambda: self._register(conn, device), close=True))
 
     def _register(self, conn: RankConn, device: str) -> None:
         hello = conn.hello
-        if not conn.open:  # it left while its device's table was awaited
-            if not self.has_job(hello.job) and hello.job not in self.pending:
-                self.peers.send(0, ("leave", hello.job))  # as `closed` would have
-            return
+        if self.joining.get(conn.key) is not conn:
+            return  # it left while its device's table was awaited (`closed` said so)
+        del self.joining[conn.key]
         cores = [] if hello.gpu is not None else self.node.cpu_device(
             hello.local_rank % self.node.cpu_devices)[1]
         order = self.orders[hello.job]
@@ -228,29 +232,27 @@ class Ranks:
         self.tell_company()  # every device: the host's cores may be split anew
 
     def closed(self, conn: RankConn, why: str) -> None:
-        """`conn` closed: forget a rank that waited for its job's order, free one that
-        was registered (after the table's events before now), tell the leader when the
-        job has no rank left here."""
+        """`conn` closed: forget a rank that waited for its job's order or its device's
+        table, free one that was registered (after the table's events before now), and
+        tell the leader when the job has no rank left here (else it counts this node
+        among the job's members for ever)."""
         key = conn.key
         if key is None:
             return
         job = key[0]
-        if conn in self.pending.get(job, []):
+        if self.joining.get(key) is conn:
+            del self.joining[key]
+        elif conn in self.pending.get(job, []):
             self.pending[job].remove(conn)
             if not self.pending[job]:
                 del self.pending[job]
-                if not self.has_job(job):
-                    # The leader counts this node among the job's members since the
-                    # join: without a leave it never forgets the job.
-                    self.peers.send(0, ("leave", job))
-            return
-        if conn.registered and self.by_key.get(key) is conn:
+        elif conn.registered and self.by_key.get(key) is conn:
             del self.by_key[key]
             log.info("job %s rank %d left node %s (%s)", job, key[1], self.node.name, why)
             device = self.sched.device_of(*key)
             self.table.change(device, lambda: self._unregister(key, device))
-            if not self.has_job(job):
-                self.peers.send(0, ("leave", job))
+        if not self.has_job(job) and job not in self.pending:
+            self.peers.send(0, ("leave", job))
 
     def _unregister(self, key: tuple[str, int], device: str | None) -> None:
         """Free a rank that left (after the table's events before it were applied)."""

@@ -197,7 +197,7 @@ class Daemon:
         return sock
 
     def _timeout(self) -> float:
-        if self.table.waiting:
+        if self.table.stuck:
             return 0.005  # a device's mutex is busy: try again soon (not at once: a spin)
         t = 0.5 if not self.table.replan else 0.01
         deadlines = [self.sched.next_deadline()]

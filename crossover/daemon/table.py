@@ -97,12 +97,13 @@ class TablePlane:
         """The devices whose ring the daemon drains."""
         return [d for d in self._devices if d not in self._fenced]
 
-    def fence(self, device: str) -> None:
+    def fence(self, sched: SlotScheduler, device: str) -> list[SlotGrant]:
         """Close `device`'s ring for good (its mutex stayed busy): its ranks ask over
-        their sockets from now on. A rank waiting in the table for a grant the daemon
-        made still gets it there (`grant` needs no mutex)."""
+        their sockets from now on. The events committed before are applied to `sched`
+        (returns the grants, as `drain` does); a rank waiting in the table for a grant
+        the daemon makes still gets it there (`grant` needs no mutex)."""
         self._fenced.add(device)
-        self.table.fence(self._devices[device])
+        return self._apply_all(sched, device, self.table.fence(self._devices[device]))
 
     # --- events in, grants and plans out ----------------------------------------------
     def drain(self, sched: SlotScheduler, device: str, invalidate: bool
@@ -122,6 +123,10 @@ class TablePlane:
         if got is None:
             return None
         seq, events = got
+        return self._apply_all(sched, device, events), seq
+
+    def _apply_all(self, sched: SlotScheduler, device: str, events: list[tuple]
+                   ) -> list[SlotGrant]:
         grants: list[SlotGrant] = []
         clock = sched.clock
         try:
@@ -130,7 +135,7 @@ class TablePlane:
                 grants += self._apply(sched, device, slot, kind, phase, gen, fast)
         finally:
             sched.clock = clock
-        return grants, seq
+        return grants
 
     def _apply(self, sched: SlotScheduler, device: str, slot: int, kind: int, phase: int,
                gen: int, fast: int) -> list[SlotGrant]:
@@ -301,17 +306,29 @@ class TableSync:
         """Whether changes wait for a device's mutex."""
         return bool(self._backlog)
 
+    @property
+    def stuck(self) -> bool:
+        """Whether a device's mutex was busy at the latest try (changes wait, or the
+        daemon's own: leases, re-alignment)."""
+        return bool(self._backlog) or bool(self._stuck)
+
     def settle(self, device: str | None = None) -> bool:
         """Withdraw the plan of `device` (None: every device) and apply the events before
         now, so that the daemon may change the scheduler itself. False if a device's
         mutex stayed busy: the change must wait (`change`), or two jobs could hold one
-        device."""
+        device; once busy for FENCE_S, the device is fenced and the change goes on."""
         if self.plane is None:
             return True
         done = True
         for name in [device] if device is not None else self.plane.devices():
-            if self.plane.has(name) and self._drain(name, invalidate=True) is None:
-                self._stuck.setdefault(name, self.sched.clock())
+            if not self.plane.has(name):
+                continue
+            if self._drain(name, invalidate=True) is not None:
+                self._stuck.pop(name, None)
+            elif self._stuck.setdefault(name, self.sched.clock()) \
+                    <= self.sched.clock() - FENCE_S:
+                self._fence(name)  # given up on: the change goes on without its table
+            else:
                 done = False
         return done
 
@@ -324,27 +341,24 @@ class TableSync:
             self._backlog.append((device, change))
 
     def run_backlog(self) -> None:
-        """Run the deferred changes whose devices can be drained now; fence a device
-        whose mutex stayed busy for FENCE_S (a rank stopped inside it)."""
+        """Run the deferred changes whose devices can be drained now (`settle` fences a
+        device whose mutex stayed busy for FENCE_S)."""
         while self._backlog:
             device, change = self._backlog[0]
             if not self.settle(device):
-                self._fence_stuck()
                 return
             self._backlog.popleft()
             _run(change)
-        self._stuck.clear()
 
-    def _fence_stuck(self) -> None:
-        now = self.sched.clock()
-        for device, since in list(self._stuck.items()):
-            if now - since < FENCE_S:
-                continue
-            del self._stuck[device]
-            self.plane.fence(device)
-            log.warning("the slot table's mutex of %s stayed busy for %.0f s (a rank "
-                        "stopped inside it? pids there: %s): its ranks use the socket "
-                        "path from now on", device, now - since, self._pids_on(device))
+    def _fence(self, device: str) -> None:
+        """Give up on a device whose mutex stayed busy for FENCE_S (only a rank stopped
+        inside its few instructions holds it that long): apply what its ring holds, and
+        let its ranks use their sockets from now on."""
+        since = self._stuck.pop(device)
+        self._deliver(self.plane.fence(self.sched, device))
+        log.warning("the slot table's mutex of %s stayed busy for %.0f s (a rank stopped "
+                    "inside it? pids there: %s): its ranks use the socket path from now "
+                    "on", device, self.sched.clock() - since, self._pids_on(device))
 
     def _drain(self, device: str, invalidate: bool) -> int | None:
         # A busy mutex (a rank stopped inside it) is tried again on the next loop.
