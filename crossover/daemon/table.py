@@ -372,8 +372,12 @@ class TableSync:
     def publish_plans(self) -> None:
         """Apply the events that came and publish each touched device's next plan."""
         for device in list(self.replan):
-            if self.plane is None or not self.plane.has(device):
-                self.replan.discard(device)  # the socket path: no plan to publish
+            if self.plane is None or not self.plane.has(device) \
+                    or device not in self.sched.devices():
+                # the socket path, or no rank left there: no plan to publish (the events
+                # of ranks that left are dropped when applied; the next rank's drain
+                # finds them gone)
+                self.replan.discard(device)
                 continue
             for _ in range(3):  # events keep coming: they ring again, so stop trying soon
                 seq = self._drain(device, invalidate=False)

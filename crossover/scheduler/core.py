@@ -123,6 +123,11 @@ class SlotScheduler(ModeSwitching, SchedulerViews):
         self._drop_holding(device, dev.ranks.pop((job, rank)))
         if not any(j == job for j, _ in self._where):
             del self._jobs[job]
+        if not dev.ranks:
+            # Forgotten with its last rank: a node that once served a job over many
+            # devices would otherwise walk them all on every change for ever.
+            del self._devices[device]
+            return []
         return self._dispatch(device)
 
     # --- the hot path -----------------------------------------------------------------

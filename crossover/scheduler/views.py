@@ -41,7 +41,7 @@ class SchedulerViews:
         return {r.job for r in dev.ranks.values()} if dev else set()
 
     def devices(self) -> list[str]:
-        """Every device a rank was ever registered on."""
+        """Every device a rank is registered on."""
         return list(self._devices)
 
     def company(self, device: str) -> set[str]:
@@ -57,12 +57,15 @@ class SchedulerViews:
         return bool(mine) and all(self._dormant(r, now) for r in mine)
 
     def holders(self, device: str) -> set[tuple[str, int]]:
-        """The (job, rank) pairs holding `device` now."""
-        return {k for k, r in self._devices[device].ranks.items() if r.state == HOLDING}
+        """The (job, rank) pairs holding `device` now (none where no rank is)."""
+        dev = self._devices.get(device)
+        return {k for k, r in dev.ranks.items() if r.state == HOLDING} if dev else set()
 
     def waiting(self, device: str) -> list[tuple[str, int]]:
         """The (job, rank) pairs waiting for `device`, in the order they will be served."""
-        dev = self._devices[device]
+        dev = self._devices.get(device)
+        if dev is None:
+            return []
         ranks = sorted((r for r in dev.ranks.values() if r.state == WAITING), key=self._key)
         return [(r.job, r.rank) for r in ranks]
 
