@@ -1,6 +1,6 @@
 """Chaos soak: jobs come and go while ranks and the daemon are killed, stopped, restarted.
 
-    .venv/bin/python bench/chaos.py [--minutes 10] [--seed 0] [--fault-every 3]
+    .venv/bin/python bench/chaos.py [--minutes 10] [--seed 0] [--fault-every 2]
 
 Two 2-rank PyTorch jobs (examples/torch_mlp.py, random seed and length) run at any
 time under one daemon on this host (the default policy, the native fast path on); a new
@@ -250,8 +250,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--fault-every", type=float, default=3.0, metavar="S",
-                    help="mean seconds between faults (default 3: 150-200 in 10 minutes)")
+    ap.add_argument("--fault-every", type=float, default=2.0, metavar="S",
+                    help="mean seconds between faults (default 2: over 150 in 10 minutes; "
+                         "a fault with no target then, or on a daemon still down, waits)")
     ap.add_argument("--policy", default="auto",
                     help="daemon policy (default auto, the daemon's default)")
     ap.add_argument("--lease", type=float, default=3.0)
