@@ -19,6 +19,7 @@ from crossover.client import RankInfo, SlotClient
 from crossover.protocol import Phase
 from crossover.transport import recv_msg, runtime_dir
 from tests.conftest import PY, REPO, Cluster, mpirun, wait_for
+from tests.test_daemon import start_holder
 
 pytestmark = pytest.mark.mpi  # real processes
 
@@ -213,7 +214,7 @@ def test_a_change_waits_for_a_busy_table_mutex(cluster: Cluster):
             assert not got.wait(1.0), "b was granted while a holds the device"
             a.release(Phase.IDLE)
             assert got.wait(10), "b was never granted"
-            thread.join()
+            thread.join(10)
             b.release(Phase.IDLE)
         finally:
             holder.kill()
@@ -386,25 +387,13 @@ def test_a_rank_that_leaves_before_its_job_has_an_order_is_forgotten(cluster: Cl
     assert "no job for 3 s: shutting down" in log.read_text()
 
 
-HOLDER = """
-import sys, time
-from crossover.client import RankInfo, SlotClient
-c = SlotClient("holder", RankInfo(0, 1, 0, 1), runtime_dir=sys.argv[1], pin_cpu=False)
-c.acquire()
-print("held", flush=True)
-time.sleep(600)  # hangs while holding
-"""
-
-
 def test_a_busy_mutex_on_one_device_does_not_hold_the_leases_of_another(cluster: Cluster):
     """Nothing queued, one device's mutex stuck: a hung holder on another device still
     loses its slot, once the stuck device is fenced."""
     with cluster.daemon(lease=1.0) as daemon:
         other = client(cluster, "other", RankInfo(0, 1, 1, 1))  # cpu1: table device 0
         assert other.device == "cpu1"
-        holder = subprocess.Popen([PY, "-c", HOLDER, str(cluster.runtime)],
-                                  stdout=subprocess.PIPE, text=True, cwd=REPO)
-        assert holder.stdout.readline().strip() == "held"  # cpu0, hung while holding
+        holder = start_holder(cluster)  # cpu0, hung while holding
         stuck = hold_mutex(cluster, 0, 600)
         try:
             waiter = client(cluster, "waiter")

@@ -424,14 +424,19 @@ elif rank == 0:  # "absent": rank 1 never migrates
 """
 
 
-@pytest.mark.mpi
-def test_a_migration_one_rank_cannot_send_fails_on_every_rank(tmp_path, cluster):
+def run_failing(tmp_path, cluster, how: str) -> str:
+    """FAILING under mpirun on 2 ranks, failing `how`; returns its output."""
     script = tmp_path / "failing.py"
     script.write_text(FAILING)
-    proc = Proc(mpirun(2, PY, str(script), "sparse"), {**cluster.env, "CROSSOVER_ENABLE": "0"},
-                tmp_path / "sparse.log")
+    proc = Proc(mpirun(2, PY, str(script), how), {**cluster.env, "CROSSOVER_ENABLE": "0"},
+                tmp_path / f"{how}.log")
     cluster.procs.append(proc)
-    out = proc.wait(90)
+    return proc.wait(90)
+
+
+@pytest.mark.mpi
+def test_a_migration_one_rank_cannot_send_fails_on_every_rank(tmp_path, cluster):
+    out = run_failing(tmp_path, cluster, "sparse")
     for rank in (0, 1):
         assert f"rank {rank} refused: migrating stage parameters failed on rank 0: " \
                "ValueError: a sparse tensor cannot be migrated byte for byte" in out, out
@@ -440,11 +445,6 @@ def test_a_migration_one_rank_cannot_send_fails_on_every_rank(tmp_path, cluster)
 
 @pytest.mark.mpi
 def test_a_migration_a_rank_never_joins_times_out_naming_the_wait(tmp_path, cluster):
-    script = tmp_path / "failing.py"
-    script.write_text(FAILING)
-    proc = Proc(mpirun(2, PY, str(script), "absent"), {**cluster.env, "CROSSOVER_ENABLE": "0"},
-                tmp_path / "absent.log")
-    cluster.procs.append(proc)
-    out = proc.wait(90)
+    out = run_failing(tmp_path, cluster, "absent")
     assert "rank 0 timed out: migrating stage parameters: every rank's ok or error: " \
            "not done in 1 s" in out, out

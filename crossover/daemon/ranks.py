@@ -167,11 +167,10 @@ class Ranks:
         key = (hello.job, hello.rank)
         if key in self.by_key or key in self.joining \
                 or any(c.key == key for c in self.pending.get(hello.job, [])):
-            self.conns.reply(conn, P.Error(
-                f"job {hello.job!r} rank {hello.rank} is connected already: two jobs with "
-                f"one name? Give each job its own name (CROSSOVER_JOB or crossoverrun "
-                f"--crossover-job)", P.ErrorCode.DUPLICATE.value))
-            self.conns.close(conn, "duplicate rank")
+            self._refuse(conn, P.ErrorCode.DUPLICATE, "duplicate rank",
+                         f"job {hello.job!r} rank {hello.rank} is connected already: two "
+                         f"jobs with one name? Give each job its own name (CROSSOVER_JOB or "
+                         f"crossoverrun --crossover-job)")
             return
         # A job's ranks share one weight; checked here too, as ranks of a new job wait
         # for its order and are registered together later.
@@ -179,11 +178,10 @@ class Ranks:
         if self.sched.weight_of(hello.job) is not None:
             weights.add(self.sched.weight_of(hello.job))
         if weights and weights != {hello.weight}:
-            self.conns.reply(conn, P.Error(
-                f"job {hello.job!r} rank {hello.rank} has priority weight {hello.weight}, "
-                f"its other ranks {sorted(weights)}: give every rank of a job the same "
-                f"CROSSOVER_PRIORITY", P.ErrorCode.REFUSED.value))
-            self.conns.close(conn, "weight differs from its job's")
+            self._refuse(conn, P.ErrorCode.REFUSED, "weight differs from its job's",
+                         f"job {hello.job!r} rank {hello.rank} has priority weight "
+                         f"{hello.weight}, its other ranks {sorted(weights)}: give every "
+                         f"rank of a job the same CROSSOVER_PRIORITY")
             return
         conn.hello = hello
         if hello.job in self.orders:
@@ -193,6 +191,11 @@ class Ranks:
             self.pending.setdefault(hello.job, []).append(conn)
             if first:
                 self.peers.send(0, ("join", hello.job))
+
+    def _refuse(self, conn: RankConn, code: P.ErrorCode, why: str, message: str) -> None:
+        """Answer a hello with an error and hang up (`why`: for the log)."""
+        self.conns.reply(conn, P.Error(message, code.value))
+        self.conns.close(conn, why)
 
     def _admit(self, conn: RankConn) -> None:
         """Register a rank whose job has its order (after the table's events before it)."""

@@ -267,26 +267,33 @@ class Graph:
         return self.run(dict(zip(self.inputs, args, strict=True)))[self.output]
 
 
-def _topological(ops: Mapping[str, Op]) -> list[str]:
-    """Kahn's order, stable in the order ops were given; on a cycle, raise with it."""
+def stable_order(preds: Mapping[Any, Iterable[Any]], rank: Callable[[Any], int]) -> list:
+    """Kahn's order of the nodes of `preds` (node -> the nodes it needs), taking the
+    lowest `rank` first among those ready; a node on a cycle is left out."""
     import heapq
 
-    pos = {n: i for i, n in enumerate(ops)}
-    indeg = {n: len(set(op.inputs)) for n, op in ops.items()}
-    succ: dict[str, list[str]] = {n: [] for n in ops}
-    for n, op in ops.items():
-        for s in set(op.inputs):
-            succ[s].append(n)
-    heap = [(pos[n], n) for n, d in indeg.items() if d == 0]
+    indeg = {n: len(set(ps)) for n, ps in preds.items()}
+    succ: dict[Any, list[Any]] = {n: [] for n in preds}
+    for n, ps in preds.items():
+        for p in set(ps):
+            succ[p].append(n)
+    heap = [(rank(n), n) for n, d in indeg.items() if d == 0]
     heapq.heapify(heap)
-    order: list[str] = []
+    order: list[Any] = []
     while heap:
         _, n = heapq.heappop(heap)
         order.append(n)
         for m in succ[n]:
             indeg[m] -= 1
             if indeg[m] == 0:
-                heapq.heappush(heap, (pos[m], m))
+                heapq.heappush(heap, (rank(m), m))
+    return order
+
+
+def _topological(ops: Mapping[str, Op]) -> list[str]:
+    """Kahn's order, stable in the order ops were given; on a cycle, raise with it."""
+    pos = {n: i for i, n in enumerate(ops)}
+    order = stable_order({n: op.inputs for n, op in ops.items()}, pos.__getitem__)
     if len(order) < len(ops):
         done = set(order)
         cycle = _find_cycle(ops, {n for n in ops if n not in done})

@@ -15,10 +15,9 @@ a shared parameter's ops (`split_ties`), whoever made it.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Mapping
 
-from crossover.pipeline.graph import Graph
+from crossover.pipeline.graph import Graph, stable_order
 
 
 def shared_parameters(graph: Graph) -> dict[str, tuple[str, ...]]:
@@ -123,22 +122,7 @@ def units(graph: Graph) -> list[tuple[str, ...]]:
         u = unit_of[n]
         preds.setdefault(u, set()).update(unit_of[s] for s in graph.ops[n].inputs)
         preds[u].discard(u)
-    succs: dict[tuple[str, ...], list[tuple[str, ...]]] = {u: [] for u in preds}
-    for u, ps in preds.items():
-        for p in ps:
-            succs[p].append(u)
-    indeg = {u: len(ps) for u, ps in preds.items()}
-    heap = [(pos[u[0]], u) for u, d in indeg.items() if d == 0]
-    heapq.heapify(heap)
-    out: list[tuple[str, ...]] = []
-    while heap:
-        _, u = heapq.heappop(heap)
-        out.append(u)
-        for s in succs[u]:
-            indeg[s] -= 1
-            if indeg[s] == 0:
-                heapq.heappush(heap, (pos[s[0]], s))
-    return out
+    return stable_order(preds, lambda u: pos[u[0]])
 
 
 def split_ties(graph: Graph, where: Mapping[str, int]) -> list[str]:
