@@ -5,9 +5,9 @@ difference within the machine's drift?
         [--pairs 8] [--steps 100] [--name NAME]
 
 `crossover_bench.py` runs five arms a repetition, so two arms of one repetition can run
-minutes apart; on this project's VM the same arm took 42-49 s within a quarter of an
-hour (docs/benchmark.md, twenty-first session), more than most differences between the
-arms. Here the two arms run back to back, in alternating order (A B, B A, A B, ...: a
+minutes apart; on this project's VM the same arm took 46-51 s in the three repetitions
+of one 300-step row (docs/benchmarks.md), more than most differences between the arms.
+Here the two arms run back to back, in alternating order (A B, B A, A B, ...: a
 steady drift biases the pairs in opposite directions), and each pair gives one ratio,
 A's time over B's (above 1: B is faster). The verdict is a sign test over the pairs:
 how likely as many pairs or more would favour one arm if the arms were equally fast.

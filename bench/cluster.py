@@ -235,7 +235,7 @@ class EmulatedCluster:
 
         Gloo waits for the network in the kernel (epoll, condition variables) where Open
         MPI's TCP transport polls: on a host whose only core another job computes on,
-        polling steals that job's compute time (see docs/benchmark.md). The launcher
+        polling steals that job's compute time (see docs/benchmarks.md). The launcher
         (`python bench/cluster.py gloo-run`, run in host 0's namespace) serves Horovod's
         rendezvous there and starts each rank with `exec_in`.
         """

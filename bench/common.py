@@ -50,8 +50,8 @@ def arm_order(n: int, rep: int) -> list[int]:
     arm may also pay for the one before it (its processes' exit, its daemon's state). Row
     r is r added to 0, 1, n-1, 2, n-2, ... (mod n); the rows after the first n are those
     reversed. Over n repetitions (2n for odd n) every arm takes every place equally
-    often and follows every other arm equally often; a cyclic rotation, used before the
-    twenty-first session, kept each arm's neighbours.
+    often and follows every other arm equally often; a cyclic rotation would keep each
+    arm's neighbours.
     """
     if n < 1 or rep < 0:
         raise ValueError(f"order of {n} arms for repetition {rep}: need n >= 1, rep >= 0")

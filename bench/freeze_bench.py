@@ -22,7 +22,7 @@ rep, so drift hits all alike):
     sequential        the sequential (chain) partitioner, no freezing
 
 `time_to_accuracy_speedup` is graph / graph_freeze_cache time to the target (the
-issue's freeze + re-partition + caching arm), `accuracy_loss_points` that arm's final
+full freeze + re-partition + caching arm), `accuracy_loss_points` that arm's final
 accuracy below graph's; `repartition_over_freeze` is graph_freeze /
 graph_freeze_repartition time to the target and `cache_over_freeze` graph_freeze /
 graph_freeze_cache; `epochs_speedup` is graph / graph_freeze_cache for all epochs'

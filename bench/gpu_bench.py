@@ -180,7 +180,7 @@ def main() -> None:
                                                      "(no HOROVOD_GPU_ALLREDUCE)"}
     setup = {"ranks_per_job": RANKS, "hosts": "one (localhost): the two ranks of a job and "
              "both jobs share the one GPU", "workload": WORKLOAD, "job_env": JOB_ENV,
-             "policy": "the daemon's default (crossover)"}
+             "policy": "the daemon's default (auto)"}
     OUT.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="crossover-gpu-") as tmp_s:

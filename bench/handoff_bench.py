@@ -17,7 +17,7 @@ Then the graph pipeline with slots, where a slot is taken per stage per micro-ba
 2-stage pipeline (`python -m crossover.pipeline --model chain`, 8 micro-batches) without
 slots, and with slots over each path beside a neighbour job registered on both devices
 and idle: dormant once idle for the daemon's patience, so the pipeline keeps its devices
-through communication as if alone (the issue's target: at most 2 % lost). And the same
+through communication as if alone (at most 2 % lost is the aim). And the same
 with CROSSOVER_KEEP_WHEN_ALONE=0, where every micro-batch really releases its device and
 asks again: the cost of a handoff per micro-batch. Iterations per second, medians; each
 loss is the median over repetitions of a run against the run without slots beside it.
@@ -230,12 +230,12 @@ def main() -> None:
                                  f"runs each; a neighbour job on both "
                                  f"devices, idle (dormant after --patience)",
                      "iteration_s": pipe, "iterations_per_s": per_s,
-                     # the target: <= 2 % lost against no slots
+                     # the aim: <= 2 % lost against no slots
                      "loss_with_slots": {p: loss[f"{p}_dormant"]
                                          for p in ("socket", "native")},
                      "loss_with_a_handoff_per_micro_batch": {
                          p: loss[f"{p}_handoffs"] for p in ("socket", "native")}},
-        # the keys: both cores busy
+        # the headline keys: both cores busy
         "socket": summary["socket_busy"], "native": summary["native_busy"],
     })
     for name, s in summary.items():

@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "bench" / "crossover_job.py"
 
 #: Workloads: job-script arguments, sized so compute and communication are comparable
-#: at the middle link rate (see docs/benchmark.md for the measured split).
+#: at the middle link rate (see docs/benchmarks.md for the measured split).
 WORKLOADS: dict[str, list[str]] = {
     "mlp": ["--model", "mlp", "--width", "640", "--layers", "4", "--batch", "512"],
     "cnn": ["--model", "cnn", "--width", "32", "--batch", "32"],

@@ -1,5 +1,5 @@
 """What a benchmark run's rows say: per-repetition ratios, fairness, how far apart a job's
-ranks ran, idle device time, the issue's keys and the README table.
+ranks ran, idle device time, the headline keys and the README table.
 
 Functions of the rows `crossover_bench.py` builds and of the traces its runs write (no
 runs of their own); `paired_vs_best`, `idle_gaps` and `headline` are table-tested in
@@ -90,7 +90,7 @@ def idle_gaps(events: list[dict]) -> dict:
 
 
 def headline(rows: list[dict]) -> dict:
-    """The issue's keys. Do no harm: the worst row of the default policy (auto) against
+    """The headline keys. Do no harm: the worst row of the default policy (auto) against
     the better of sequential and plain together. Win where there is a gap: medians over
     the comm-heavy rows (comm >= compute, a link between the ranks)."""
     heavy = [r for r in rows if r["comm_s"] >= r["compute_s"] and r["mbit"]]

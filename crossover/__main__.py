@@ -1,4 +1,4 @@
-"""The `crossover` command: daemon, status, trace merge, trace plot."""
+"""The `crossover` command: daemon, status, stop, check, trace merge, trace plot."""
 
 from __future__ import annotations
 
@@ -7,34 +7,60 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable
 
+import crossover
 from crossover import environment as E
 from crossover.scheduler import POLICIES
+
+#: `crossover status` redraws at most this often.
+MIN_INTERVAL_S = 0.1
+
+
+def _seconds(minimum: float = 0.0, exclusive: bool = True) -> Callable[[str], float]:
+    """An argparse type: a number of seconds above (or from) `minimum`."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+        if not (value > minimum if exclusive else value >= minimum) or value != value:
+            bound = f"> {minimum:g}" if exclusive else f">= {minimum:g}"
+            raise argparse.ArgumentTypeError(f"give seconds {bound}, got {text}")
+        return value
+    return parse
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `crossover` and `python -m crossover`."""
     parser = argparse.ArgumentParser(prog="crossover", description=__doc__)
+    parser.add_argument("--version", action="version",
+                        version=f"crossover {crossover.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("daemon", help="run this node's coordinator (one per node; under "
                                       "mpirun --map-by ppr:1:node for several nodes)")
-    d.add_argument("--policy", choices=list(POLICIES), default="auto")
-    d.add_argument("--lease", type=float, default=30.0, metavar="S",
+    d.add_argument("--policy", choices=list(POLICIES), default="auto",
+                   help="auto (default): antiphase where it measures faster, else the jobs "
+                        "run concurrently; crossover: always antiphase; round-robin: hand "
+                        "over at step boundaries only; priority: antiphase with weights "
+                        "(CROSSOVER_PRIORITY); off: grant everything")
+    d.add_argument("--lease", type=_seconds(), default=30.0, metavar="S",
                    help="seconds a grant lasts without renewal (default 30)")
-    d.add_argument("--patience", type=float, default=1.0, metavar="S",
+    d.add_argument("--patience", type=_seconds(0, exclusive=False), default=1.0, metavar="S",
                    help="seconds a free device waits for the job whose turn it is before "
                         "passing it over (default 1)")
-    d.add_argument("--idle-shutdown", type=float, default=None, metavar="S",
-                   help="exit after S seconds with no job (default: never)")
+    d.add_argument("--idle-shutdown", type=_seconds(), default=None, metavar="S",
+                   help="exit after S seconds with no job (default: run until `crossover "
+                        "stop`; the daemon crossoverrun starts exits after 300 s)")
     d.add_argument("--runtime-dir", default=None, help="socket directory (default "
                    "$CROSSOVER_RUNTIME_DIR, else $XDG_RUNTIME_DIR/crossover, else "
                    "/tmp/crossover-UID)")
     d.add_argument("--cpu-devices", type=int, default=None, metavar="N",
                    help="split this node's cores into N devices (default: one per core)")
-    d.add_argument("--mode-probe", type=float, default=2.0, metavar="S",
+    d.add_argument("--mode-probe", type=_seconds(), default=2.0, metavar="S",
                    help="policy auto: shortest window measuring each mode (default 2)")
-    d.add_argument("--mode-hold", type=float, default=30.0, metavar="S",
+    d.add_argument("--mode-hold", type=_seconds(), default=30.0, metavar="S",
                    help="policy auto: how long a mode decision holds before it is probed "
                         "again; doubled at each confirmation (default 30)")
     d.add_argument("--mode-probe-local", action="store_true",
@@ -45,16 +71,30 @@ def main(argv: list[str] | None = None) -> int:
                         "ahead hands its device over later, once (from the ranks' "
                         "allreduce waits; experimental, off by default)")
 
-    d.add_argument("--hello-timeout", type=float, default=10.0, metavar="S",
+    d.add_argument("--hello-timeout", type=_seconds(), default=10.0, metavar="S",
                    help="drop a connection that sends no hello within S seconds (default 10)")
 
     s = sub.add_parser("status", help="devices, holders, queues")
-    s.add_argument("--json", action="store_true", help="print the report once, as JSON")
-    s.add_argument("--once", action="store_true", help="print the table once")
-    s.add_argument("--interval", type=float, default=1.0, help="refresh period (s)")
-    s.add_argument("--runtime-dir", default=None)
+    once = s.add_mutually_exclusive_group()
+    once.add_argument("--json", action="store_true", help="print the report once, as JSON")
+    once.add_argument("--once", action="store_true", help="print the table once")
+    s.add_argument("--interval", type=_seconds(MIN_INTERVAL_S, exclusive=False), default=1.0,
+                   metavar="S", help=f"refresh period of the live table (default 1, at "
+                                     f"least {MIN_INTERVAL_S:g})")
+    s.add_argument("--runtime-dir", default=None, help="the daemon's socket directory "
+                   "(default as for `crossover daemon`)")
     s.add_argument("--node", default=None, help="the node whose daemon to ask "
                    "(default: this host; fake0 with CROSSOVER_FAKE_NODES)")
+
+    st = sub.add_parser("stop", help="stop this node's daemon (and, for one a launcher "
+                                     "started over several hosts, every host's)")
+    st.add_argument("--runtime-dir", default=None, help="the daemon's socket directory "
+                    "(default as for `crossover daemon`)")
+    st.add_argument("--force", action="store_true",
+                    help="stop it even while jobs use it (their ranks train on "
+                         "uncoordinated)")
+    sub.add_parser("check", help="is this environment ready for crossover, and what is "
+                                 "missing (exit status 1 if something is)")
 
     t = sub.add_parser("trace", help="merge or plot Chrome traces")
     tsub = t.add_subparsers(dest="trace_command", required=True)
@@ -78,19 +118,52 @@ def main(argv: list[str] | None = None) -> int:
         return _daemon(args)
     if args.command == "status":
         return _status(args)
+    if args.command == "stop":
+        return _stop(args)
+    if args.command == "check":
+        from crossover import check
+
+        return check.main()
+    return _trace(args)
+
+
+def _trace(args: argparse.Namespace) -> int:
     from crossover import trace
 
-    if args.trace_command == "merge":
-        events = trace.merge(args.inputs, args.output)
-        print(f"merged {len(args.inputs)} files, {len(events)} events -> {args.output}")
-    else:
-        trace.plot_gantt(trace.load(args.input), args.output)
-        print(f"wrote {args.output}")
+    try:
+        if args.trace_command == "merge":
+            events = trace.merge(args.inputs, args.output)
+            print(f"merged {len(args.inputs)} files, {len(events)} events -> {args.output}")
+        else:
+            trace.plot_gantt(trace.load(args.input), args.output)
+            print(f"wrote {args.output}")
+    except ImportError as exc:
+        print(f"crossover trace {args.trace_command}: {exc.name or exc} is not installed; "
+              f"pip install matplotlib", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as exc:  # a missing file, or not a trace
+        problem = f"cannot read {exc.filename} ({exc.strerror})" \
+            if isinstance(exc, OSError) else str(exc)
+        print(f"crossover trace {args.trace_command}: {problem}; give Chrome trace files "
+              f"that crossover wrote (--crossover-trace DIR)", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _stop(args: argparse.Namespace) -> int:
+    from crossover.launch.daemons import UsageError, stop_daemons
+
+    try:
+        print(stop_daemons(args.runtime_dir, force=args.force))
+    except (UsageError, PermissionError) as exc:
+        print(f"crossover stop: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
 def _daemon(args: argparse.Namespace) -> int:
     from crossover.daemon import Daemon
+    from crossover.daemon.serve import DaemonRunning
 
     logging.basicConfig(level=logging.INFO, format="crossover-daemon %(asctime)s %(message)s",
                         stream=sys.stderr)
@@ -103,7 +176,11 @@ def _daemon(args: argparse.Namespace) -> int:
     except (ValueError, PermissionError) as exc:  # a bad setting, or runtime directory
         print(f"crossover daemon: {exc}", file=sys.stderr)
         return 2
-    daemon.serve()
+    try:
+        daemon.serve()
+    except DaemonRunning as exc:  # one daemon per node and directory
+        print(f"crossover daemon: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -35,7 +35,7 @@ Both sides:
 
 A value that does not parse is named in one line: `VAR='value': <accepted form> (default
 D)`. The launcher (`crossoverrun`) and the daemon's command refuse it before anything
-starts (`check`). A job never crashes over crossover (DESIGN.md, invariant 4), so in a job
+starts (`check`). A job never crashes over crossover (docs/design.md), so in a job
 process the accessors say that line once on stderr and go on with the default, or, where
 guessing is unsafe, with crossover off for the process: a bad CROSSOVER_ENABLE or
 CROSSOVER_INJECT means off, and a bad CROSSOVER_NODE or CROSSOVER_FAKE_NODES raises

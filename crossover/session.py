@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -57,7 +59,23 @@ def init(job: str | None = None, gpu: int | None = None) -> SlotClient:
         trace=trace,
     )
     atexit.register(shutdown)
+    _write_trace_on_sigterm()
     return _client
+
+
+def _write_trace_on_sigterm() -> None:
+    """A rank stopped by SIGTERM (mpirun passing on a launcher's stop, a job timeout)
+    leaves the daemon and writes its trace, then dies of the signal as it would have.
+    Only where the program left SIGTERM to its default: a handler of its own stays."""
+    if (signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+            and threading.current_thread() is threading.main_thread()):
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _on_sigterm(signum: int, _frame) -> None:
+    shutdown()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 def shutdown() -> None:

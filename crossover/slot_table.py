@@ -2,7 +2,7 @@
 side share. The design is in native/table.hpp; the daemon's side is
 `crossover.daemon.table`, a rank's `crossover.client.fastpath`.
 
-The daemon decides, the table executes (DESIGN.md, invariant 8). A rank appends its
+The daemon decides, the table executes (docs/design.md). A rank appends its
 requests and releases to its device's ring in the table; when the daemon's published
 plan holds, the event's grants happen at once, a futex wake from rank to rank with no
 daemon on the path. Without the compiled module (`crossover._native`) every rank uses the

@@ -133,7 +133,8 @@ def rank_skew(events: Iterable[dict]) -> dict[str, dict[str, float]]:
     job's median hold), "holds", "apart"}} for jobs with ranks on two or more devices.
     `apart` is the share of holds more than half the median hold from the nearest: with
     two jobs alternating, hosts that far apart run different jobs at once, and each
-    job's allreduce waits for its later rank (docs/benchmark.md, eighteenth session).
+    job's allreduce waits for its later rank (docs/benchmarks.md, "The hosts' phases
+    drift apart in antiphase").
     """
     by_rank: dict[tuple[str, int], list[tuple[float, float, str]]] = defaultdict(list)
     for dev, spans in holds_by_device(events).items():

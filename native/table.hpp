@@ -1,4 +1,4 @@
-// The node-local slot table: the data plane of the crossover daemon (issue 13).
+// The node-local slot table: the data plane of the crossover daemon.
 //
 // One table per daemon, a file in its 0700 runtime directory mapped shared by the
 // daemon and every rank on the node. The daemon stays the one place that decides:

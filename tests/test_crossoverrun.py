@@ -175,7 +175,7 @@ def test_injection_wraps_the_optimizer_factory(runtime):
     (["--crossover", "--jobs", "j.yaml", "-np", "2", "x.py"],
      "--jobs runs the jobs of its file; drop the other arguments"),
     (["--crossover", "--crossover-daemon", "/nonexistent/crossover", "-np", "2", "x.py"],
-     "no crossover daemon answers on /nonexistent/crossover"),
+     "--crossover-daemon /nonexistent/crossover: no such directory"),
 ])
 def test_flag_errors_name_the_problem_and_the_fix(argv, message, runtime, capsys):
     assert main(argv) == 2

@@ -420,7 +420,7 @@ def test_a_runtime_dir_with_the_wrong_mode_warns_and_trains_on(tmp_path, capsys)
 def test_launchers_wait_for_the_socket_the_daemon_names(tmp_path, monkeypatch):
     """With CROSSOVER_NODE set, crossoverrun and the local runner used to wait for
     node-<hostname>.sock while the daemon listened on node-<CROSSOVER_NODE>.sock."""
-    from crossover.launch import cli
+    from crossover.launch.daemons import start_daemon
     from crossover.launch.local import DaemonProcess
 
     monkeypatch.setenv("CROSSOVER_NODE", "emulated-host")
@@ -432,7 +432,7 @@ def test_launchers_wait_for_the_socket_the_daemon_names(tmp_path, monkeypatch):
     rdir = tmp_path / "cli"
     rdir.mkdir(mode=0o700)
     try:
-        cli._start_daemon(rdir, "auto", ["localhost"], 30)
+        start_daemon(rdir, "auto", ["localhost"], 30)
         assert (rdir / "node-emulated-host.sock").exists()
     finally:
         pid = int((rdir / "daemon.pid").read_text())

@@ -134,7 +134,7 @@ def test_every_device_orders_the_jobs_alike_after_a_switch(picks, switch, delay,
 def test_restarting_from_each_nodes_own_ranks_crosses_the_devices():
     """The control: without the leader's points each node restarts from what its own
     ranks last asked, and the devices stay crossed in about half of such random runs
-    (351 of 600 in a scratch sweep); with them, in none of these 20."""
+    (351 of 600 in a sweep of random runs); with them, in none of these 20."""
     rnd = random.Random(0)
     crossed_runs = 0
     for _ in range(20):

@@ -154,7 +154,7 @@ def test_once_every_rank_knows_its_company_no_device_waits_for_a_waiting_rank(
     """Whatever order the ranks move in and whenever B's ranks learn of A, the waits
     that patience ends stop once both know: the devices order the jobs alike. On two
     nodes too, where no daemon realigns the other's ranks, so the offsets a job's ranks
-    take on their two nodes may differ. (A scratch sweep of 400 random runs per policy
+    take on their two nodes may differ. (A sweep of 400 random runs per policy
     counted the waits after both of B's ranks knew and both of A's had joined: on two
     nodes none under crossover and one run with one under priority; on one node 60 and
     3 runs with one each. None came back later.)"""

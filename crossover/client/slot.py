@@ -48,7 +48,7 @@ class SlotClient(DaemonLink):
         pin_cpu: pin the process to its device's cores in antiphase (CPU devices
             only), as a GPU rank is bound to its GPU. Off by default: a pinned rank
             cannot leave a core where a waiting job's MPI threads spin, and two such
-            jobs on one host stalled for 7-25 s (README, Known limits).
+            jobs on one host stalled for 7-25 s (docs/design.md).
         wait_s: longest wait for a grant before going on uncoordinated for that step
             (default: twice the daemon's lease, so a hung holder is revoked first).
         trace: a recorder for slot-wait/hold/communicate events, or None.

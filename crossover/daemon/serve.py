@@ -43,6 +43,10 @@ from crossover.transport import PeerChannel, socket_path
 log = logging.getLogger("crossover.daemon")
 
 
+
+class DaemonRunning(RuntimeError):
+    """Another daemon serves this node and runtime directory (one per node)."""
+
 class Daemon:
     """One node's coordinator.
 
@@ -181,9 +185,9 @@ class Daemon:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             self._lock.close()
-            raise RuntimeError(
-                f"a crossover daemon already listens on {self.path}; reuse it, stop it, "
-                f"or give this one another CROSSOVER_RUNTIME_DIR"
+            raise DaemonRunning(
+                f"a crossover daemon already listens on {self.path}: use it, stop it "
+                f"(`crossover stop`), or give this one another --runtime-dir"
             ) from None
         self.path.unlink(missing_ok=True)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

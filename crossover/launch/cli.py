@@ -1,7 +1,7 @@
 """`crossoverrun`: horovodrun with the crossover plugin flag.
 
     crossoverrun [plugin flags] <every horovodrun argument, unchanged>
-    crossoverrun --crossover --jobs jobs.yaml
+    crossoverrun --jobs jobs.yaml [plugin flags]
 
 Without --crossover it is horovodrun (Horovod's own runner does all the work). With it,
 the job's processes get the injection hook on their PYTHONPATH (an unmodified Horovod
@@ -12,35 +12,33 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import io
 import os
 import shlex
-import socket
+import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
+import crossover
 from crossover import environment as E
-from crossover.backoff import Backoff, wait_until
 from crossover.launch import jobspec
+from crossover.launch.daemons import UsageError, daemon_watch, ensure_daemon, hosts_of
 from crossover.launch.inject import INJECT_ENV, inject_dir
-from crossover.probe import daemon_listens, daemon_status
+from crossover.launch.local import terminate_group
 from crossover.scheduler import POLICIES
-from crossover.transport import runtime_dir as default_runtime_dir
-from crossover.transport import socket_path
 
 PLUGIN_FLAGS = {  # flag -> takes a value
     "--crossover": False, "--crossover-policy": True, "--crossover-priority": True,
     "--crossover-trace": True, "--crossover-daemon": True, "--crossover-job": True,
     "--crossover-idle-shutdown": True, "--jobs": True,
 }
-
-
-class UsageError(Exception):
-    """A wrong flag or value; the message names it and the fix."""
+#: crossoverrun's own answers, when given before the training command.
+OWN_FLAGS = ("-h", "--help", "--version")
+#: A --jobs job past its timeout gets SIGTERM (its ranks write their traces), and
+#: SIGKILL this much later.
+KILL_GRACE_S = 10.0
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -99,21 +97,55 @@ def _command_start(argv: list[str], parse_args) -> int:
     return index_of[len(stripped) - len(command)]
 
 
+def plugin_parser() -> argparse.ArgumentParser:
+    """The plugin flags (their help is `crossoverrun --help`'s first part)."""
+    parser = argparse.ArgumentParser(
+        prog="crossoverrun", add_help=False, allow_abbrev=False, exit_on_error=False,
+        usage="crossoverrun [plugin flags] [horovodrun arguments] COMMAND ...\n"
+              "       crossoverrun --jobs FILE [plugin flags]",
+        description="horovodrun with the crossover plugin: several jobs share devices, "
+                    "one computing while another communicates. Plugin flags go before "
+                    "the training command; everything else goes to Horovod's runner "
+                    "unchanged.")
+    g = parser.add_argument_group("plugin flags")
+    g.add_argument("--crossover", action="store_true",
+                   help="run the job under crossover (every other plugin flag needs it, "
+                        "except --jobs, which implies it)")
+    g.add_argument("--crossover-policy", choices=list(POLICIES), default=None,
+                   help="policy of the daemon that --crossover-daemon auto starts "
+                        "(default auto); a running daemon must have it")
+    g.add_argument("--crossover-priority", type=float, default=None, metavar="W",
+                   help="this job's weight under the priority policy (> 0, default 1)")
+    g.add_argument("--crossover-trace", default=None, metavar="DIR",
+                   help="write per-rank Chrome traces to DIR, merged into "
+                        "DIR/<job>.trace.json at the end")
+    g.add_argument("--crossover-daemon", default="auto", metavar="auto|DIR",
+                   help="auto (default): use this user's daemon, or start one detached "
+                        "(under a lock, so jobs launched together share it); DIR: the "
+                        "runtime directory of a running daemon")
+    g.add_argument("--crossover-job", default=None, metavar="NAME",
+                   help="the job's name (default <script>-<pid>); unique among running jobs")
+    g.add_argument("--crossover-idle-shutdown", type=float, default=300.0, metavar="S",
+                   help="a daemon started by --crossover-daemon auto exits after S seconds "
+                        "with no job (default 300; `crossover daemon` started by hand runs "
+                        "until `crossover stop`)")
+    g.add_argument("--jobs", default=None, metavar="FILE",
+                   help="run every job of a YAML job spec at once, output prefixed with "
+                        "[name]")
+    return parser
+
+
 def parse_plugin(flags: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="crossoverrun", add_help=False, allow_abbrev=False,
-                                     exit_on_error=False)
-    parser.add_argument("--crossover", action="store_true")
-    parser.add_argument("--crossover-policy", choices=list(POLICIES), default=None)
-    parser.add_argument("--crossover-priority", type=float, default=None)
-    parser.add_argument("--crossover-trace", default=None)
-    parser.add_argument("--crossover-daemon", default="auto")
-    parser.add_argument("--crossover-job", default=None)
-    parser.add_argument("--crossover-idle-shutdown", type=float, default=300.0)
-    parser.add_argument("--jobs", default=None)
+    """The plugin flags, checked.
+
+    Raises:
+        UsageError: a bad value or combination, naming the flag and the fix.
+    """
     try:
-        args = parser.parse_args(flags)
+        args = plugin_parser().parse_args(flags)
     except (argparse.ArgumentError, SystemExit) as exc:
         raise UsageError(str(exc)) from None
+    args.crossover = args.crossover or args.jobs is not None
     if not args.crossover:
         given = [f.split("=")[0] for f in flags if f.startswith("--")]
         if given:
@@ -124,136 +156,45 @@ def parse_plugin(flags: list[str]) -> argparse.Namespace:
             "_", "").isalnum():
         raise UsageError(f"--crossover-job: use letters, digits, '-' or '_', "
                          f"got {args.crossover_job!r}")
+    if not args.crossover_idle_shutdown > 0:
+        raise UsageError(f"--crossover-idle-shutdown must be > 0 seconds, got "
+                         f"{args.crossover_idle_shutdown:g}")
     return args
 
 
-# --- the daemon ----------------------------------------------------------------------
-def _local(host: str) -> bool:
-    return host in ("localhost", "127.0.0.1", "::1", socket.gethostname(),
-                    socket.getfqdn())
+def own_flag(argv: list[str]) -> str | None:
+    """-h/--help or --version when given to crossoverrun itself (before the training
+    command: `crossoverrun -np 2 python train.py --help` is the script's)."""
+    from horovod.runner.launch import parse_args
+
+    given = [i for i, tok in enumerate(argv) if tok in OWN_FLAGS]
+    if not given:
+        return None
+    plain = [tok for tok in argv if tok not in OWN_FLAGS]
+    # the tokens before the first own flag are all plain: its index counts in `plain` too
+    return argv[given[0]] if given[0] <= _command_start(plain, parse_args) else None
 
 
-def hosts_of(rest: list[str]) -> list[str]:
-    """Host names from horovodrun's -H/--hosts (default: this host)."""
-    for i, tok in enumerate(rest):
-        if tok in ("-H", "--hosts") and i + 1 < len(rest):
-            return [h.split(":")[0] for h in rest[i + 1].split(",")]
-        if tok.startswith("--hosts="):
-            return [h.split(":")[0] for h in tok.split("=", 1)[1].split(",")]
-    return ["localhost"]
+def usage() -> str:
+    """The plugin flags, then Horovod's own help: what crossoverrun accepts."""
+    from horovod.runner.launch import parse_args
 
-
-def ensure_daemon(address: str, policy: str | None, hosts: list[str],
-                  idle_shutdown_s: float, quiet: bool = False) -> Path:
-    """Find or start the daemon(s) the job will use; returns the runtime directory.
-
-    Raises:
-        UsageError: an ADDRESS with no daemon, or a running daemon with another policy.
-    """
-    if address != "auto":
-        rdir = Path(address)
-        try:
-            nodes = daemon_status(rdir)
-        except ConnectionError as exc:
-            raise UsageError(f"--crossover-daemon {address}: {exc}") from None
-        _check_policy(nodes, policy, address)
-        return rdir
-    rdir = default_runtime_dir(create=True)
-    # Serialise check-and-start: jobs launched together must share one daemon.
-    with open(rdir / "launch.lock", "w") as lock:
-        if not wait_until(lambda: _try_lock(lock), 60, Backoff(0.01, 0.2)):
-            raise UsageError(f"{rdir / 'launch.lock'} held for 60 s by another "
-                             f"crossoverrun; is one stuck?")
-        try:
-            nodes = daemon_status(rdir, timeout_s=2.0)
-        except ConnectionError:
-            nodes = None
-        if nodes is not None:
-            _check_policy(nodes, policy, str(rdir))
-        else:
-            _start_daemon(rdir, policy or "auto", hosts, idle_shutdown_s, quiet)
-    return rdir
-
-
-#: How often crossoverrun checks that the daemon it started is still there.
-WATCH_S = 2.0
-
-
-def watch_daemon(stop: threading.Event, policy: str | None, hosts: list[str],
-                 idle_shutdown_s: float) -> None:
-    """While a job runs with `--crossover-daemon auto`: if the daemon dies, start a new
-    one (under the launch lock, so jobs that watch together start one daemon). The
-    jobs' ranks reconnect to it by themselves (see `crossover.client`)."""
-    rdir = default_runtime_dir(create=True)
-    while not stop.wait(WATCH_S):
-        if daemon_listens(rdir):
-            continue
-        try:
-            ensure_daemon("auto", policy, hosts, idle_shutdown_s, quiet=True)
-            print("crossoverrun: the crossover daemon was gone; started a new one, and "
-                  "the job's ranks reconnect to it", file=sys.stderr, flush=True)
-        except (UsageError, OSError) as exc:
-            print(f"crossoverrun: the crossover daemon is gone and could not be restarted "
-                  f"({exc}); the job trains on uncoordinated", file=sys.stderr, flush=True)
-
-
-@contextlib.contextmanager
-def daemon_watch(args: argparse.Namespace, hosts: list[str]) -> Iterator[None]:
-    """Watch the daemon (`watch_daemon`) while the block runs, under --crossover-daemon
-    auto; a daemon given by address is the user's to restart."""
-    stop = threading.Event()
-    if args.crossover_daemon == "auto":
-        threading.Thread(target=watch_daemon, name="crossover-watch", daemon=True,
-                         args=(stop, args.crossover_policy, hosts,
-                               args.crossover_idle_shutdown)).start()
+    saved, out = sys.argv, io.StringIO()
+    sys.argv = ["horovodrun", "--help"]
     try:
-        yield
+        with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+            parse_args()
     finally:
-        stop.set()
+        sys.argv = saved
+    return (plugin_parser().format_help()
+            + "\nhorovodrun arguments (handed to Horovod's runner unchanged):\n\n"
+            + out.getvalue())
 
 
-def _try_lock(lock) -> bool:
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
+def version() -> str:
+    import horovod
 
-
-def _check_policy(nodes: dict, policy: str | None, where: str) -> None:
-    running = {snap["policy"] for snap in nodes.values()}
-    if policy is not None and running != {policy}:
-        raise UsageError(f"the daemon at {where} runs policy {', '.join(sorted(running))}, "
-                         f"not {policy}: stop it (it exits when idle) or drop "
-                         f"--crossover-policy")
-
-
-def _start_daemon(rdir: Path, policy: str, hosts: list[str], idle_shutdown_s: float,
-                  quiet: bool = False) -> None:
-    args = [sys.executable, "-m", "crossover", "daemon", "--policy", policy,
-            "--idle-shutdown", str(idle_shutdown_s), "--runtime-dir", str(rdir)]
-    remote = sorted({h for h in hosts if not _local(h)})
-    if remote:
-        everyone = sorted(set(hosts))
-        cmd = ["mpirun", "--map-by", "ppr:1:node", "-H", ",".join(f"{h}:1" for h in everyone),
-               "-np", str(len(everyone)), *args]
-    else:
-        cmd = args
-    log = open(rdir / "daemon.log", "a")  # noqa: SIM115 - handed to the daemon
-    # Detached: the daemon outlives this job and exits after idle_shutdown_s.
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
-    log.close()
-    (rdir / "daemon.pid").write_text(f"{proc.pid}\n")  # `kill $(cat daemon.pid)` stops it
-    if not any(_local(h) for h in hosts):
-        return  # nothing local to wait for
-    path = socket_path(E.node_name(), rdir)  # CROSSOVER_NODE / _FAKE_NODES name it too
-    if not wait_until(lambda: daemon_listens(rdir), 60, Backoff(0.01, 0.2)):
-        raise UsageError(f"started a crossover daemon but it did not listen on {path} "
-                         f"within 60 s; see {rdir / 'daemon.log'}")
-    if not quiet:
-        print(f"crossoverrun: started a crossover daemon ({policy}; log "
-              f"{rdir / 'daemon.log'})", file=sys.stderr)
+    return f"crossoverrun {crossover.__version__} (Horovod {horovod.__version__})"
 
 
 # --- running -------------------------------------------------------------------------
@@ -273,12 +214,31 @@ def job_env(args: argparse.Namespace, rdir: Path, job: str) -> dict[str, str]:
 
 
 def run_horovod_child(rest: list[str]) -> int:
-    """Horovod's runner in a child process: it execs mpirun, and we have work after."""
+    """Horovod's runner in a child process: it execs mpirun, and we have work after
+    (merging the traces), also when we are asked to stop: a SIGTERM is passed on to the
+    runner (a Ctrl-C reaches it from the terminal), and we wait for it to end."""
     proc = subprocess.Popen([sys.executable, "-m", "horovod.runner.launch", *rest])
+
+    def pass_on(signum: int, _frame) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signum)
+
+    saved = None
+    if threading.current_thread() is threading.main_thread():
+        saved = signal.signal(signal.SIGTERM, pass_on)
     try:
-        return proc.wait()
+        return exit_code(proc.wait())
     except KeyboardInterrupt:  # the child got the same SIGINT; give it time to stop
-        return proc.wait(timeout=30)
+        return exit_code(proc.wait(timeout=30))
+    finally:
+        if saved is not None:
+            signal.signal(signal.SIGTERM, saved)
+
+
+def exit_code(returncode: int) -> int:
+    """A process's exit status as a shell reports it: a death by signal N is 128 + N
+    (Popen gives -N, which `sys.exit` would turn into 256 - N)."""
+    return 128 - returncode if returncode < 0 else returncode
 
 
 def run_horovod(rest: list[str]) -> int:
@@ -336,15 +296,17 @@ def _run_specs(args: argparse.Namespace, specs: list[jobspec.JobSpec], rdir: Pat
     worst = 0
     for spec, p, t in procs:
         try:
-            rc = p.wait(timeout=spec.timeout)
+            rc = exit_code(p.wait(timeout=spec.timeout))
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, 9)
-            rc = p.wait(timeout=30)
-            print(f"crossoverrun: job {spec.name} killed after its {spec.timeout:g} s timeout",
-                  file=sys.stderr)
+            # SIGTERM first: the job's ranks write their traces and crossoverrun merges
+            # them; SIGKILL only if the job is still there KILL_GRACE_S later
+            terminate_group(p, KILL_GRACE_S)
+            rc = 124  # as timeout(1) reports a command it stopped
+            print(f"crossoverrun: job {spec.name} stopped after its {spec.timeout:g} s "
+                  f"timeout", file=sys.stderr)
         t.join(timeout=5)
         print(f"crossoverrun: job {spec.name} exited {rc}", file=sys.stderr)
-        worst = worst or rc
+        worst = max(worst, rc)
     return worst
 
 
@@ -355,8 +317,20 @@ def _prefix(name: str, stream) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `crossoverrun`."""
+    """Entry point of `crossoverrun`; returns the exit status (the worst job's, for
+    --jobs)."""
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        import horovod.runner.launch  # noqa: F401 - Horovod's runner does the launching
+    except ImportError as exc:
+        print(f"crossoverrun: error: Horovod's runner cannot be imported ({exc}); install "
+              f"Horovod with your framework (HOROVOD_WITH_PYTORCH=1 pip install horovod), "
+              f"then `crossover check` says what else is missing", file=sys.stderr)
+        return 2
+    asked = own_flag(argv)
+    if asked is not None:  # before anything is checked or started
+        print(version() if asked == "--version" else usage())
+        return 0
     # Every CROSSOVER_* value, before anything starts: the jobs, the daemon and this
     # launcher all inherit them, and a job would only warn and go on with a default.
     bad = E.check()
@@ -376,13 +350,14 @@ def main(argv: list[str] | None = None) -> int:
         if not args.crossover:
             return run_horovod(rest)
         job = args.crossover_job or f"{_script_name(rest)}-{os.getpid()}"
-        rdir = ensure_daemon(args.crossover_daemon, args.crossover_policy, hosts_of(rest),
+        hosts = hosts_of(rest)
+        rdir = ensure_daemon(args.crossover_daemon, args.crossover_policy, hosts,
                              args.crossover_idle_shutdown)
-    except (UsageError, jobspec.JobSpecError) as exc:
+    except (UsageError, jobspec.JobSpecError, PermissionError) as exc:
         print(f"crossoverrun: error: {exc}", file=sys.stderr)
         return 2
     os.environ.update(job_env(args, rdir, job))
-    with daemon_watch(args, hosts_of(rest)):
+    with daemon_watch(args, hosts):
         rc = run_horovod_child(rest)
     if args.crossover_trace:
         merge_traces(args.crossover_trace, job)

@@ -19,7 +19,7 @@ each sender replica to each receiver replica whose rows overlap its own, so a
 non-replicated neighbour scatters and gathers shards and replicated neighbours exchange
 matching ranges. Each replica weights its loss by its share of the micro-batch, so its
 parameter gradients are its part of the single-process sum; at the end of the step the
-replicas sum them with a Horovod allreduce over one process set per replicated stage.
+replicas sum them with an MPI allreduce over one communicator per replicated stage.
 
 Where stages run and how replicas split a micro-batch is `placement`, the messages'
 tags are `tags`, and the command line is `python -m crossover.pipeline` (`__main__`).

@@ -18,7 +18,7 @@ under concurrent grants. Antiphase is chosen when the jobs' mean speedup is at l
 
 One pair is noisy on a busy host (on this project's 2-core VM a single pair of 2 s
 windows chose concurrent in runs where antiphase was faster, and the pairs of one run
-differed by up to 0.23x: docs/benchmark.md), so a mean speedup closer to the margin
+differed by up to 0.23x; bench/pair_noise.py), so a mean speedup closer to the margin
 than `pair_noise` / sqrt(pairs) is measured again, by another pair in the reverse order
 (C A, A C, C A: a steady drift of the host's speed biases the pairs in opposite
 directions), up to `max_pairs`; the decision takes the mean over the pairs. A close
@@ -29,10 +29,10 @@ antiphase is taken at once, and the hold check (below) gives it up at its first 
 window if the hold's own rates fall below 1 - `keep_margin` of the probe's concurrent
 ones. Measuring on would cost about as much (half of every pair runs in the mode that
 may lose), and a probe of three pairs takes some 15 s, the whole of a short run: where
-antiphase won, its gain came too late (docs/benchmark.md, twenty-second session: mlp+cnn
-at 2000 Mbit/s, always antiphase 1.07x sequential, auto 0.93-0.97x, probing to the end
-of every run). A close call that leans concurrent measures on: no check would find the
-gain a concurrent hold gives up.
+antiphase won, its gain came too late (measured without this rule on the emulated
+hosts: mlp+cnn at 2000 Mbit/s, always antiphase 1.07x sequential, auto 0.93-0.97x,
+probing to the end of every run). A close call that leans concurrent measures on: no
+check would find the gain a concurrent hold gives up.
 
 The decision holds for `hold_s`, doubled each time a re-probe confirms it (up to
 `max_hold_s`); meanwhile longer windows in the held mode (`watch_s`) watch the rates,
@@ -43,15 +43,15 @@ are noisy on a busy host; watch windows compare like with like.
 Antiphase must keep paying while it holds. A probe's antiphase window starts with the
 nodes' turns aligned (a switch restarts them together), and across nodes only each
 job's allreduce ties the nodes' timing, so over a long hold their turns can drift apart
-and lose what the probe measured (docs/benchmark.md, eighteenth session: at 2000 Mbit/s
-pairs read 1.04-1.16x where always antiphase ran 0.83-0.94x plain co-location end to
-end). So each watch window also compares the jobs' rates over the whole hold so far with
-the probe's concurrent rates (the mean over its pairs): when the mean speedup falls below
-1 - `keep_margin`, the controller serves concurrently for a hold (the safe mode: what
-plain co-location does). The hold's rate accumulates, so its noise shrinks as the hold
-goes on. Concurrent is not checked against the probe's antiphase rates the same way:
-those read high (above), so the check would trade a mode measured over the long run for
-one measured in its best seconds.
+and lose what the probe measured (docs/benchmarks.md, "The hosts' phases drift apart
+in antiphase"; at 2000 Mbit/s pairs once read 1.04-1.16x where always antiphase ran
+0.83-0.94x plain co-location end to end). So each watch window also compares the jobs'
+rates over the whole hold so far with the probe's concurrent rates (the mean over its
+pairs): when the mean speedup falls below 1 - `keep_margin`, the controller serves
+concurrently for a hold (the safe mode: what plain co-location does). The hold's rate
+accumulates, so its noise shrinks as the hold goes on. Concurrent is not checked
+against the probe's antiphase rates the same way: those read high (above), so the check
+would trade a mode measured over the long run for one measured in its best seconds.
 
 Jobs whose ranks all share one host's CPU are not probed: their allreduce is memory
 copying on the very cores the other job computes on, so there is no gap to fill, and a

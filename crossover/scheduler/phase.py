@@ -4,8 +4,8 @@ In antiphase every node alternates its devices between the jobs in one shared or
 but nothing ties the nodes' timing together except each job's allreduce. Where a job's
 communication is shorter than the other job's hold, a node's whole sequence can drift
 ahead of another's by up to a hold: one node runs job A while the other still runs job
-B, and each job's allreduce waits for its later rank (docs/benchmark.md, eighteenth
-session: a step took 212 ms in such stretches against 177 ms aligned).
+B, and each job's allreduce waits for its later rank (docs/benchmarks.md; in one traced
+run a step took 212 ms in such stretches against 177 ms aligned).
 
 An allreduce ends at nearly the same moment on all of a job's ranks, so the difference
 of two ranks' waits for it is the difference of the moments they started it: how far

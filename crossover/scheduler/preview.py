@@ -1,9 +1,9 @@
 """What the next event on a device would grant: the plan the native fast path executes.
 
-The daemon decides; the fast path only executes (DESIGN.md, invariant 8). After the
+The daemon decides; the fast path only executes (docs/design.md). After the
 daemon has applied every event on a device, `preview` asks the scheduler, for each rank,
 "if this rank's request (or this holder's release) were the very next event, which
-ranks would be granted?", by running that event on a scratch copy of the device. The
+ranks would be granted?", by running that event on a trial copy of the device. The
 node's slot table holds the answers while no other event has happened; a rank whose
 event comes next executes the answer without waiting for the daemon. It also asks for
 the chain of events the daemon expects next under antiphase (the holder releases to
@@ -75,14 +75,14 @@ def preview(sched: SlotScheduler, device: str, depth: int = 32) -> Preview:
     wakes: set[tuple[Key, Step]] = set()
     company = sched.company(device)
     for key, r in dev.ranks.items():
-        scratch = _scratch(sched, device)
+        trial = _trial(sched, device)
         if r.state == HOLDING:
-            on_release[key] = _keys(scratch.release(*key, PLANNED_PHASE))
+            on_release[key] = _keys(trial.release(*key, PLANNED_PHASE))
             kind = Step.RELEASE
         else:
-            on_request[key] = _keys(scratch.request(*key))
+            on_request[key] = _keys(trial.request(*key))
             kind = Step.REQUEST
-        if _blocked(scratch, device) or scratch._moved or key[0] not in company:
+        if _blocked(trial, device) or trial._moved or key[0] not in company:
             # The daemon must act now: patience runs out only on its clock, a rank back
             # from a pause moved its job's turns on this device alone (`realign`), and a
             # dormant job that asks is company again (the others must be told).
@@ -99,24 +99,24 @@ def _chain(sched: SlotScheduler, device: str, depth: int
     device) ends the chain: the daemon decides there."""
     if not (sched.exclusive and sched.policy.release_on_communicate):
         return ()
-    scratch = _scratch(sched, device)
+    trial = _trial(sched, device)
     chain: list[tuple[Key, Step, tuple[Key, ...], bool]] = []
     while len(chain) + 2 <= depth:
-        holders = scratch.holders(device)
+        holders = trial.holders(device)
         if len(holders) != 1:
             break
         (holder,) = holders
-        granted = _keys(scratch.release(*holder, PLANNED_PHASE))
-        chain.append((holder, Step.RELEASE, granted, _blocked(scratch, device)))
-        granted = _keys(scratch.request(*holder))
-        chain.append((holder, Step.REQUEST, granted, _blocked(scratch, device)))
+        granted = _keys(trial.release(*holder, PLANNED_PHASE))
+        chain.append((holder, Step.RELEASE, granted, _blocked(trial, device)))
+        granted = _keys(trial.request(*holder))
+        chain.append((holder, Step.REQUEST, granted, _blocked(trial, device)))
     return tuple(chain)
 
 
-def _blocked(scratch: SlotScheduler, device: str) -> bool:
+def _blocked(trial: SlotScheduler, device: str) -> bool:
     """The device is free and waits for an active rank whose turn it is (patience), or
     for a delayed hand-over to end."""
-    dev = scratch._devices[device]
+    dev = trial._devices[device]
     return dev.blocked_since is not None or dev.closed_until is not None
 
 
@@ -179,16 +179,16 @@ def _keys(grants: list[SlotGrant]) -> tuple[Key, ...]:
     return tuple((g.job, g.rank) for g in grants)
 
 
-def _scratch(sched: SlotScheduler, device: str) -> SlotScheduler:
+def _trial(sched: SlotScheduler, device: str) -> SlotScheduler:
     """A scheduler that shares `sched`'s settings and read-only maps but owns a copy of
     `device`'s state (a copy of the whole scheduler per question would cost the daemon
     far more, and only the device changes)."""
-    scratch = copy.copy(sched)
-    scratch._moved = {}  # set again if the question's event moves its job's turns
+    trial = copy.copy(sched)
+    trial._moved = {}  # set again if the question's event moves its job's turns
     dev = sched._devices[device]
-    scratch._devices = {device: DeviceEntry(
+    trial._devices = {device: DeviceEntry(
         ranks={k: replace(r) for k, r in dev.ranks.items()},
         holder=dev.holder, served=set(dev.served), vtime=dev.vtime,
         hold_start=dev.hold_start, held_s=dict(dev.held_s), blocked_since=dev.blocked_since,
         handover_delay=dev.handover_delay, closed_until=dev.closed_until)}
-    return scratch
+    return trial
