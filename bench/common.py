@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import shlex
+import subprocess
 import sys
 from collections.abc import Sequence
 from datetime import datetime, timezone
@@ -31,12 +32,20 @@ def machine() -> dict:
             "os": platform.platform(), "python": platform.python_version(), **versions}
 
 
+def code_version() -> str:
+    """The commit the benchmark ran (with -dirty for uncommitted changes), so that a
+    result can be told apart from one of older code."""
+    res = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=RESULTS.parent.parent,
+                         capture_output=True, text=True)
+    return res.stdout.strip() if res.returncode == 0 else "unknown"
+
+
 def write_result(name: str, payload: dict) -> Path:
     """Write bench/results/<name>.json with the machine, the command and a timestamp."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"{name}.json"
     cmd = " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv])
-    doc = {"command": cmd, "machine": machine(),
+    doc = {"command": cmd, "machine": machine(), "code": code_version(),
            "when": datetime.now(timezone.utc).isoformat(timespec="seconds"), **payload}
     out.write_text(json.dumps(doc, indent=2) + "\n")
     return out

@@ -31,8 +31,8 @@ def _seconds(minimum: float = 0.0, exclusive: bool = True) -> Callable[[str], fl
     return parse
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of `crossover` and `python -m crossover`."""
+def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand and flag of `crossover` (docs/configuration.md is made from it)."""
     parser = argparse.ArgumentParser(prog="crossover", description=__doc__)
     parser.add_argument("--version", action="version",
                         version=f"crossover {crossover.__version__}")
@@ -47,13 +47,13 @@ def main(argv: list[str] | None = None) -> int:
                         "(CROSSOVER_PRIORITY); off: grant everything")
     d.add_argument("--lease", type=_seconds(), default=30.0, metavar="S",
                    help="seconds a grant lasts without renewal (default 30)")
-    d.add_argument("--patience", type=_seconds(0, exclusive=False), default=1.0, metavar="S",
+    d.add_argument("--patience", type=_seconds(), default=1.0, metavar="S",
                    help="seconds a free device waits for the job whose turn it is before "
                         "passing it over (default 1)")
     d.add_argument("--idle-shutdown", type=_seconds(), default=None, metavar="S",
                    help="exit after S seconds with no job (default: run until `crossover "
                         "stop`; the daemon crossoverrun starts exits after 300 s)")
-    d.add_argument("--runtime-dir", default=None, help="socket directory (default "
+    d.add_argument("--runtime-dir", default=None, metavar="DIR", help="socket directory (default "
                    "$CROSSOVER_RUNTIME_DIR, else $XDG_RUNTIME_DIR/crossover, else "
                    "/tmp/crossover-UID)")
     d.add_argument("--cpu-devices", type=int, default=None, metavar="N",
@@ -81,15 +81,15 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--interval", type=_seconds(MIN_INTERVAL_S, exclusive=False), default=1.0,
                    metavar="S", help=f"refresh period of the live table (default 1, at "
                                      f"least {MIN_INTERVAL_S:g})")
-    s.add_argument("--runtime-dir", default=None, help="the daemon's socket directory "
-                   "(default as for `crossover daemon`)")
-    s.add_argument("--node", default=None, help="the node whose daemon to ask "
+    s.add_argument("--runtime-dir", default=None, metavar="DIR",
+                   help="the daemon's socket directory (default as for `crossover daemon`)")
+    s.add_argument("--node", default=None, metavar="NODE", help="the node whose daemon to ask "
                    "(default: this host; fake0 with CROSSOVER_FAKE_NODES)")
 
     st = sub.add_parser("stop", help="stop this node's daemon (and, for one a launcher "
                                      "started over several hosts, every host's)")
-    st.add_argument("--runtime-dir", default=None, help="the daemon's socket directory "
-                    "(default as for `crossover daemon`)")
+    st.add_argument("--runtime-dir", default=None, metavar="DIR",
+                    help="the daemon's socket directory (default as for `crossover daemon`)")
     st.add_argument("--force", action="store_true",
                     help="stop it even while jobs use it (their ranks train on "
                          "uncoordinated)")
@@ -99,13 +99,18 @@ def main(argv: list[str] | None = None) -> int:
     t = sub.add_parser("trace", help="merge or plot Chrome traces")
     tsub = t.add_subparsers(dest="trace_command", required=True)
     m = tsub.add_parser("merge", help="merge trace files into one")
-    m.add_argument("inputs", nargs="+")
-    m.add_argument("-o", "--output", required=True)
+    m.add_argument("inputs", nargs="+", metavar="TRACE",
+                   help="trace files: ours (per rank or merged) and Horovod timelines")
+    m.add_argument("-o", "--output", required=True, help="the merged trace to write")
     pl = tsub.add_parser("plot", help="Gantt chart of slot holds per device")
-    pl.add_argument("input")
-    pl.add_argument("-o", "--output", required=True)
+    pl.add_argument("input", metavar="TRACE", help="a trace file (merged or not)")
+    pl.add_argument("-o", "--output", required=True, help="the PNG to write")
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `crossover` and `python -m crossover`."""
+    args = build_parser().parse_args(argv)
     if args.command in ("daemon", "status"):
         # the CROSSOVER_* values these read (node, runtime directory, native), refused
         # before anything starts; a job only warns (see crossover.environment)
@@ -130,23 +135,28 @@ def main(argv: list[str] | None = None) -> int:
 def _trace(args: argparse.Namespace) -> int:
     from crossover import trace
 
+    where = f"crossover trace {args.trace_command}"
     try:
         if args.trace_command == "merge":
             events = trace.merge(args.inputs, args.output)
             print(f"merged {len(args.inputs)} files, {len(events)} events -> {args.output}")
-        else:
-            trace.plot_gantt(trace.load(args.input), args.output)
-            print(f"wrote {args.output}")
+            return 0
+        events = trace.load(args.input)
+    except (OSError, ValueError) as exc:  # a missing or unwritable file, or not a trace
+        problem = f"{exc.filename}: {exc.strerror}" if isinstance(exc, OSError) else str(exc)
+        print(f"{where}: {problem}; give Chrome trace files that crossover wrote "
+              f"(--crossover-trace DIR) and a writable output path", file=sys.stderr)
+        return 2
+    try:
+        trace.plot_gantt(events, args.output)
     except ImportError as exc:
-        print(f"crossover trace {args.trace_command}: {exc.name or exc} is not installed; "
-              f"pip install matplotlib", file=sys.stderr)
+        print(f"{where}: {exc.name or exc} is not installed; pip install matplotlib",
+              file=sys.stderr)
         return 2
-    except (OSError, ValueError) as exc:  # a missing file, or not a trace
-        problem = f"cannot read {exc.filename} ({exc.strerror})" \
-            if isinstance(exc, OSError) else str(exc)
-        print(f"crossover trace {args.trace_command}: {problem}; give Chrome trace files "
-              f"that crossover wrote (--crossover-trace DIR)", file=sys.stderr)
+    except OSError as exc:
+        print(f"{where}: cannot write {exc.filename} ({exc.strerror})", file=sys.stderr)
         return 2
+    print(f"wrote {args.output}")
     return 0
 
 

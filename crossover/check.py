@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import json
 import os
 import platform
 import shutil
+import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import crossover
@@ -49,7 +51,12 @@ def _version(dist: str) -> str | None:
 
 
 def _tested(name: str, version: str) -> str:
-    return "" if version.startswith(TESTED[name]) else f" (untested: tested with {TESTED[name]})"
+    """"" for a version whose major.minor is the tested one, else a note saying so."""
+    def major_minor(text: str) -> tuple[str, ...]:
+        return tuple(text.split("+")[0].split(" ")[0].split(".")[:2])
+
+    same = major_minor(version) == major_minor(TESTED[name])
+    return "" if same else f" (untested: tested with {TESTED[name]})"
 
 
 def check_mpi() -> Finding:
@@ -73,17 +80,29 @@ def check_mpi() -> Finding:
                                 f"{mpi4py.__version__}{_tested('mpi4py', mpi4py.__version__)}")
 
 
+#: Imports one of Horovod's framework modules and prints its controllers as JSON.
+_PROBE = """
+import json, sys
+hvd = __import__(sys.argv[1], fromlist=["mpi_built"])
+print(json.dumps([name for name, built in (("MPI", hvd.mpi_built()), ("Gloo",
+      hvd.gloo_built()), ("NCCL", hvd.nccl_built())) if built]))
+"""
+
+
 def _horovod_framework(module: str) -> tuple[bool, list[str], str | None]:
-    """(built, controllers, error) of Horovod for one framework, imported here."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up chatter
+    """(built, controllers, error) of Horovod for one framework, asked in a process of
+    its own: a framework that crashes on import, or talks while loading, costs this
+    check one line, not the report."""
     try:
-        hvd = importlib.import_module(module)
-        controllers = [name for name, built in (("MPI", hvd.mpi_built()),
-                                                ("Gloo", hvd.gloo_built()),
-                                                ("NCCL", hvd.nccl_built())) if built]
-    except Exception as exc:  # a Horovod built without it raises ImportError or worse
-        return False, [], f"{type(exc).__name__}: {exc}"
-    return True, controllers, None
+        res = subprocess.run([sys.executable, "-c", _PROBE, module], capture_output=True,
+                             text=True, timeout=300,
+                             env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    except subprocess.TimeoutExpired:
+        return False, [], f"importing {module} took over 300 s"
+    if res.returncode != 0:
+        last = (res.stderr.strip().splitlines() or [f"exit status {res.returncode}"])[-1]
+        return False, [], last
+    return True, json.loads(res.stdout.strip().splitlines()[-1]), None
 
 
 def check_horovod() -> list[Finding]:
@@ -179,23 +198,22 @@ CHECKS: list[Callable[[], Finding | list[Finding]]] = [
 ]
 
 
-def run() -> tuple[list[Finding], bool]:
-    """Every check, in order; and whether jobs can run (nothing MISSING)."""
-    findings: list[Finding] = []
+def run() -> Iterator[Finding]:
+    """Every check's findings, in order, each as soon as it is known."""
     for check in CHECKS:
         found = check()
-        findings += found if isinstance(found, list) else [found]
-    return findings, all(f.status != "MISSING" for f in findings)
+        yield from found if isinstance(found, list) else [found]
 
 
 def main() -> int:
     """Print the findings; exit status 0 when jobs can run under crossover, else 1."""
     print(f"crossover {crossover.__version__} on Python {platform.python_version()} "
-          f"({platform.system()} {platform.machine()}){_tested('python', sys.version)}",
-          flush=True)
-    findings, ready = run()
-    for f in findings:
-        print(f.line(), flush=True)
+          f"({platform.system()} {platform.machine()})"
+          f"{_tested('python', platform.python_version())}", flush=True)
+    ready = True
+    for finding in run():
+        print(finding.line(), flush=True)
+        ready = ready and finding.status != "MISSING"
     print("ready: jobs can run under crossover" if ready else
           "not ready: fix the MISSING lines above")
     return 0 if ready else 1

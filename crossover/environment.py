@@ -5,33 +5,8 @@ launcher and the local runner all derive from them.
 An empty value is the same as an unset one. Flags take 1/0, true/false, yes/no or on/off
 (any case).
 
-Job side (crossoverrun sets them; all optional):
-    CROSSOVER_ENABLE           flag, default 1; 0 turns every hook into a no-op (the job
-                               trains plain).
-    CROSSOVER_JOB              the job's name, the same on all its ranks: 1-200 printable
-                               characters without '/' (default "<script>-<pid of rank 0>",
-                               agreed among the ranks).
-    CROSSOVER_RUNTIME_DIR      where the daemons' sockets are (default
-                               $XDG_RUNTIME_DIR/crossover, else /tmp/crossover-<uid>).
-    CROSSOVER_PRIORITY         weight for the priority policy: a number > 0 (default 1).
-    CROSSOVER_TRACE            directory for this job's trace files, one per rank (default:
-                               no trace).
-    CROSSOVER_PIN_CPU          flag, default 0; 1 pins a CPU rank to its device's cores in
-                               antiphase (see `SlotClient`).
-    CROSSOVER_KEEP_WHEN_ALONE  flag, default 1; 0: release at every phase even when the
-                               device could be kept (alone, or concurrent mode), to trace
-                               every phase.
-    CROSSOVER_INJECT           flag, default 0; crossoverrun sets 1 so that its
-                               sitecustomize hooks Horovod's optimizers (crossover.launch).
-Daemon side:
-    CROSSOVER_NATIVE           flag, default 1; 0: no slot table, every rank uses the socket
-                               path (for comparison runs).
-Both sides:
-    CROSSOVER_NODE             this process's node name (emulated hosts share a hostname):
-                               letters, digits, '.', '-' or '_' (default: the hostname).
-    CROSSOVER_FAKE_NODES       fake N nodes on one machine (tests): a whole number >= 0,
-                               default 0. Daemon rank r is node fake<r>; a job rank of local
-                               rank l talks to fake<l % N>.
+Each variable's meaning, accepted form, default and reader are in `VARS` below, and
+docs/configuration.md lists them (generated from `VARS` by scripts/configuration_doc.py).
 
 A value that does not parse is named in one line: `VAR='value': <accepted form> (default
 D)`. The launcher (`crossoverrun`) and the daemon's command refuse it before anything
@@ -132,6 +107,7 @@ class Var:
         effect: what that means, appended to the job process's warning.
         strict: a bad value raises ValueError even in a job process (the caller turns
             crossover off for the process).
+        about: what the variable does, for the manual.
     """
 
     name: str
@@ -143,6 +119,7 @@ class Var:
     bad: Any = None
     effect: str = ""
     strict: bool = False
+    about: str = ""
 
     def line(self, value: str) -> str:
         """The one line naming the variable, its value and the accepted form."""
@@ -151,33 +128,46 @@ class Var:
 
 def _var(name: str, parse: Callable[[str], Any], default: Any, shown: str, form: str,
          sides: tuple[str, ...] = ("job",), bad: Any = ..., effect: str = "",
-         strict: bool = False) -> Var:
+         strict: bool = False, about: str = "") -> Var:
     if bad is ...:
         bad, effect = default, effect or f"using {shown}"
-    return Var(name, parse, default, shown, form, sides, bad, effect, strict)
+    return Var(name, parse, default, shown, form, sides, bad, effect, strict, about)
 
 
 _OFF = "crossover is off in this process"
 #: Every variable, by name: the table the accessors, `check` and the tests read.
 VARS: dict[str, Var] = {v.name: v for v in [
-    _var(ENABLE, parse_flag, True, "1", FLAG_FORM, bad=False, effect=_OFF),
+    _var(ENABLE, parse_flag, True, "1", FLAG_FORM, bad=False, effect=_OFF,
+         about="0 turns every hook into a no-op: the job trains as plain Horovod"),
     _var(JOB, _job, None, "<script>-<pid of rank 0>",
-         "give 1-200 printable characters without '/'"),
+         "give 1-200 printable characters without '/'",
+         about="the job's name, the same on all its ranks; unique among running jobs"),
     _var(RUNTIME_DIR, _path, None, "$XDG_RUNTIME_DIR/crossover, else /tmp/crossover-<uid>",
-         "give a directory",
-         sides=("job", "daemon")),
-    _var(PRIORITY, _weight, 1.0, "1", "give a number > 0"),
-    _var(TRACE, _path, None, "no trace", "give a directory"),
-    _var(PIN_CPU, parse_flag, False, "0", FLAG_FORM),
-    _var(KEEP_WHEN_ALONE, parse_flag, True, "1", FLAG_FORM),
+         "give a directory", sides=("job", "daemon"),
+         about="the directory of the daemons' sockets and slot table (yours, mode 0700)"),
+    _var(PRIORITY, _weight, 1.0, "1", "give a number > 0",
+         about="the job's weight under the priority policy"),
+    _var(TRACE, _path, None, "no trace", "give a directory",
+         about="write a Chrome trace per rank there (<job>.rank<r>.json)"),
+    _var(PIN_CPU, parse_flag, False, "0", FLAG_FORM,
+         about="1 pins a CPU rank to its device's cores while devices are served in "
+               "antiphase"),
+    _var(KEEP_WHEN_ALONE, parse_flag, True, "1", FLAG_FORM,
+         about="0 releases the device at every phase even where it could be kept (a job "
+               "alone, or concurrent mode), so that traces show every phase"),
     _var(INJECT, parse_flag, False, "0", FLAG_FORM, bad=False,
-         effect="Horovod is not hooked in this process"),
-    _var(NATIVE, parse_flag, True, "1", FLAG_FORM, sides=("daemon",)),
+         effect="Horovod is not hooked in this process",
+         about="set by crossoverrun: its sitecustomize wraps Horovod's optimizers as the "
+               "script makes them"),
+    _var(NATIVE, parse_flag, True, "1", FLAG_FORM, sides=("daemon",),
+         about="0: no slot table, every rank asks over its socket (for comparison runs)"),
     _var(NODE, _node, None, "the hostname",
          "give a node name of letters, digits, '.', '-' or '_'", sides=("job", "daemon"),
-         strict=True),
+         strict=True, about="this process's node name (emulated hosts share a hostname)"),
     _var(FAKE_NODES, _count, 0, "0", "give a whole number of nodes >= 0",
-         sides=("job", "daemon"), strict=True),
+         sides=("job", "daemon"), strict=True,
+         about="fake N nodes on one machine, for tests: daemon rank r is node fake<r>, a "
+               "rank of local rank l talks to fake<l % N>"),
 ]}
 
 _reported: set[str] = set()  # variables whose bad value this process has reported

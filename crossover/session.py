@@ -9,6 +9,7 @@ there is said once and never stops the job. Without CROSSOVER_JOB the job's name
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import signal
 import sys
@@ -16,6 +17,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from crossover import environment as E
 from crossover.client import RankInfo, SlotClient
@@ -59,23 +61,33 @@ def init(job: str | None = None, gpu: int | None = None) -> SlotClient:
         trace=trace,
     )
     atexit.register(shutdown)
-    _write_trace_on_sigterm()
+    _write_trace_on_sigterm(trace)
     return _client
 
 
-def _write_trace_on_sigterm() -> None:
+def _write_trace_on_sigterm(trace: TraceRecorder | None) -> None:
     """A rank stopped by SIGTERM (mpirun passing on a launcher's stop, a job timeout)
     leaves the daemon and writes its trace, then dies of the signal as it would have.
-    Only where the program left SIGTERM to its default: a handler of its own stays."""
-    if (signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    Only with a trace to write (the daemon sees a dead rank's socket close anyway), and
+    only where the program left SIGTERM to its default: a handler of its own stays. A
+    rank stuck in native code (a hung collective) runs no handler: SIGKILL ends it."""
+    if (trace is not None and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
             and threading.current_thread() is threading.main_thread()):
-        signal.signal(signal.SIGTERM, _on_sigterm)
+        signal.signal(signal.SIGTERM, functools.partial(_on_sigterm, os.getpid()))
 
 
-def _on_sigterm(signum: int, _frame) -> None:
-    shutdown()
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
+def _on_sigterm(owner: int, signum: int, _frame: Any) -> None:
+    installed = signal.getsignal(signum)
+    ours = isinstance(installed, functools.partial) and installed.func is _on_sigterm
+    try:
+        if os.getpid() == owner:  # not in a forked child, whose client is a copy
+            shutdown()
+    finally:
+        # A handler installed after ours that calls it (Lightning chains them) decides
+        # what the signal does; otherwise die of it, as without us.
+        if ours:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
 
 
 def shutdown() -> None:

@@ -4,11 +4,13 @@ installation, and one clear line for every mistake a user can make."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import psutil
 import pytest
@@ -17,6 +19,7 @@ import crossover
 from crossover.client import RankInfo, SlotClient
 from crossover.launch import cli
 from crossover.launch.daemons import UsageError, hosts_of, is_local, start_daemon
+from crossover.launch.running import exit_code
 from crossover.probe import daemon_listens
 from tests.conftest import PY, REPO, Cluster, wait_for
 
@@ -50,7 +53,7 @@ def test_help_lists_the_plugin_flags_then_horovods_once_and_starts_nothing(argv,
     res = run(CROSSOVERRUN + argv, env=dict(os.environ))
     assert res.returncode == 0, res.stderr[-2000:]
     for flag in cli.PLUGIN_FLAGS:
-        assert flag in res.stdout, flag
+        assert re.search(rf"^  {flag}\b", res.stdout, re.MULTILINE), flag
     assert res.stdout.count("usage: horovodrun") == 1, res.stdout
     assert not runtime.exists(), "help must not start a daemon"
 
@@ -66,6 +69,8 @@ def test_versions():
     assert "Horovod 0.28.1" in res.stdout
     res = run(CROSSOVER + ["--version"])
     assert res.returncode == 0 and res.stdout.strip() == f"crossover {crossover.__version__}"
+    res = run(CROSSOVERRUN + ["-v"])  # Horovod's own flag: its version, once
+    assert res.returncode == 0 and res.stdout.split() == ["0.28.1"], res.stdout
 
 
 def test_jobs_implies_crossover(tmp_path, runtime, capsys):
@@ -80,12 +85,20 @@ def test_jobs_implies_crossover(tmp_path, runtime, capsys):
 @pytest.mark.parametrize("argv,message", [
     (["--crossover", "--crossover-daemon", "atuo", "-np", "1", "x.py"],
      "--crossover-daemon atuo: no such directory; give auto"),
+    (["--crossover", "--crossover-daemon=", "-np", "1", "x.py"],
+     "--crossover-daemon needs a value"),
     (["--crossover", "--crossover-idle-shutdown", "0", "-np", "1", "x.py"],
      "--crossover-idle-shutdown must be > 0 seconds"),
+    (["--crossover", "--crossover-priority", "inf", "-np", "1", "x.py"],
+     "--crossover-priority: give a number > 0, got inf"),
+    (["--crossover", "--crossover-job", "j" * 201, "-np", "1", "x.py"],
+     "--crossover-job: give 1-200 printable characters"),
     (["--crossover", "-np", "1", "--host-discovery-script", "d.sh", "x.py"],
      "--host-discovery-script (elastic Horovod) is not supported with --crossover"),
     (["--crossover", "-np", "1", "--hostfile", "/nonexistent/hosts", "x.py"],
-     "--hostfile /nonexistent/hosts: cannot read it"),
+     "--hostfile /nonexistent/hosts: horovodrun cannot read it"),
+    (["--crossover", "-np", "2", "-H", "[::1]:2", "x.py"],
+     "hosts '[::1]:2': write host:slots"),
 ])
 def test_launch_errors_are_one_line_and_start_nothing(argv, message, runtime, capsys):
     assert cli.main(argv) == 2
@@ -94,17 +107,33 @@ def test_launch_errors_are_one_line_and_start_nothing(argv, message, runtime, ca
     assert not (runtime / "daemon.pid").exists()
 
 
-def test_hosts_come_from_hosts_or_a_hostfile(tmp_path):
-    assert hosts_of(["-np", "2", "-H", "a:1,b:1", "python", "t.py"]) == ["a", "b"]
-    assert hosts_of(["--hosts=a:2", "python", "t.py"]) == ["a"]
+def test_horovods_own_errors_come_before_anything_starts(runtime):
+    res = run(CROSSOVERRUN + ["--crossover", "python", "t.py"], env=dict(os.environ))
+    assert res.returncode != 0 and "-np" in res.stderr, res.stderr[-2000:]
+    assert not runtime.exists(), "no daemon for a command horovodrun refuses"
+
+
+def hosts(*argv: str) -> list[str]:
+    parsed = cli.horovod_args(list(argv))
+    assert parsed is not None, argv
+    return hosts_of(parsed)
+
+
+def test_hosts_are_the_ones_horovodrun_uses(tmp_path):
+    assert hosts("-np", "2", "-H", "a:1,b:1", "python", "t.py") == ["a", "b"]
+    assert hosts("--hosts=a:2", "-np", "2", "python", "t.py") == ["a"]
+    assert hosts("-np", "2", "-H", "r:2", "-H", "localhost:2", "python", "t.py") == \
+        ["localhost"], "the last -H, as horovodrun takes it"
+    assert hosts("-np", "2", "python", "t.py", "--hosts", "x:2") == ["localhost"], \
+        "a script's own flags are the script's"
     hostfile = tmp_path / "hosts"
-    hostfile.write_text("# the cluster\nnode1 slots=2\n\nnode2 slots=2  # spare\n")
-    assert hosts_of(["-np", "4", "--hostfile", str(hostfile), "python", "t.py"]) == \
+    hostfile.write_text("node1 slots=2\nnode2 slots=2\n")
+    assert hosts("-np", "4", "--hostfile", str(hostfile), "python", "t.py") == \
         ["node1", "node2"]
-    assert hosts_of(["-np", "2", "python", "t.py"]) == ["localhost"]
-    with pytest.raises(UsageError, match="no host in it"):
-        hostfile.write_text("# nothing\n")
-        hosts_of(["--hostfile", str(hostfile)])
+    assert hosts("-np", "2", "python", "t.py") == ["localhost"]
+    hostfile.write_text("# horovodrun fails on comments\nnode1 slots=2\n")
+    with pytest.raises(UsageError, match="horovodrun cannot read it"):
+        hosts("-np", "2", "--hostfile", str(hostfile), "python", "t.py")
 
 
 def test_this_hosts_addresses_and_aliases_are_local():
@@ -116,8 +145,17 @@ def test_this_hosts_addresses_and_aliases_are_local():
     assert not is_local("no-such-host.invalid")
 
 
+def test_a_daemon_without_a_node_for_each_host_is_refused(cluster: Cluster, capsys):
+    with cluster.daemon():
+        argv = ["--crossover", "--crossover-daemon", str(cluster.runtime), "-np", "2",
+                "-H", "localhost:1,192.0.2.7:1", "x.py"]
+        assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "serves 1 node(s)" in err and "one daemon per host" in err, err
+
+
 def test_exit_codes_of_signals_are_the_shells():
-    assert cli.exit_code(-signal.SIGKILL) == 137 and cli.exit_code(3) == 3
+    assert exit_code(-signal.SIGKILL) == 137 and exit_code(3) == 3
 
 
 @pytest.mark.mpi
@@ -203,7 +241,8 @@ def test_stop_ends_a_daemon_a_launcher_started(tmp_path, runtime):
     (["daemon", "--lease", "0"], "--lease: give seconds > 0, got 0"),
     (["daemon", "--lease", "nan"], "--lease: give seconds > 0, got nan"),
     (["trace", "plot", "/nonexistent.json", "-o", "x.png"],
-     "cannot read /nonexistent.json (No such file or directory)"),
+     "/nonexistent.json: No such file or directory"),
+    (["daemon", "--patience", "0"], "--patience: give seconds > 0, got 0"),
 ])
 def test_command_errors_name_the_problem(argv, message):
     res = run(CROSSOVER + argv, timeout=60)
@@ -255,3 +294,79 @@ def test_the_module_entry_points_are_installed():
     bindir = os.path.dirname(sys.executable)
     for name in ("crossover", "crossoverrun"):
         assert os.access(os.path.join(bindir, name), os.X_OK), name
+
+
+def processes_running(marker: str) -> list[psutil.Process]:
+    """Live processes whose command line holds `marker` (zombies have ended)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        if marker in " ".join(proc.info["cmdline"] or []) and \
+                proc.info["status"] != psutil.STATUS_ZOMBIE and proc.pid != os.getpid():
+            found.append(proc)
+    return found
+
+
+SYNTHETIC = str(REPO / "examples/horovod_torch_synthetic.py")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("how", ["one job", "jobs file"])
+def test_a_stopped_crossoverrun_leaves_no_rank_behind(how, tmp_path, runtime):
+    """SIGTERM to crossoverrun reaches every rank (the runner runs mpirun under a shell
+    in a process group of its own; a --jobs parent stops its jobs' crossoverruns)."""
+    seed = str(900_000 + os.getpid() % 1000)  # marks this test's ranks
+    job = [PY, SYNTHETIC, "--steps", "100000", "--seed", seed]
+    if how == "one job":
+        argv = ["--crossover", "--crossover-job", "stopme", "-np", "2", "-H", "localhost:2", *job]
+    else:
+        spec = tmp_path / "jobs.yaml"
+        spec.write_text(f"jobs:\n  - {{name: stopme, np: 2, command: {job!r}}}\n")
+        argv = ["--jobs", str(spec)]
+    proc = subprocess.Popen(CROSSOVERRUN + argv, cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: (runtime / "daemon.log").exists() and "job stopme rank 1 on node"
+                 in (runtime / "daemon.log").read_text(), 120, "the job to register")
+        assert len(processes_running(seed)) >= 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 30
+        while processes_running(seed) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not processes_running(seed), "ranks outlived their crossoverrun"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for left in processes_running(seed):
+            left.kill()
+
+
+def test_a_stale_pid_file_never_stops_another_process(cluster: Cluster):
+    bystander = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        with cluster.daemon() as daemon:
+            (cluster.runtime / "daemon.pid").write_text(f"{bystander.pid}\n")
+            res = run(CROSSOVER + ["stop"], env=cluster.env, timeout=60)
+            assert res.returncode == 0, res.stderr
+            assert daemon.popen.wait(timeout=30) == 0, "the daemon that answered is stopped"
+        assert bystander.poll() is None, "a reused pid in daemon.pid was signalled"
+    finally:
+        bystander.kill()
+
+
+TRACED_RANK = """
+import os, signal, crossover
+with crossover.step():
+    pass
+print("stepped", flush=True)
+os.kill(os.getpid(), signal.SIGTERM)
+"""
+
+
+def test_a_rank_stopped_by_sigterm_writes_its_trace_and_dies_of_it(tmp_path):
+    env = dict(os.environ, CROSSOVER_TRACE=str(tmp_path), CROSSOVER_JOB="stopped",
+               CROSSOVER_RUNTIME_DIR=str(tmp_path / "none"))
+    res = run([PY, "-c", TRACED_RANK], env=env, timeout=60)
+    assert "stepped" in res.stdout, res.stderr[-2000:]
+    assert res.returncode == -signal.SIGTERM, "it still dies of the signal"
+    assert (tmp_path / "stopped.rank0.json").exists(), "the trace was written"

@@ -169,7 +169,7 @@ def test_injection_wraps_the_optimizer_factory(runtime):
     (["--crossover", "--crossover-policy", "fifo", "-np", "2", "x.py"],
      "invalid choice: 'fifo'"),
     (["--crossover", "--crossover-priority", "0", "-np", "2", "x.py"],
-     "--crossover-priority must be > 0"),
+     "--crossover-priority: give a number > 0, got 0.0"),
     (["--crossover", "--crossover-job", "a b", "-np", "2", "x.py"],
      "--crossover-job: use letters, digits"),
     (["--crossover", "--jobs", "j.yaml", "-np", "2", "x.py"],

@@ -15,30 +15,40 @@ import contextlib
 import io
 import os
 import shlex
-import signal
-import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import crossover
 from crossover import environment as E
 from crossover.launch import jobspec
-from crossover.launch.daemons import UsageError, daemon_watch, ensure_daemon, hosts_of
+from crossover.launch.daemons import (
+    UsageError,
+    daemon_watch,
+    ensure_daemon,
+    hosts_of,
+)
 from crossover.launch.inject import INJECT_ENV, inject_dir
-from crossover.launch.local import terminate_group
+from crossover.launch.running import merge_traces, run_horovod_child, run_jobs
 from crossover.scheduler import POLICIES
 
-PLUGIN_FLAGS = {  # flag -> takes a value
-    "--crossover": False, "--crossover-policy": True, "--crossover-priority": True,
-    "--crossover-trace": True, "--crossover-daemon": True, "--crossover-job": True,
-    "--crossover-idle-shutdown": True, "--jobs": True,
-}
 #: crossoverrun's own answers, when given before the training command.
 OWN_FLAGS = ("-h", "--help", "--version")
-#: A --jobs job past its timeout gets SIGTERM (its ranks write their traces), and
-#: SIGKILL this much later.
-KILL_GRACE_S = 10.0
+
+
+def horovod_args(rest: list[str]) -> argparse.Namespace | None:
+    """horovodrun's own reading of its arguments; None where it finds them wrong (it
+    says what is wrong when it runs, before anything of ours has started)."""
+    from horovod.runner.launch import parse_args
+
+    saved = sys.argv
+    sys.argv = ["horovodrun", *rest]
+    try:
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            return parse_args()
+    except (SystemExit, OSError, ValueError):  # a bad flag, an unreadable --config-file
+        return None
+    finally:
+        sys.argv = saved
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -47,10 +57,8 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     Plugin flags are taken only before the training command (Horovod's parser tells
     where that starts), so a script's own `--jobs` flag is left alone.
     """
-    from horovod.runner.launch import parse_args
-
     plugin, rest, i = [], [], 0
-    command_start = _command_start(argv, parse_args)
+    command_start = _command_start(argv)
     while i < len(argv):
         tok = argv[i]
         name = tok.split("=", 1)[0]
@@ -71,7 +79,7 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     return plugin, rest
 
 
-def _command_start(argv: list[str], parse_args) -> int:
+def _command_start(argv: list[str]) -> int:
     """Index in argv where the training command begins (len(argv) if none)."""
     stripped, index_of = [], []
     i = 0
@@ -83,18 +91,10 @@ def _command_start(argv: list[str], parse_args) -> int:
         stripped.append(argv[i])
         index_of.append(i)
         i += 1
-    saved = sys.argv
-    sys.argv = ["horovodrun", *stripped]
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):  # horovodrun reports it later
-            command = parse_args().command
-    except SystemExit:
+    parsed = horovod_args(stripped)
+    if parsed is None or not parsed.command:
         return len(argv)  # horovodrun will report the problem itself
-    finally:
-        sys.argv = saved
-    if not command:
-        return len(argv)
-    return index_of[len(stripped) - len(command)]
+    return index_of[len(stripped) - len(parsed.command)]
 
 
 def plugin_parser() -> argparse.ArgumentParser:
@@ -135,6 +135,11 @@ def plugin_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Every plugin flag -> whether it takes a value.
+PLUGIN_FLAGS = {option: action.nargs != 0 for action in plugin_parser()._actions
+                for option in action.option_strings}
+
+
 def parse_plugin(flags: list[str]) -> argparse.Namespace:
     """The plugin flags, checked.
 
@@ -150,12 +155,18 @@ def parse_plugin(flags: list[str]) -> argparse.Namespace:
         given = [f.split("=")[0] for f in flags if f.startswith("--")]
         if given:
             raise UsageError(f"{given[0]} has no effect without --crossover; add --crossover")
-    if args.crossover_priority is not None and not args.crossover_priority > 0:
-        raise UsageError(f"--crossover-priority must be > 0, got {args.crossover_priority}")
+    # the values the job's ranks read from the environment, by the same rules
+    for flag, value, var in (("--crossover-priority", args.crossover_priority, E.PRIORITY),
+                             ("--crossover-job", args.crossover_job, E.JOB)):
+        if value is not None and E.problem(var, str(value)):
+            raise UsageError(f"{flag}: {E.VARS[var].form}, got {value!r}")
     if args.crossover_job is not None and not args.crossover_job.replace("-", "").replace(
-            "_", "").isalnum():
+            "_", "").isalnum():  # it names trace files too
         raise UsageError(f"--crossover-job: use letters, digits, '-' or '_', "
                          f"got {args.crossover_job!r}")
+    if not args.crossover_daemon:
+        raise UsageError("--crossover-daemon needs a value: auto, or the runtime directory "
+                         "of a running daemon")
     if not args.crossover_idle_shutdown > 0:
         raise UsageError(f"--crossover-idle-shutdown must be > 0 seconds, got "
                          f"{args.crossover_idle_shutdown:g}")
@@ -165,14 +176,12 @@ def parse_plugin(flags: list[str]) -> argparse.Namespace:
 def own_flag(argv: list[str]) -> str | None:
     """-h/--help or --version when given to crossoverrun itself (before the training
     command: `crossoverrun -np 2 python train.py --help` is the script's)."""
-    from horovod.runner.launch import parse_args
-
     given = [i for i, tok in enumerate(argv) if tok in OWN_FLAGS]
     if not given:
         return None
     plain = [tok for tok in argv if tok not in OWN_FLAGS]
     # the tokens before the first own flag are all plain: its index counts in `plain` too
-    return argv[given[0]] if given[0] <= _command_start(plain, parse_args) else None
+    return argv[given[0]] if given[0] <= _command_start(plain) else None
 
 
 def usage() -> str:
@@ -213,34 +222,6 @@ def job_env(args: argparse.Namespace, rdir: Path, job: str) -> dict[str, str]:
     return env
 
 
-def run_horovod_child(rest: list[str]) -> int:
-    """Horovod's runner in a child process: it execs mpirun, and we have work after
-    (merging the traces), also when we are asked to stop: a SIGTERM is passed on to the
-    runner (a Ctrl-C reaches it from the terminal), and we wait for it to end."""
-    proc = subprocess.Popen([sys.executable, "-m", "horovod.runner.launch", *rest])
-
-    def pass_on(signum: int, _frame) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signum)
-
-    saved = None
-    if threading.current_thread() is threading.main_thread():
-        saved = signal.signal(signal.SIGTERM, pass_on)
-    try:
-        return exit_code(proc.wait())
-    except KeyboardInterrupt:  # the child got the same SIGINT; give it time to stop
-        return exit_code(proc.wait(timeout=30))
-    finally:
-        if saved is not None:
-            signal.signal(signal.SIGTERM, saved)
-
-
-def exit_code(returncode: int) -> int:
-    """A process's exit status as a shell reports it: a death by signal N is 128 + N
-    (Popen gives -N, which `sys.exit` would turn into 256 - N)."""
-    return 128 - returncode if returncode < 0 else returncode
-
-
 def run_horovod(rest: list[str]) -> int:
     """Hand the arguments to Horovod's own runner, in this process, as horovodrun."""
     from horovod.runner.launch import run_commandline
@@ -257,63 +238,6 @@ def run_horovod(rest: list[str]) -> int:
     finally:
         sys.argv = saved
     return 0
-
-
-def merge_traces(trace_dir: str, job: str) -> None:
-    from crossover import trace
-
-    files = sorted(Path(trace_dir).glob(f"{job}.rank*.json"))
-    if files:
-        out = Path(trace_dir) / f"{job}.trace.json"
-        trace.merge(files, out)
-        print(f"crossoverrun: trace of {job}: {out}", file=sys.stderr)
-
-
-def run_jobs(args: argparse.Namespace, specs: list[jobspec.JobSpec]) -> int:
-    """Run every job of a spec at once, each through crossoverrun, output prefixed."""
-    hosts = sorted({h for s in specs for h in hosts_of(["-H", s.hosts or "localhost"])})
-    rdir = ensure_daemon(args.crossover_daemon, args.crossover_policy, hosts,
-                         args.crossover_idle_shutdown)
-    with daemon_watch(args, hosts):
-        return _run_specs(args, specs, rdir)
-
-
-def _run_specs(args: argparse.Namespace, specs: list[jobspec.JobSpec], rdir: Path) -> int:
-    procs = []
-    for spec in specs:
-        cmd = [sys.executable, "-m", "crossover.launch.cli", "--crossover",
-               "--crossover-daemon", str(rdir), "--crossover-job", spec.name,
-               "--crossover-priority", str(spec.priority)]
-        if args.crossover_trace:
-            cmd += ["--crossover-trace", args.crossover_trace]
-        cmd += ["-np", str(spec.np), "-H", spec.hosts or f"localhost:{spec.np}",
-                *spec.horovodrun_args, *spec.command]
-        p = subprocess.Popen(cmd, env={**os.environ, **spec.env}, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        t = threading.Thread(target=_prefix, args=(spec.name, p.stdout), daemon=True)
-        t.start()
-        procs.append((spec, p, t))
-    worst = 0
-    for spec, p, t in procs:
-        try:
-            rc = exit_code(p.wait(timeout=spec.timeout))
-        except subprocess.TimeoutExpired:
-            # SIGTERM first: the job's ranks write their traces and crossoverrun merges
-            # them; SIGKILL only if the job is still there KILL_GRACE_S later
-            terminate_group(p, KILL_GRACE_S)
-            rc = 124  # as timeout(1) reports a command it stopped
-            print(f"crossoverrun: job {spec.name} stopped after its {spec.timeout:g} s "
-                  f"timeout", file=sys.stderr)
-        t.join(timeout=5)
-        print(f"crossoverrun: job {spec.name} exited {rc}", file=sys.stderr)
-        worst = max(worst, rc)
-    return worst
-
-
-def _prefix(name: str, stream) -> None:
-    for line in stream:
-        sys.stdout.write(f"[{name}] {line}")
-        sys.stdout.flush()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -349,8 +273,11 @@ def main(argv: list[str] | None = None) -> int:
             return run_jobs(args, specs)
         if not args.crossover:
             return run_horovod(rest)
+        parsed = horovod_args(rest)
+        if parsed is None:  # Horovod says what is wrong, before anything has started
+            return run_horovod(rest)
         job = args.crossover_job or f"{_script_name(rest)}-{os.getpid()}"
-        hosts = hosts_of(rest)
+        hosts = hosts_of(parsed)
         rdir = ensure_daemon(args.crossover_daemon, args.crossover_policy, hosts,
                              args.crossover_idle_shutdown)
     except (UsageError, jobspec.JobSpecError, PermissionError) as exc:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import functools
 import ipaddress
 import os
 import signal
@@ -39,62 +40,72 @@ class UsageError(Exception):
 
 
 # --- hosts ---------------------------------------------------------------------------
-def _local_addresses() -> set[str]:
-    return {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values()
-            for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6)}
+@functools.cache
+def _this_host() -> tuple[set[str], set[str]]:
+    """This machine's names and interface addresses (looked up once: getfqdn may ask
+    a resolver)."""
+    names = {"localhost", socket.gethostname(), socket.getfqdn()}
+    addresses = {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values()
+                 for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6)}
+    return names, addresses
 
 
 def is_local(host: str) -> bool:
     """Whether `host` names this machine: its names, a loopback address, or an address
     of one of its interfaces (an IP or an alias of this host is local too)."""
-    if host in ("localhost", socket.gethostname(), socket.getfqdn()):
+    names, addresses = _this_host()
+    if host in names:
         return True
     try:
         infos = socket.getaddrinfo(host, None)
     except (OSError, UnicodeError):
         return False  # unresolvable: mpirun will say so
-    mine = _local_addresses()
     for *_, addr in infos:
         ip = str(addr[0]).split("%")[0]
-        if ip in mine or ipaddress.ip_address(ip).is_loopback:
+        if ip in addresses or ipaddress.ip_address(ip).is_loopback:
             return True
     return False
 
 
-def _read_hostfile(path: str) -> list[str]:
-    """Host names of a horovodrun/mpirun hostfile (`host slots=N` per line)."""
+def hosts_in(spec: str) -> list[str]:
+    """The host names of a horovodrun -H value (`host:slots,...`), as Horovod reads it.
+
+    Raises:
+        UsageError: a value Horovod cannot read (say an IPv6 address), with the form.
+    """
+    from horovod.runner.common.util.hosts import parse_hosts
+
     try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as exc:
-        raise UsageError(f"--hostfile {path}: cannot read it ({exc.strerror}); give an "
-                         f"existing file with one `host slots=N` per line") from None
-    hosts = [line.split("#", 1)[0].split()[0] for line in lines
-             if line.split("#", 1)[0].strip()]
-    if not hosts:
-        raise UsageError(f"--hostfile {path}: no host in it; write one `host slots=N` "
-                         f"per line")
-    return hosts
+        return [h.hostname for h in parse_hosts(spec)]
+    except ValueError:
+        raise UsageError(f"hosts {spec!r}: write host:slots[,host:slots...] (horovodrun "
+                         f"takes host names or IPv4 addresses)") from None
 
 
-def hosts_of(rest: list[str]) -> list[str]:
-    """The hosts of horovodrun's arguments: -H/--hosts or --hostfile (default: this host).
+def hosts_of(args: argparse.Namespace) -> list[str]:
+    """The hosts of a job from horovodrun's parsed arguments: -H, else --hostfile, else
+    this host (as horovodrun itself decides).
 
     Raises:
         UsageError: a host discovery script (elastic Horovod), whose hosts are not known
-            before the job starts, so no daemon could be ready for them.
+            before the job starts, so no daemon could be ready for them; or a hostfile
+            that horovodrun could not read.
     """
-    for i, tok in enumerate(rest):
-        name, _, value = tok.partition("=")
-        if not value and i + 1 < len(rest):
-            value = rest[i + 1]
-        if name in ("-H", "--hosts") and value:
-            return [h.split(":")[0] for h in value.split(",")]
-        if name in ("-hostfile", "--hostfile") and value:
-            return _read_hostfile(value)
-        if name == "--host-discovery-script":
-            raise UsageError("--host-discovery-script (elastic Horovod) is not supported "
-                             "with --crossover: its hosts are not known before the job "
-                             "starts; give them with -H or --hostfile")
+    from horovod.runner.common.util.hosts import parse_host_files
+
+    if args.host_discovery_script:
+        raise UsageError("--host-discovery-script (elastic Horovod) is not supported with "
+                         "--crossover: its hosts are not known before the job starts; give "
+                         "them with -H or --hostfile")
+    if args.hosts:
+        return hosts_in(args.hosts)
+    if args.hostfile:
+        try:
+            return hosts_in(parse_host_files(args.hostfile))
+        except (OSError, IndexError, UsageError):
+            raise UsageError(f"--hostfile {args.hostfile}: horovodrun cannot read it; write "
+                             f"one `host slots=N` per line, with no blank or comment "
+                             f"lines") from None
     return ["localhost"]
 
 
@@ -108,7 +119,7 @@ def ensure_daemon(address: str, policy: str | None, hosts: list[str],
             daemon with another policy.
     """
     if address != "auto":
-        rdir = Path(address)
+        rdir = Path(address).resolve()  # the jobs' ranks may start elsewhere
         if not rdir.is_dir():
             raise UsageError(f"--crossover-daemon {address}: no such directory; give auto "
                              f"(use this user's daemon, or start one) or the runtime "
@@ -118,6 +129,7 @@ def ensure_daemon(address: str, policy: str | None, hosts: list[str],
         except ConnectionError as exc:
             raise UsageError(f"--crossover-daemon {address}: {exc}") from None
         _check_policy(nodes, policy, rdir)
+        _check_hosts(nodes, hosts, rdir)
         return rdir
     rdir = runtime_dir(create=True)
     # Serialise check-and-start: jobs launched together must share one daemon.
@@ -131,6 +143,7 @@ def ensure_daemon(address: str, policy: str | None, hosts: list[str],
             nodes = None
         if nodes is not None:
             _check_policy(nodes, policy, rdir)
+            _check_hosts(nodes, hosts, rdir)
         else:
             start_daemon(rdir, policy or "auto", hosts, idle_shutdown_s, quiet)
     return rdir
@@ -152,6 +165,19 @@ def _check_policy(nodes: dict, policy: str | None, rdir: Path) -> None:
                          f"(`crossover stop --runtime-dir {rdir}`) once its jobs end")
 
 
+def _check_hosts(nodes: dict, hosts: list[str], rdir: Path) -> None:
+    """A running daemon world must have a node for each of the job's hosts, or the ranks
+    there would find no daemon and run uncoordinated."""
+    wanted = {h for h in hosts if not is_local(h)} | ({"this host"} if any(map(is_local, hosts))
+                                                     else set())
+    if len(wanted) > len(nodes):
+        raise UsageError(f"the daemon at {rdir} serves {len(nodes)} node(s) "
+                         f"({', '.join(sorted(nodes))}) but the job runs on "
+                         f"{', '.join(sorted(set(hosts)))}: stop it (`crossover stop "
+                         f"--runtime-dir {rdir}`) so that crossoverrun starts one daemon "
+                         f"per host")
+
+
 def start_daemon(rdir: Path, policy: str, hosts: list[str], idle_shutdown_s: float,
                  quiet: bool = False) -> None:
     """Start this host's daemon, or one per host under mpirun when some are remote;
@@ -160,22 +186,33 @@ def start_daemon(rdir: Path, policy: str, hosts: list[str], idle_shutdown_s: flo
             "--idle-shutdown", str(idle_shutdown_s), "--runtime-dir", str(rdir)]
     remote = sorted({h for h in hosts if not is_local(h)})
     if remote:
-        everyone = sorted(set(hosts))
+        # this machine once, however many of its names the job gave
+        everyone = remote + (["localhost"] if len(remote) < len(set(hosts)) else [])
         cmd = ["mpirun", "--map-by", "ppr:1:node", "-H", ",".join(f"{h}:1" for h in everyone),
                "-np", str(len(everyone)), *args]
     else:
         cmd = args
     log = open(rdir / "daemon.log", "a")  # noqa: SIM115 - handed to the daemon
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
-    log.close()
+    try:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    except OSError as exc:  # no mpirun on PATH, say
+        raise UsageError(f"cannot start the crossover daemon ({cmd[0]}: {exc.strerror}); "
+                         f"is Open MPI installed and on PATH?") from None
+    finally:
+        log.close()
     (rdir / PID_FILE).write_text(f"{proc.pid}\n")
     if not any(is_local(h) for h in hosts):
         return  # nothing local to wait for
     path = socket_path(E.node_name(), rdir)  # CROSSOVER_NODE / _FAKE_NODES name it too
-    if not wait_until(lambda: daemon_listens(rdir), 60, Backoff(0.01, 0.2)):
-        raise UsageError(f"started a crossover daemon but it did not listen on {path} "
-                         f"within 60 s; see {rdir / 'daemon.log'}")
+    listens = wait_until(lambda: proc.poll() is not None or daemon_listens(rdir), 60,
+                         Backoff(0.01, 0.2))
+    if not listens or proc.poll() is not None:
+        tail = (rdir / "daemon.log").read_text(errors="replace").strip().splitlines()[-1:]
+        raise UsageError(f"started a crossover daemon but it "
+                         f"{'exited' if proc.poll() is not None else 'did not listen'} on "
+                         f"{path} ({' '.join(tail) or 'no output'}); see "
+                         f"{rdir / 'daemon.log'}")
     if not quiet:
         print(f"crossoverrun: started a crossover daemon ({policy}; log "
               f"{rdir / 'daemon.log'})", file=sys.stderr)
@@ -203,9 +240,11 @@ def watch_daemon(stop: threading.Event, policy: str | None, hosts: list[str],
 @contextlib.contextmanager
 def daemon_watch(args: argparse.Namespace, hosts: list[str]) -> Iterator[None]:
     """Watch the daemon (`watch_daemon`) while the block runs, under --crossover-daemon
-    auto; a daemon given by address is the user's to restart."""
+    auto when the job has ranks on this host."""
     stop = threading.Event()
-    if args.crossover_daemon == "auto":
+    # a daemon world over remote hosts only is the user's (it cannot be watched from
+    # here: no local socket), as is a daemon given by address
+    if args.crossover_daemon == "auto" and any(map(is_local, hosts)):
         threading.Thread(target=watch_daemon, name="crossover-watch", daemon=True,
                          args=(stop, args.crossover_policy, hosts,
                                args.crossover_idle_shutdown)).start()
@@ -216,15 +255,18 @@ def daemon_watch(args: argparse.Namespace, hosts: list[str]) -> Iterator[None]:
 
 
 # --- stopping --------------------------------------------------------------------------
-def _launched_by_us(pid_file: Path) -> psutil.Process | None:
-    """The process a launcher started (the daemon, or the mpirun over every host's
-    daemon), if it still runs and is one."""
+def _daemon_process(pid: int | str, rdir: Path | None = None) -> psutil.Process | None:
+    """The process `pid` if it is a crossover daemon (of `rdir`, if given: a launcher
+    names it on the command line; or the mpirun over such daemons) and still runs. A
+    stale pid file may name a reused pid."""
     try:
-        proc = psutil.Process(int(pid_file.read_text()))
+        proc = psutil.Process(int(pid))
         cmdline = proc.cmdline()
     except (OSError, ValueError, psutil.Error):
         return None
-    return proc if "crossover" in cmdline and "daemon" in cmdline else None
+    ours = "crossover" in cmdline and "daemon" in cmdline and (
+        rdir is None or str(rdir) in cmdline)
+    return proc if ours and proc.status() != psutil.STATUS_ZOMBIE else None
 
 
 def _ended(pid: int) -> bool:
@@ -252,20 +294,26 @@ def stop_daemons(directory: str | None, force: bool = False, timeout_s: float = 
         raise UsageError(f"jobs {', '.join(jobs)} still use this daemon: their ranks would "
                          f"train on uncoordinated, and a crossoverrun watching it would "
                          f"start a new one; stop once they end, or add --force")
-    launched = _launched_by_us(rdir / PID_FILE)
+    pid_file = rdir / PID_FILE
+    launched = _daemon_process(pid_file.read_text(), rdir) if pid_file.exists() else None
     here = nodes.get(E.node_name(), {}).get("daemon", {}).get("pid")
-    if launched is not None:
-        target = launched.pid
-        # mpirun forwards SIGTERM to every host's daemon; one daemon runs its own group
-        os.killpg(target, signal.SIGTERM)
-    elif here is not None:
-        target = int(here)
-        if len(nodes) > 1:
-            raise UsageError(f"this daemon is one of {len(nodes)} nodes' ({', '.join(nodes)})"
-                             f" started by hand under mpirun: stop that mpirun")
-        os.kill(target, signal.SIGTERM)
-    else:
-        raise UsageError(f"the daemon at {rdir} reported no process id; stop it with kill")
+    try:
+        if launched is not None and os.getpgid(launched.pid) == launched.pid:
+            target = launched.pid
+            # mpirun passes SIGTERM on to every host's daemon
+            os.killpg(target, signal.SIGTERM)
+        elif here is not None and _daemon_process(here) is not None:
+            target = int(here)
+            if len(nodes) > 1:
+                raise UsageError(f"this daemon is one of {len(nodes)} nodes' "
+                                 f"({', '.join(nodes)}) started by hand under mpirun: stop "
+                                 f"that mpirun")
+            os.kill(target, signal.SIGTERM)
+        else:
+            raise UsageError(f"the daemon at {rdir} answers but its process is not found "
+                             f"here (another PID namespace?); stop it where it runs")
+    except ProcessLookupError:
+        pass  # it ended on its own meanwhile
     if not wait_until(lambda: _ended(target), timeout_s, Backoff(0.02, 0.5)):
         raise UsageError(f"sent SIGTERM to process {target} but it still runs after "
                          f"{timeout_s:g} s; kill -9 {target}")
