@@ -73,6 +73,13 @@ def test_two_unmodified_scripts_run_under_crossover(runtime, tmp_path):
     assert {s[2] for spans in holds.values() for s in spans} == {"one", "two"}
     assert trace.overlaps(events) == []
     assert "built no Horovod DistributedOptimizer" not in err1
+    # one daemon served both: whichever crossoverrun took the launch lock first started
+    # it, and the other found it
+    starts = [err for err in (err1, second.stderr) if "started a crossover daemon" in err]
+    assert len(starts) == 1, (err1[-2000:], second.stderr[-2000:])
+    log = (runtime / "daemon.log").read_text()
+    assert log.count("policy crossover, devices") == 1, log[-3000:]
+    assert "job one rank 1 on node" in log and "job two rank 1 on node" in log
 
 
 KERAS_SCRIPT = str(REPO / "examples/horovod_keras_synthetic.py")

@@ -126,11 +126,12 @@ def test_killed_job_frees_its_slots_and_the_other_finishes(cluster: Cluster, sol
         wait_for(registered(cluster, "B"), 60, "job B to register")
         time.sleep(0.5)
         doomed.kill(signal.SIGKILL)
-        started = time.monotonic()
+        # freed when A's sockets closed (at once), not when its 30 s lease ran out
         wait_for(lambda: "job A rank 0 left node" in (cluster.tmp / "daemon.log").read_text(),
-                 30, "the daemon to see job A's rank 0 leave")
+                 10, "the daemon to see job A's rank 0 leave")
         survivor.wait(120)
-        assert time.monotonic() - started < 60
+    log = (cluster.tmp / "daemon.log").read_text()
+    assert not re.search(r"job A rank \d held \S+ past its", log), log[-3000:]
     assert same_weights(survivor.weights, solo["B"])
 
 

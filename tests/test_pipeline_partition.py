@@ -301,8 +301,16 @@ def inputs_with_first_consumer(g: Graph, stages: list[Stage]) -> list[Stage]:
     return [Stage(tuple(o), st.replicas) for o, st in zip(ops, stages, strict=True) if o]
 
 
-@pytest.mark.parametrize("name", ["two_tower", "dlrm", "uno"])
-@pytest.mark.parametrize("memory_share", [None, 0.6, 0.35, 0.2])
+#: Memory-bound cases where every sequential plan cuts a branch part-way, outside the
+#: graph search's space (docs/pipeline.md, Known limits): the test below would check
+#: nothing there, so they are kept apart and checked to be outside.
+OUTSIDE_THE_GRAPH_SPACE = [(name, share) for name in ("two_tower", "dlrm")
+                           for share in (0.6, 0.35, 0.2)]
+
+
+@pytest.mark.parametrize("name,memory_share", [
+    (name, share) for name in ("two_tower", "dlrm", "uno") for share in (None, 0.6, 0.35, 0.2)
+    if (name, share) not in OUTSIDE_THE_GRAPH_SPACE])
 def test_graph_plan_loses_only_to_chain_plans_outside_its_search_space(name, memory_share):
     """The same costs and pricer for both partitioners. Take the sequential partitioner's
     plan, move each input to its first reader, and price it as a graph plan (direct sends,
@@ -314,20 +322,42 @@ def test_graph_plan_loses_only_to_chain_plans_outside_its_search_space(name, mem
     tree, _ = decompose(g)
     allowed = representable(tree, g)
     costs = model_costs(g, memory_share)
-    batch = 256
-    for devices in (2, 4, 8):
+    batch, checked, outside = 256, 0, []
+    for devices in (2, 3, 4, 6, 8):
         try:
             seq = sequential_partition(g, costs, devices, batch)
         except PartitionError:
             continue
         stages = inputs_with_first_consumer(g, seq.stages)
         if not all(frozenset(st.ops) in allowed for st in stages):
+            outside.append(devices)
             continue
         chain = make_plan(g, stages, seq.micro_batch, seq.num_micro, "graph")
         bn, cr = evaluate(g, costs, chain)
         gpp = graph_partition(g, costs, devices, batch)
         assert gpp.estimate <= 1.02 * (cr + (seq.num_micro - 1) * bn), \
             (devices, gpp.describe(), chain.describe())
+        checked += 1
+    assert checked, f"no device count gave a chain plan inside the graph search's space " \
+                    f"(outside at {outside}): this case checks nothing"
+
+
+@pytest.mark.parametrize("name,memory_share", OUTSIDE_THE_GRAPH_SPACE)
+def test_memory_bound_chain_plans_of_branchy_models_lie_outside_the_graph_space(
+        name, memory_share):
+    """What the test above cannot check: here every sequential plan cuts a branch
+    part-way. When the graph search learns such cuts, this fails: move the case above."""
+    g = Graph.from_fx(build(name, small=True).module)
+    tree, _ = decompose(g)
+    allowed = representable(tree, g)
+    costs = model_costs(g, memory_share)
+    for devices in (2, 3, 4, 6, 8):
+        try:
+            seq = sequential_partition(g, costs, devices, 256)
+        except PartitionError:
+            continue
+        stages = inputs_with_first_consumer(g, seq.stages)
+        assert not all(frozenset(st.ops) in allowed for st in stages), (devices, stages)
 
 
 def test_any_replica_count_that_splits_the_micro_batch():
