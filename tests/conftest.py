@@ -157,6 +157,23 @@ class Cluster:
 
 
 @pytest.fixture
+def runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """An isolated runtime directory for crossoverrun; a daemon it starts there is
+    stopped after the test (through `crossover stop`'s checks: a stale pid file never
+    signals another process)."""
+    from crossover.launch.daemons import UsageError, stop_daemons
+
+    rdir = tmp_path / "run"
+    monkeypatch.setenv("CROSSOVER_RUNTIME_DIR", str(rdir))
+    yield rdir
+    if rdir.exists():
+        try:
+            stop_daemons(str(rdir), force=True)
+        except UsageError as exc:
+            print(f"runtime fixture: {exc}")
+
+
+@pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
     c = Cluster(tmp_path)
     try:

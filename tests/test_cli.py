@@ -33,19 +33,6 @@ def run(cmd: list[str], env: dict | None = None, timeout: float = 120,
                           env=env, **kw)
 
 
-@pytest.fixture
-def runtime(tmp_path, monkeypatch):
-    rdir = tmp_path / "run"
-    monkeypatch.setenv("CROSSOVER_RUNTIME_DIR", str(rdir))
-    yield rdir
-    pid_file = rdir / "daemon.pid"
-    if pid_file.exists():
-        try:
-            os.killpg(int(pid_file.read_text()), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 # --- crossoverrun ----------------------------------------------------------------------
 @pytest.mark.parametrize("argv", [["--help"], ["-h"], ["--crossover", "--help"],
                                   ["--crossover", "--crossover-policy", "auto", "-h"]])

@@ -7,7 +7,6 @@ import re
 import signal
 import subprocess
 import textwrap
-from pathlib import Path
 
 import pytest
 
@@ -18,20 +17,6 @@ from tests.conftest import PY, REPO, wait_for
 
 SCRIPT = str(REPO / "examples/horovod_torch_synthetic.py")
 CROSSOVERRUN = [PY, "-m", "crossover.launch.cli"]
-
-
-@pytest.fixture
-def runtime(tmp_path, monkeypatch) -> Path:
-    """An isolated runtime directory; any daemon crossoverrun starts there is stopped."""
-    rdir = tmp_path / "run"
-    monkeypatch.setenv("CROSSOVER_RUNTIME_DIR", str(rdir))
-    yield rdir
-    pid_file = rdir / "daemon.pid"
-    if pid_file.exists():
-        try:
-            os.killpg(int(pid_file.read_text()), signal.SIGTERM)
-        except ProcessLookupError:
-            pass
 
 
 def checksum(output: str) -> str:
