@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 import crossover.hooks.torch as crossover_torch
-from crossover.backoff import Backoff, wait_until
 from crossover.hooks import _lifecycle
+from crossover.testing import add_start_barrier_flags, start_barrier
 
 MODELS = ("mlp", "cnn", "transformer")
 
@@ -81,32 +81,6 @@ def build(model: str, width: int, layers: int) -> tuple[nn.Module, object]:
     raise ValueError(f"unknown model {model!r}; choose one of {', '.join(MODELS)}")
 
 
-def wait_for_all(barrier: Path, job: str, rank: int, size: int, n_jobs: int,
-                 timeout_s: float = 120.0) -> None:
-    """Mark this rank ready in `barrier`, then wait until every rank of `n_jobs` jobs is.
-
-    A rank writes `<job>.<rank>.<size>`: the files say which jobs have arrived and how many
-    ranks each has, so the launcher need not know the jobs' sizes.
-
-    Raises:
-        RuntimeError: not all ranks arrived within `timeout_s` (which are there is said).
-    """
-    (barrier / f"{job}.{rank}.{size}").touch()
-
-    def all_ready() -> bool:
-        ready: dict[str, list[int]] = {}  # job -> the sizes its ready ranks wrote
-        for name in os.listdir(barrier):
-            who, _rank, of = name.rsplit(".", 2)
-            ready.setdefault(who, []).append(int(of))
-        return len(ready) == n_jobs and all(set(v) == {len(v)} for v in ready.values())
-
-    # short pauses: the jobs' loops should start within a few milliseconds of each other
-    if not wait_until(all_ready, timeout_s, Backoff(5e-4, 2e-3)):
-        raise RuntimeError(f"start barrier {barrier}: after {timeout_s:.0f} s the ranks "
-                           f"ready are {sorted(os.listdir(barrier))}, not all ranks of "
-                           f"{n_jobs} jobs; did every job get --start-jobs {n_jobs}?")
-
-
 def main() -> None:
     """Train and print the JSON line (rank 0)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -125,20 +99,11 @@ def main() -> None:
                         help="record the timed steps' GPU kernels with the torch profiler "
                              "to DIR/<job>.rank<r>.json, phase changes marked "
                              "(bench/gpu_release.py checks them against the holds)")
-    parser.add_argument("--start-barrier", type=Path, default=None,
-                        help="a directory shared by the jobs launched together: every rank "
-                             "waits there after its set-up until all --start-jobs jobs' "
-                             "ranks are ready, so no job's start-up runs inside another's "
-                             "training loop")
-    parser.add_argument("--start-jobs", type=int, default=1,
-                        help="how many jobs meet at --start-barrier")
+    add_start_barrier_flags(parser)
     parser.add_argument("--skip-device-sync", action="store_true",
                         help="the negative control of that check: release the slot "
                              "without waiting for the GPU to finish")
     args = parser.parse_args()
-    if args.start_jobs < 1:
-        parser.error(f"--start-jobs {args.start_jobs}: give the number of jobs launched "
-                     f"together (>= 1)")
 
     hvd.init()
     if args.device == "cuda":
@@ -178,9 +143,7 @@ def main() -> None:
 
     compute = comm = 0.0
     sync()
-    if args.start_barrier is not None:
-        wait_for_all(args.start_barrier, os.environ.get("CROSSOVER_JOB", "job"), hvd.rank(),
-                     hvd.size(), args.start_jobs)
+    start_barrier(args.start_barrier, args.start_jobs, hvd.rank(), hvd.size())
     if profiler is not None:
         profiler.start()
     start_wall, start = time.time(), time.perf_counter()

@@ -162,6 +162,14 @@ def rank_skew(events: Iterable[dict]) -> dict[str, dict[str, float]]:
     return out
 
 
+def handovers(events: Iterable[dict]) -> dict[str, int]:
+    """Per device, how many times its holds passed from one job to another. Jobs that ran
+    at the same time hand a shared device back and forth; jobs that ran one after the
+    other hand it over once: a check that holds never overlap says nothing about them."""
+    return {dev: sum(a[2] != b[2] for a, b in zip(spans, spans[1:], strict=False))
+            for dev, spans in holds_by_device(events).items()}
+
+
 def overlaps(events: Iterable[dict]) -> list[tuple[str, tuple, tuple]]:
     """Pairs of holds by different jobs on one device that overlap in time."""
     found = []

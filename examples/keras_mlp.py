@@ -25,6 +25,7 @@ import tensorflow as tf  # noqa: E402
 
 import crossover.hooks.keras as crossover_keras  # noqa: E402
 from crossover import session  # noqa: E402
+from crossover.testing import add_start_barrier_flags, start_barrier  # noqa: E402
 
 
 class Straggle(tf.keras.callbacks.Callback):
@@ -59,6 +60,7 @@ def main() -> None:
     parser.add_argument("--straggle-ms", type=float, default=0.0,
                         help="rank 1 sleeps this long at each batch end (fit only)")
     parser.add_argument("--out", default=None, help="rank 0 saves the final weights here")
+    add_start_barrier_flags(parser)
     args = parser.parse_args()
 
     hvd.init()
@@ -85,6 +87,9 @@ def main() -> None:
     x = rng.standard_normal((args.steps * args.batch, 64), dtype=np.float32)
     y = rng.integers(0, 10, args.steps * args.batch).astype(np.int64)
 
+    # (before the first step, which traces: a rank that met the others after it would
+    # hold its slot there, and a job whose first step needs that slot would never come)
+    start_barrier(args.start_barrier, args.start_jobs, hvd.rank(), hvd.size())
     start = time.perf_counter()
     if args.tape:
         optimizer = sgd

@@ -23,6 +23,7 @@ import torch  # noqa: E402
 from lightning.fabric.plugins.environments import LightningEnvironment  # noqa: E402
 
 from crossover.hooks.lightning import CrossoverCallback  # noqa: E402
+from crossover.testing import add_start_barrier_flags, start_barrier  # noqa: E402
 
 
 class MLP(pl.LightningModule):
@@ -44,6 +45,17 @@ class MLP(pl.LightningModule):
         return hvd.DistributedOptimizer(opt, named_parameters=self.named_parameters())
 
 
+class StartTogether(pl.Callback):
+    """Meets the other jobs at the start barrier once Lightning has set up (after
+    crossover's on_fit_start joined the daemon), before the first batch."""
+
+    def __init__(self, barrier, n_jobs: int) -> None:
+        self.barrier, self.n_jobs = barrier, n_jobs
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        start_barrier(self.barrier, self.n_jobs, hvd.rank(), hvd.size())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=50)
@@ -52,6 +64,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="rank 0 saves the final weights here")
+    add_start_barrier_flags(parser)
     args = parser.parse_args()
 
     hvd.init()
@@ -70,7 +83,7 @@ def main() -> None:
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, max_steps=args.steps, max_epochs=1,
         plugins=[LightningEnvironment()],  # Horovod is the launcher; not Lightning's MPI
-        callbacks=[CrossoverCallback()],
+        callbacks=[CrossoverCallback(), StartTogether(args.start_barrier, args.start_jobs)],
         logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, deterministic=True,
     )

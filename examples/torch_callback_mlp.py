@@ -17,6 +17,7 @@ import horovod.torch as hvd
 import torch
 
 from crossover.hooks.torch_callback import CrossoverCallback
+from crossover.testing import add_start_barrier_flags, start_barrier
 
 
 def main() -> None:
@@ -27,6 +28,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="rank 0 saves the final weights here")
+    add_start_barrier_flags(parser)
     args = parser.parse_args()
 
     hvd.init()
@@ -41,6 +43,7 @@ def main() -> None:
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     callback = CrossoverCallback()
+    start_barrier(args.start_barrier, args.start_jobs, hvd.rank(), hvd.size())
 
     gen = torch.Generator().manual_seed(args.seed * 1000 + hvd.rank())
     loss_fn = torch.nn.CrossEntropyLoss()

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 import horovod.torch as hvd
 import torch
 
 import crossover.hooks.torch as crossover_torch
+from crossover.testing import add_start_barrier_flags, start_barrier
 
 
 def main() -> None:
@@ -30,8 +30,7 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=1,
                         help="backward passes per optimizer step")
     parser.add_argument("--out", default=None, help="rank 0 saves the final weights here")
-    parser.add_argument("--start-file", default=None, help="wait (up to 120 s) for this "
-                        "file before training, so several jobs can start at once")
+    add_start_barrier_flags(parser)
     args = parser.parse_args()
 
     hvd.init()
@@ -51,11 +50,7 @@ def main() -> None:
     # Each rank sees its own shard of a fixed synthetic data set.
     gen = torch.Generator().manual_seed(args.seed * 1000 + hvd.rank())
     loss_fn = torch.nn.CrossEntropyLoss()
-    deadline = time.monotonic() + 120
-    while args.start_file and not os.path.exists(args.start_file):
-        if time.monotonic() > deadline:
-            raise SystemExit(f"{args.start_file} did not appear within 120 s")
-        time.sleep(0.01)
+    start_barrier(args.start_barrier, args.start_jobs, hvd.rank(), hvd.size())
     start = time.perf_counter()
     for _ in range(args.steps):
         optimizer.zero_grad()

@@ -11,12 +11,15 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+
+from crossover import trace
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -136,18 +139,23 @@ class Cluster:
         self.procs.append(proc)
         return proc
 
+    def start_args(self, n_jobs: int) -> tuple[str, ...]:
+        """Job arguments that start `n_jobs` jobs' training loops together (a fresh
+        `crossover.testing.start_barrier` directory for each group)."""
+        where = tempfile.mkdtemp(prefix="start-", dir=self.tmp)
+        return ("--start-barrier", where, "--start-jobs", str(n_jobs))
+
     def jobs_together(self, *specs: tuple) -> list[Proc]:
         """Start jobs (name, seed, steps, *extra args) that begin training at the same
-        moment: each waits for a start file, made once every job's ranks have joined the
-        daemon (a lone job keeps its device, so a late starter would find it finished)."""
-        gate = self.tmp / "start"
-        procs = [self.job(name, seed, steps, extra=(*extra, "--start-file", str(gate)))
+        moment (a lone job keeps its device, so a late starter would find it finished);
+        returns once every rank of every job has joined the daemon."""
+        together = self.start_args(len(specs))
+        procs = [self.job(name, seed, steps, extra=(*extra, *together))
                  for name, seed, steps, *extra in specs]
         log = self.tmp / "daemon.log"
         for name, *_ in specs:
             wait_for(lambda n=name: log.exists() and len(re.findall(
                 rf"job {n} rank \d+ on node", log.read_text())) >= 2, 120, f"{name} to join")
-        gate.touch()
         return procs
 
     def cleanup(self) -> None:
@@ -180,6 +188,16 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
         yield c
     finally:
         c.cleanup()
+
+
+def assert_ran_together(events: list[dict], min_handovers: int = 2) -> None:
+    """Every device in the trace passed between jobs at least `min_handovers` times: the
+    jobs ran at the same time (two handovers: one job held it before and after another),
+    so a check that their holds never overlapped has tested something."""
+    turns = trace.handovers(events)
+    assert turns and min(turns.values()) >= min_handovers, (
+        f"the jobs did not take turns on every device (handovers per device: {turns}, "
+        f"{min_handovers} needed): they did not run at the same time, nothing was tested")
 
 
 def same_weights(a: Path, b: Path) -> bool:

@@ -152,15 +152,16 @@ def test_a_signal_during_the_teardown_still_stops_every_daemon(tmp_path: Path) -
 
 
 def test_start_barrier_waits_for_every_rank_of_every_job(tmp_path: Path) -> None:
-    """The start barrier of jobs launched together (`crossover_job.py --start-barrier`)."""
-    from crossover_job import wait_for_all
+    """The start barrier of jobs launched together (`crossover.testing.start_barrier`)."""
+    from crossover.testing import start_barrier
 
     for rank in range(2):
         (tmp_path / f"jobA.{rank}.2").touch()
     (tmp_path / "job.B.0.2").touch()  # a dot in a job's name is fine
     with pytest.raises(RuntimeError, match=r"not all ranks of 2 jobs.*--start-jobs 2"):
-        wait_for_all(tmp_path, "job.B", 1, 3, 2, timeout_s=0.05)  # says 3 ranks: short
+        start_barrier(tmp_path, 2, 1, 3, job="job.B", timeout_s=0.05)  # says 3 ranks: short
     (tmp_path / "job.B.1.3").unlink()
-    wait_for_all(tmp_path, "job.B", 1, 2, 2, timeout_s=5.0)  # the last rank: returns at once
+    start_barrier(tmp_path, 2, 1, 2, job="job.B", timeout_s=5.0)  # the last rank: at once
     with pytest.raises(RuntimeError, match="not all ranks of 3 jobs"):
-        wait_for_all(tmp_path, "job.B", 1, 2, 3, timeout_s=0.05)
+        start_barrier(tmp_path, 3, 1, 2, job="job.B", timeout_s=0.05)
+    start_barrier(None, 3, 0, 2)  # no barrier: nothing to wait for

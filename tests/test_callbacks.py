@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from crossover import trace
-from tests.conftest import PY, REPO, Cluster, Proc, mpirun, same_weights
+from tests.conftest import PY, REPO, Cluster, Proc, assert_ran_together, mpirun, same_weights
 
 pytestmark = pytest.mark.mpi
 
@@ -19,7 +19,7 @@ SCRIPTS = {"C": "examples/torch_callback_mlp.py", "L": "examples/lightning_mlp.p
 SEEDS = {"C": 1, "L": 2}
 
 
-def job(c: Cluster, name: str, crossover: bool = True) -> Proc:
+def job(c: Cluster, name: str, crossover: bool = True, extra: tuple[str, ...] = ()) -> Proc:
     # every release point shows in the trace even while the job is alone on a device
     env = dict(c.env, CROSSOVER_JOB=name, CROSSOVER_TRACE=str(c.traces),
                CROSSOVER_KEEP_WHEN_ALONE="0")
@@ -27,7 +27,8 @@ def job(c: Cluster, name: str, crossover: bool = True) -> Proc:
         env["CROSSOVER_ENABLE"] = "0"
     out = c.tmp / f"{name}.pt"
     proc = Proc(mpirun(2, PY, str(REPO / SCRIPTS[name]), "--seed", str(SEEDS[name]),
-                       "--steps", str(STEPS), "--out", str(out)), env, c.tmp / f"{name}.log")
+                       "--steps", str(STEPS), "--out", str(out), *extra),
+                env, c.tmp / f"{name}.log")
     proc.weights = out
     c.procs.append(proc)
     return proc
@@ -51,10 +52,12 @@ def solo(tmp_path_factory) -> dict[str, Path]:
 def test_loop_and_lightning_callbacks_share_devices_and_keep_their_math(cluster: Cluster,
                                                                        solo):
     with cluster.daemon():
-        loop, lightning = job(cluster, "C"), job(cluster, "L")
+        together = cluster.start_args(2)
+        loop, lightning = job(cluster, "C", extra=together), job(cluster, "L", extra=together)
         loop.wait(180)
         lightning.wait(180)
     events = trace.merge(sorted(cluster.traces.glob("*.json")), cluster.tmp / "merged.json")
+    assert_ran_together(events)
     assert trace.overlaps(events) == []
     holds = trace.holds_by_device(events)
     assert len(holds) == 2, f"expected two CPU devices, got {list(holds)}"

@@ -13,7 +13,7 @@ import pytest
 from crossover import trace
 from crossover.launch import jobspec
 from crossover.launch.cli import main
-from tests.conftest import PY, REPO, wait_for
+from tests.conftest import PY, REPO, assert_ran_together, wait_for
 
 SCRIPT = str(REPO / "examples/horovod_torch_synthetic.py")
 CROSSOVERRUN = [PY, "-m", "crossover.launch.cli"]
@@ -32,8 +32,11 @@ def run(args: list[str], timeout: float = 240, **kw) -> subprocess.CompletedProc
 
 @pytest.mark.mpi
 def test_two_unmodified_scripts_run_under_crossover(runtime, tmp_path):
+    # The unmodified script has no start barrier: the first job trains about ten times
+    # as long as the second, so the second's loop falls inside it (checked below).
+    steps = {1: "600", 2: "60"}
     solo = {seed: checksum(run(["-np", "2", "-H", "localhost:2", PY, SCRIPT, "--seed",
-                                str(seed)]).stdout) for seed in (1, 2)}
+                                str(seed), "--steps", steps[seed]]).stdout) for seed in (1, 2)}
     assert not (runtime / "daemon.pid").exists(), "without --crossover no daemon starts"
     traces = tmp_path / "traces"
     # Always antiphase, so that the trace must show no overlapping holds (the default
@@ -42,10 +45,11 @@ def test_two_unmodified_scripts_run_under_crossover(runtime, tmp_path):
               str(traces), "--crossover-idle-shutdown", "180"]
     # Start one job first so that the daemon it starts is reused by the second.
     first = subprocess.Popen(CROSSOVERRUN + common + ["--crossover-job", "one", "-np", "2",
-                             "-H", "localhost:2", PY, SCRIPT, "--seed", "1"],
+                             "-H", "localhost:2", PY, SCRIPT, "--seed", "1", "--steps",
+                             steps[1]],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     second = run(common + ["--crossover-job", "two", "-np", "2", "-H", "localhost:2", PY,
-                           SCRIPT, "--seed", "2"])
+                           SCRIPT, "--seed", "2", "--steps", steps[2]])
     out1, err1 = first.communicate(timeout=240)
     assert first.returncode == 0, f"first job:\n{out1[-2000:]}\n{err1[-3000:]}"
     assert second.returncode == 0, f"second job:\n{second.stdout[-2000:]}\n{second.stderr[-3000:]}"
@@ -56,6 +60,7 @@ def test_two_unmodified_scripts_run_under_crossover(runtime, tmp_path):
                          tmp_path / "merged.json")
     holds = trace.holds_by_device(events)
     assert {s[2] for spans in holds.values() for s in spans} == {"one", "two"}
+    assert_ran_together(events)
     assert trace.overlaps(events) == []
     assert "built no Horovod DistributedOptimizer" not in err1
     # one daemon served both: whichever crossoverrun took the launch lock first started
@@ -85,8 +90,10 @@ def test_unmodified_keras_and_torch_scripts_together(runtime, tmp_path):
     # policy, auto, may serve the device concurrently: tests/test_mpi_core.py).
     common = ["--crossover", "--crossover-policy", "crossover", "--crossover-trace",
               str(traces), "--crossover-idle-shutdown", "180"]
+    # The scripts have no start barrier and TensorFlow starts slowly: the torch job
+    # trains long enough to be still training when the Keras job does (checked below).
     torch_job = subprocess.Popen(CROSSOVERRUN + common + ["--crossover-job", "torch", "-np",
-                                 "2", "-H", "localhost:2", PY, SCRIPT, "--steps", "40"],
+                                 "2", "-H", "localhost:2", PY, SCRIPT, "--steps", "800"],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                  cwd=REPO)
     shared = run(common + ["--crossover-job", "keras", *keras_cmd], env=env)
@@ -96,6 +103,7 @@ def test_unmodified_keras_and_torch_scripts_together(runtime, tmp_path):
     assert checksum(shared.stdout) == solo
     events = trace.merge([traces / "torch.trace.json", traces / "keras.trace.json"],
                          tmp_path / "merged.json")
+    assert_ran_together(events)
     assert trace.overlaps(events) == []
     names = {e["args"]["name"] for e in events if e.get("name") == "process_name"}
     assert names == {"torch", "keras"}

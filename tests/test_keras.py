@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from crossover import trace
-from tests.conftest import PY, REPO, Cluster, Proc, mpirun, same_weights
+from tests.conftest import PY, REPO, Cluster, Proc, assert_ran_together, mpirun, same_weights
 
 pytestmark = pytest.mark.mpi
 
@@ -70,12 +70,14 @@ def spans(c: Cluster, job: str, rank: int, name: str) -> list[tuple[float, float
 
 def test_keras_jobs_release_during_the_allreduce_and_keep_their_math(cluster: Cluster, solo):
     with cluster.daemon():
-        fit = keras_job(cluster, "K", 1, extra=("--straggle-ms", str(STRAGGLE_MS)))
-        tape = keras_job(cluster, "G", 3, extra=("--tape",))
-        torch_job = cluster.job("T", 2, 5 * STEPS)
+        together = cluster.start_args(3)
+        fit = keras_job(cluster, "K", 1, extra=("--straggle-ms", str(STRAGGLE_MS), *together))
+        tape = keras_job(cluster, "G", 3, extra=("--tape", *together))
+        torch_job = cluster.job("T", 2, 5 * STEPS, extra=together)
         for job in (fit, tape, torch_job):
             job.wait(240)
     events = trace.merge(sorted(cluster.traces.glob("*.json")), cluster.tmp / "merged.json")
+    assert_ran_together(events)
     assert trace.overlaps(events) == []
     holds = trace.holds_by_device(events)
     assert len(holds) == 2, f"expected two CPU devices, got {list(holds)}"

@@ -33,6 +33,16 @@ def test_overlaps_finds_only_holds_of_different_jobs_on_one_device(tmp_path):
     assert dev == "n/cpu0" and {first[2], second[2]} == {"a", "b"}
 
 
+def test_handovers_count_the_changes_of_job_on_each_device(tmp_path):
+    # taking turns: a b a b on cpu0; one after the other: a then b on cpu1
+    a = spans(tmp_path, "a", [(0.0, 1.0), (2.0, 3.0)])
+    b = spans(tmp_path, "b", [(1.0, 2.0), (3.0, 4.0)])
+    a1 = spans(tmp_path, "a1", [(0.0, 1.0), (1.0, 2.0)], device="n/cpu1")
+    b1 = spans(tmp_path, "b1", [(2.0, 3.0), (3.0, 4.0)], device="n/cpu1")
+    events = trace.merge([a, b, a1, b1], tmp_path / "m.json")
+    assert trace.handovers(events) == {"n/cpu0": 3, "n/cpu1": 1}
+
+
 def test_rank_skew_measures_how_far_apart_a_jobs_ranks_start_their_holds(tmp_path):
     paths = []
     for job, rank, device, lag in [("a", 0, "n0/cpu0", 0.0), ("a", 1, "n1/cpu0", 0.05),
