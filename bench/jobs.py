@@ -96,7 +96,7 @@ class Daemons:
 
 
 def run_jobs(launch: EmulatedCluster | Callable[[list[str]], list[str]], names: list[str],
-             workload: list[str], steps: int, env: dict[str, str], log_dir: Path,
+             workload: list[str], steps: int | list[int], env: dict[str, str], log_dir: Path,
              timeout_s: float = 300.0, job_env: dict[str, str] | None = None,
              first_seed: int = 1, workloads: list[list[str]] | None = None,
              job_envs: list[dict[str, str]] | None = None,
@@ -107,6 +107,7 @@ def run_jobs(launch: EmulatedCluster | Callable[[list[str]], list[str]], names: 
     Args:
         launch: the emulated cluster (one rank per host each), or a function that turns a
             job's command into its launch line (e.g. `cluster.local_gloo_run`).
+        steps: every job's training steps, or each job's own.
         job_env: the jobs' base environment (default: JOB_ENV, for one core a host).
         workloads: per job, its own workload arguments (default: `workload` for all).
         job_envs: per job, variables added to its environment (e.g. CROSSOVER_PRIORITY).
@@ -126,7 +127,8 @@ def run_jobs(launch: EmulatedCluster | Callable[[list[str]], list[str]], names: 
         barrier = ["--start-barrier", str(where), "--start-jobs", str(len(names))]
     for i, name in enumerate(names):
         args = workloads[i] if workloads is not None else workload
-        cmd = launch([sys.executable, str(JOB), *args, "--steps", str(steps),
+        own_steps = steps[i] if isinstance(steps, list) else steps
+        cmd = launch([sys.executable, str(JOB), *args, "--steps", str(own_steps),
                       "--seed", str(first_seed + i), *barrier])
         own = job_envs[i] if job_envs is not None else {}
         jobs.append(Job(name, cmd, {**(JOB_ENV if job_env is None else job_env), **env, **own,

@@ -6,13 +6,15 @@ trained alone with crossover off (`CROSSOVER_ENABLE=0`): weights must be bit-ide
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 
+import psutil
 import pytest
 
 from crossover import trace
-from tests.conftest import Cluster, assert_ran_together, same_weights, wait_for
+from tests.conftest import Cluster, Proc, assert_ran_together, same_weights, wait_for
 
 pytestmark = pytest.mark.mpi
 
@@ -99,8 +101,56 @@ def test_mode_switches_mid_run_keep_the_math(cluster: Cluster, solo):
     events = trace.merge(sorted(cluster.traces.glob("*.json")), cluster.tmp / "merged.json")
     seen = {ev["name"] for ev in events if ev.get("ph") == "i"}
     assert {"mode antiphase", "mode concurrent"} <= seen, "the ranks' traces show the switches"
+    # Concurrent, the jobs ran on shares of the host's cores; antiphase took them back:
+    # each rank's own affinity (read back after pinning, in its trace) was its share,
+    # then, after the switch to antiphase, the whole host.
+    host = sorted(os.sched_getaffinity(0))
+    for job, rank in ((j, r) for j in ("A", "B") for r in (0, 1)):
+        seq = [(ev["name"], ev["args"].get("applied"), ev["args"].get("share"))
+               for ev in sorted(trace.load(cluster.traces / f"{job}.rank{rank}.json"),
+                                key=lambda e: e.get("ts", 0))
+               if ev.get("ph") == "i" and ev["name"].split()[0] in ("cores", "mode")]
+        shared = next(i for i, (name, applied, share) in enumerate(seq)
+                      if name.startswith("cores ") and share and applied == share)
+        back = next(i for i, (name, _, _) in enumerate(seq) if name == "mode antiphase"
+                    and i > shared)
+        assert ("cores all", host, []) in seq[back:], (job, rank, seq)
     assert same_weights(a.weights, solo["Amode"])
     assert same_weights(b.weights, solo["Bmode"])
+
+
+def rank_processes(job: Proc) -> list[psutil.Process]:
+    """The job's rank processes (mpirun's children running the script)."""
+    return [p for p in psutil.Process(job.popen.pid).children(recursive=True)
+            if any(arg.endswith("torch_mlp.py") for arg in p.cmdline())]
+
+
+def test_cores_are_given_back_when_the_daemon_is_lost(cluster: Cluster, solo):
+    """Under auto, CPU jobs on one host run on disjoint shares of its cores. A share holds
+    only while the daemon is there to change it: with the daemon gone, every rank runs
+    on the whole host again (read from the ranks' own affinity)."""
+    host = frozenset(os.sched_getaffinity(0))
+    with cluster.daemon(policy="auto") as daemon:
+        a, b = cluster.jobs_together(("A", 1, 100_000), ("B", 2, LONG_STEPS))
+        ranks = {"A": rank_processes(a), "B": rank_processes(b)}
+        assert all(len(r) == 2 for r in ranks.values()), ranks
+
+        def split() -> bool:
+            cores = {job: {frozenset(p.cpu_affinity()) for p in ps} for job, ps in ranks.items()}
+            if not all(len(c) == 1 for c in cores.values()):
+                return False
+            (share_a,), (share_b,) = cores["A"], cores["B"]
+            return not share_a & share_b and share_a | share_b == host
+
+        wait_for(split, 60, "each job's ranks to run on a share of the cores of its own")
+        daemon.kill(signal.SIGKILL)
+    wait_for(lambda: all(frozenset(p.cpu_affinity()) == host
+                         for ps in ranks.values() for p in ps),
+             30, "every rank to run on the whole host again")
+    out_b = b.wait(180)
+    a.kill()
+    assert "trains on uncoordinated" in out_b
+    assert same_weights(b.weights, solo["Blong"])
 
 
 def test_backward_passes_per_step_keeps_the_math(cluster: Cluster, solo):

@@ -55,22 +55,27 @@ def test_shares_are_disjoint_cover_the_host_and_none_is_empty(n_cores, ranks):
     assert list(shares) == [j for j, _ in jobs]
     assert all(shares.values())
     assert sorted(c for share in shares.values() for c in share) == cores
-    # in proportion: a job with more ranks never has fewer cores
-    for (a, ra), (b, rb) in zip(jobs, jobs[1:], strict=False):
-        if ra > rb:
-            assert len(shares[a]) >= len(shares[b])
+    # in proportion: one core each, and the spare cores within one of the job's
+    # proportional part; a job with more ranks never has fewer cores than any other
+    spare = n_cores - len(jobs)
+    for job, r in jobs:
+        assert abs(len(shares[job]) - 1 - spare * r / sum(ranks)) < 1, (job, r, shares)
+    for a, ra in jobs:
+        for b, rb in jobs:
+            if ra > rb:
+                assert len(shares[a]) >= len(shares[b]), (a, b, shares)
 
 
 WORKLOAD = ["--model", "mlp", "--width", "256", "--layers", "2", "--batch", "128",
             "--deterministic"]
-STEPS = 300  # about 2-3 s alone
+STEPS = [300, 600]  # about 2-3 s alone for jA; jB trains on alone once jA is done
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to split")
 @pytest.mark.timeout(300)
 def test_two_cpu_jobs_on_one_host_get_cores_of_their_own_and_train_as_alone(tmp_path):
     plain = {"CROSSOVER_ENABLE": "0"}
-    solo = [run_jobs(one_host_launch, [f"solo{x}"], WORKLOAD, STEPS, plain, tmp_path, 120,
+    solo = [run_jobs(one_host_launch, [f"solo{x}"], WORKLOAD, STEPS[i], plain, tmp_path, 120,
                      job_env=ONE_HOST_ENV, first_seed=i + 1)[0]
             for i, x in enumerate("AB")]
     traces = tmp_path / "traces"
@@ -85,15 +90,23 @@ def test_two_cpu_jobs_on_one_host_get_cores_of_their_own_and_train_as_alone(tmp_
     events = trace.merge(sorted(traces.glob("*.json")), tmp_path / "merged.json")
     names = {ev["pid"]: ev["args"]["name"] for ev in events
              if ev.get("ph") == "M" and ev.get("name") == "process_name"}
-    shares: dict[str, set[tuple[int, ...]]] = {}
-    for ev in events:
-        if ev.get("ph") == "i" and ev["name"].startswith("cores ") and ev["args"]["share"]:
-            assert ev["args"]["applied"] == ev["args"]["share"], ev  # really pinned
-            shares.setdefault(names[ev["pid"]], set()).add(tuple(ev["args"]["share"]))
-    assert set(shares) == {"jA", "jB"}, shares  # every job was given a share
+    host = sorted(os.sched_getaffinity(0))
+    placed: dict[tuple[str, int], list[tuple[float, ...]]] = {}  # (job, rank) -> its shares
+    for ev in sorted((e for e in events if e.get("ph") == "i"), key=lambda e: e["ts"]):
+        if ev["name"].startswith("cores "):
+            # the rank's own affinity, read back after pinning: its share, or the whole
+            # host given back
+            assert ev["args"]["applied"] == (ev["args"]["share"] or host), ev
+            placed.setdefault((names[ev["pid"]], ev["tid"]), []).append(
+                tuple(ev["args"]["share"]))
+    shares = {job: {s for (j, _), seq in placed.items() if j == job for s in seq if s}
+              for job in ("jA", "jB")}
+    assert all(shares.values()), placed  # every job was given a share
     (a,), (b,) = shares["jA"], shares["jB"]  # one share each, the same on every rank
     assert not set(a) & set(b)
-    assert sorted(a + b) == sorted(os.sched_getaffinity(0))
+    assert sorted(a + b) == host
+    # jB trained on after jA left: its ranks ran on the whole host again
+    assert all(seq[-1] == () for (j, _), seq in placed.items() if j == "jB"), placed
     said = [ln.split("cores on node ", 1)[1] for ln in
             (tmp_path / "daemon.log").read_text().splitlines() if "cores on node " in ln]
     split = next(i for i, ln in enumerate(said) if "jA [" in ln)
