@@ -58,7 +58,9 @@ def test_two_hosts_talk_over_the_shaped_link_and_leave_nothing():
         finally:
             server.kill()
             server.wait(timeout=10)
-        assert c.measure_mbit(nbytes=256 * 1024) > 0
+        # shaped: near its 100 Mbit/s (an unshaped pair of veths carries gigabits)
+        rate = c.measure_mbit(nbytes=2 << 20)
+        assert 60 <= rate <= 110, f"{rate:.0f} Mbit/s over a link shaped to 100"
         # the hosts resolve by name, and their processes carry their own node name
         out = subprocess.run(c.exec_in(1, ["sh", "-c", "echo $CROSSOVER_NODE $(hostname)"]),
                              capture_output=True, text=True, timeout=30).stdout.split()
