@@ -106,7 +106,10 @@ class Cluster:
 
     @contextmanager
     def daemon(self, nodes: int = 1, policy: str = "crossover", lease: float = 30.0,
-               fake: bool = False, extra: tuple[str, ...] = ()) -> Iterator[Proc]:
+               fake: bool = False, extra: tuple[str, ...] = (),
+               prefix: tuple[str, ...] = ()) -> Iterator[Proc]:
+        """Run a daemon (`prefix`: a command it runs under, e.g. prlimit) until the
+        block ends."""
         args = ["-m", "crossover", "daemon", "--policy", policy, "--lease", str(lease), *extra]
         env = dict(self.env)
         if nodes > 1 or fake:
@@ -115,7 +118,7 @@ class Cluster:
             cmd = mpirun(nodes, PY, *args)
             names = [f"fake{i}" for i in range(nodes)]
         else:
-            cmd = [PY, *args]
+            cmd = [*prefix, PY, *args]
             names = [os.uname().nodename]
         proc = Proc(cmd, env, self.tmp / "daemon.log")
         self.procs.append(proc)

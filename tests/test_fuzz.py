@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from crossover import protocol as P
 from crossover.client import RankInfo, SlotClient
 from crossover.protocol import Phase
+from crossover.transport import recv_msg
 from tests.conftest import Cluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -136,6 +137,72 @@ def test_hundreds_of_connections_leave_no_descriptors_behind(daemon):
     while proc.num_fds() > before + 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert proc.num_fds() <= before + 2, (before, proc.num_fds())
+
+
+def test_a_client_that_stops_reading_is_dropped_and_the_others_are_served(daemon):
+    """A rank that asks for its device over and over and never reads the grants fills
+    its socket: the daemon drops it rather than wait on it, and serves the others."""
+    c, proc = daemon
+    hog = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    hog.settimeout(10)
+    hog.connect(socket_of(c))
+    hog.sendall(hello_frame("hog"))
+    welcome = recv_msg(hog)
+    assert isinstance(welcome, P.Welcome), welcome
+    if welcome.table:
+        hog.sendall(frame(P.encode(P.Attached(False))))  # grants by socket
+    sent = 0
+    try:
+        while sent < 100_000:  # grants: far more than two socket buffers hold
+            hog.sendall(b"".join(frame(P.encode(P.Acquire(seq))) +
+                                 frame(P.encode(P.Release(Phase.IDLE.value)))
+                                 for seq in range(sent, sent + 500)))
+            sent += 500
+    except OSError:
+        pass  # dropped while still asking
+    assert sent < 100_000, "the daemon read every request: nothing was left unread"
+    assert good_round_trip(c) < 5.0  # a daemon blocked on the hog's socket serves no one
+    # what the daemon sent before it gave up, then the end (a reset, when it closed on
+    # requests it had not read): dropped, not waited on; a wait would time out here
+    try:
+        while hog.recv(1 << 20):
+            pass
+    except ConnectionResetError:
+        pass
+    hog.close()
+    assert proc.is_running()
+
+
+def test_connections_past_the_descriptor_limit_are_refused_at_once(tmp_path):
+    """Under `ulimit -n 128` the daemon takes 64 connections and closes the rest as they
+    come, and a rank that arrives once they are gone is served."""
+    c = Cluster(tmp_path)
+    try:
+        with c.daemon(prefix=("prlimit", "--nofile=128"), extra=("--hello-timeout", "30")):
+            socks = []
+            for _ in range(100):
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.connect(socket_of(c))
+                socks.append(s)
+            # The daemon accepts in arrival order: once the last one is closed, every
+            # connection has had its answer.
+            socks[-1].settimeout(10)
+            assert socks[-1].recv(1) == b"", "the 100th connection must be refused"
+            assert "refusing more" in (tmp_path / "daemon.log").read_text()
+            refused = 0
+            for s in socks:
+                s.setblocking(False)
+                try:
+                    refused += s.recv(1) == b""  # closed by the daemon, long before 30 s
+                except BlockingIOError:
+                    pass  # accepted: open until its hello timeout
+            for s in socks:
+                s.close()
+            # 64 for connections (128 less the daemon's own), less its listener and pipe
+            assert 30 <= refused <= 40, f"{refused} of 100 connections refused, ~38 expected"
+            good_round_trip(c)
+    finally:
+        c.cleanup()
 
 
 @pytest.mark.parametrize("body, words", [
