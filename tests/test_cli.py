@@ -357,3 +357,28 @@ def test_a_rank_stopped_by_sigterm_writes_its_trace_and_dies_of_it(tmp_path):
     assert "stepped" in res.stdout, res.stderr[-2000:]
     assert res.returncode == -signal.SIGTERM, "it still dies of the signal"
     assert (tmp_path / "stopped.rank0.json").exists(), "the trace was written"
+
+
+LAUNCHER = """
+import sys
+from crossover.launch.daemons import ensure_daemon
+from crossover.testing import start_barrier
+start_barrier(sys.argv[1], int(sys.argv[2]), 0, 1, job=sys.argv[3])
+print(ensure_daemon("auto", None, ["localhost"], 120))
+"""
+
+
+def test_launchers_at_the_same_moment_share_one_daemon(tmp_path, runtime):
+    """Several `--crossover-daemon auto` launches at once: the launch lock lets one of
+    them start the daemon, and the others find it."""
+    n = 4
+    procs = [subprocess.Popen([PY, "-c", LAUNCHER, str(tmp_path / "start"), str(n), f"l{i}"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=REPO)
+             for i in range(n)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0] * n, [err[-2000:] for _, err in outs]
+    assert {out.strip() for out, _ in outs} == {str(runtime)}
+    started = [err for _, err in outs if "started a crossover daemon" in err]
+    assert len(started) == 1, [err[-500:] for _, err in outs]
+    assert (runtime / "daemon.log").read_text().count("daemon 0/1 for node") == 1
