@@ -241,3 +241,36 @@ def test_daemons_on_two_nodes_agree_on_the_job_order(cluster: Cluster, solo, ext
     assert same_weights(b.weights, solo["B"])
     for job in (a, b):  # the ranks' wait reports are part of the protocol
         assert "uncoordinated" not in job.output()
+
+
+def mode_switches(c: Cluster, job: str, rank: int) -> list[str]:
+    """The mode changes a rank was told of, in order (its trace's instants)."""
+    events = sorted(trace.load(c.traces / f"{job}.rank{rank}.json"), key=lambda e: e.get("ts", 0))
+    return [ev["name"] for ev in events if ev.get("ph") == "i" and ev["name"].startswith("mode ")]
+
+
+def test_auto_on_two_nodes_switches_every_node_alike_and_keeps_the_math(cluster: Cluster, solo):
+    """Two daemons (fake nodes) under the default policy: the leader probes and decides,
+    every node applies each switch (with the request points it carries), and the jobs,
+    each with a rank on either node, keep their math."""
+    # (--mode-probe-local: the fake nodes share this host, which is otherwise not probed)
+    with cluster.daemon(nodes=2, policy="auto", extra=("--mode-probe", "0.2", "--mode-hold",
+                                                       "0.5", "--mode-probe-local")):
+        a, b = cluster.jobs_together(("A", 1, MODE_STEPS), ("B", 2, MODE_STEPS))
+        a.wait(180)
+        b.wait(180)
+        log = (cluster.tmp / "daemon.log").read_text()
+    decided = re.findall(r"mode (antiphase|concurrent): ", log)  # the leader's log alone
+    assert {"antiphase", "concurrent"} <= set(decided) and len(decided) >= 3, log
+    for job in ("A", "B"):
+        # rank r runs on node fake<r>: both nodes told the job the same modes in order
+        # (a job may end before it hears the last one)
+        short, long = sorted((mode_switches(cluster, job, r) for r in (0, 1)), key=len)
+        assert long[:len(short)] == short, (job, short, long)
+        # a switch in each direction: out of antiphase (where a rank starts), and back
+        assert "mode concurrent" in short, (job, short)
+        assert "mode antiphase" in short[short.index("mode concurrent"):], (job, short)
+    assert same_weights(a.weights, solo["Amode"])
+    assert same_weights(b.weights, solo["Bmode"])
+    for job in (a, b):
+        assert "uncoordinated" not in job.output()
