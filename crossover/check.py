@@ -105,12 +105,41 @@ def _horovod_framework(module: str) -> tuple[bool, list[str], str | None]:
     return True, json.loads(res.stdout.strip().splitlines()[-1]), None
 
 
+#: Whether this PyTorch can run DDP jobs (torch.distributed with gloo), asked apart.
+_DDP_PROBE = ("import torch, torch.distributed as d; print(d.is_available() and "
+              "d.is_gloo_available(), d.is_nccl_available() if d.is_available() else False)")
+
+
+def check_ddp() -> Finding:
+    torch_version = _version("torch")
+    if torch_version is None:
+        return Finding("warn", "PyTorch DDP", "PyTorch is not installed: no DDP jobs")
+    try:
+        res = subprocess.run([sys.executable, "-c", _DDP_PROBE], capture_output=True,
+                             text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return Finding("warn", "PyTorch DDP", "importing torch.distributed took over 300 s")
+    try:
+        gloo, nccl = res.stdout.split()
+    except ValueError:
+        last = (res.stderr.strip().splitlines() or [f"exit status {res.returncode}"])[-1]
+        return Finding("warn", "PyTorch DDP", f"torch.distributed cannot be imported ({last})")
+    if gloo != "True":
+        return Finding("warn", "PyTorch DDP", "torch.distributed without gloo: no DDP jobs")
+    backends = "gloo, nccl" if nccl == "True" else "gloo"
+    return Finding("ok", "PyTorch DDP", f"torch.distributed ({backends}); "
+                                        f"crossover-torchrun launches DDP jobs")
+
+
 def check_horovod() -> list[Finding]:
     version = _version("horovod")
     if version is None:
-        return [Finding("MISSING", "Horovod", "not installed: build it with your framework "
-                                              "and MPI, e.g. HOROVOD_WITH_PYTORCH=1 "
-                                              "HOROVOD_WITH_MPI=1 pip install horovod")]
+        # DDP jobs need no Horovod: its absence stops only Horovod jobs
+        status = "warn" if check_ddp().status == "ok" else "MISSING"
+        return [Finding(status, "Horovod", "not installed: Horovod jobs cannot run; build it "
+                                           "with your framework and MPI, e.g. "
+                                           "HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 pip "
+                                           "install horovod")]
     found, usable = [], 0
     for framework, dist, module in (("PyTorch", "torch", "horovod.torch"),
                                     ("TensorFlow", "tensorflow", "horovod.tensorflow")):
@@ -194,7 +223,8 @@ def check_extras() -> list[Finding]:
 
 
 CHECKS: list[Callable[[], Finding | list[Finding]]] = [
-    check_mpi, check_horovod, check_native, check_runtime_dir, check_settings, check_extras,
+    check_mpi, check_horovod, check_ddp, check_native, check_runtime_dir, check_settings,
+    check_extras,
 ]
 
 

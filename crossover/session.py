@@ -134,7 +134,13 @@ def _agreed_job_name(info: RankInfo) -> str:
         hvd = sys.modules.get(mod)
         if hvd is not None and hvd.is_initialized():
             return hvd.broadcast_object(local, root_rank=0, name="crossover.job_name")
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        name = [local]
+        dist.broadcast_object_list(name, src=0)
+        return name[0]
     raise RuntimeError(
         "crossover cannot name this job: set CROSSOVER_JOB to a name shared by all its "
-        "ranks, or call hvd.init() before crossover.init()"
+        "ranks, or call hvd.init() (or torch.distributed.init_process_group) before "
+        "crossover.init()"
     )

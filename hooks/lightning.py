@@ -1,4 +1,9 @@
-"""Slot hooks for PyTorch Lightning's own training loop with `hvd.DistributedOptimizer`.
+"""Slot hooks for PyTorch Lightning's own training loop: with `hvd.DistributedOptimizer`,
+or under Lightning's DDP strategy.
+
+Under `Trainer(strategy="ddp")` (launched by torchrun, or by Lightning itself) the
+callback hands the DDP model to `crossover.hooks.ddp`, whose hooks do all the slot
+calls: the rest of this docstring is about Horovod.
 
 Lightning 2 has no Horovod strategy (it was removed in 2.0). Each process launched by
 mpirun/horovodrun runs its own single-device `Trainer`; `configure_optimizers` returns
@@ -29,21 +34,23 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+from torch.nn.parallel import DistributedDataParallel
 
 from crossover import session
 from crossover.client import SlotClient
 
+from . import ddp as crossover_ddp
 from ._lifecycle import SlotLifecycle, horovod_optimizer
 
 _WHERE = "crossover.hooks.lightning.CrossoverCallback (configure_optimizers' optimizer)"
 
 
 class CrossoverCallback(pl.Callback):
-    """Holds the device slot for Lightning's batches and gives it up while Horovod
-    averages the gradients; makes Lightning's loop correct with Horovod's optimizer.
+    """Holds the device slot for Lightning's batches and gives it up while the gradients
+    are averaged; makes Lightning's loop correct with Horovod's optimizer.
 
-    Use one single-device Trainer per Horovod rank (`devices=1`, not a Lightning
-    distributed strategy) and shard the data by `hvd.rank()` yourself.
+    With Horovod, use one single-device Trainer per Horovod rank (`devices=1`) and shard
+    the data by `hvd.rank()` yourself. With `strategy="ddp"`, Lightning does both.
 
     Args:
         client: the slot client (default: the process's, see `crossover.session.init`).
@@ -55,6 +62,7 @@ class CrossoverCallback(pl.Callback):
         self.client: SlotClient | None = None
         self._optimizers: list[Any] = []
         self._life = SlotLifecycle(None)  # until on_fit_start knows the client and device
+        self._ddp = False  # under Lightning's DDP strategy: crossover.hooks.ddp does it all
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Check the set-up and take Horovod's synchronization out of `step()`.
@@ -64,11 +72,20 @@ class CrossoverCallback(pl.Callback):
             ValueError: accumulate_grad_batches differs from backward_passes_per_step,
                 or Lightning runs several devices per process.
         """
+        model = getattr(trainer.strategy, "model", None)
+        if isinstance(model, DistributedDataParallel):
+            # DDP's hooks take and give up the slot (crossover.hooks.ddp); this
+            # callback's own calls stand down (its lifecycle has no client)
+            crossover_ddp.wrap(model)
+            self._ddp = True
+            return
         if trainer.world_size != 1:
             raise ValueError(
                 f"crossover.hooks.lightning runs one single-device Trainer per Horovod rank "
-                f"(Trainer(devices=1)); this Trainer has world_size {trainer.world_size}: "
-                f"launch one process per device with mpirun/horovodrun instead")
+                f"(Trainer(devices=1)), or Lightning's DDP strategy; this Trainer has "
+                f"world_size {trainer.world_size} under {type(trainer.strategy).__name__}: "
+                f"launch one process per device with mpirun/horovodrun, or use "
+                f"strategy='ddp'")
         self._optimizers = [horovod_optimizer(opt, _WHERE) for opt in trainer.optimizers]
         for opt in self._optimizers:
             if opt.backward_passes_per_step != trainer.accumulate_grad_batches:
@@ -96,6 +113,8 @@ class CrossoverCallback(pl.Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: Any) -> None:
         """Wait for the averaged gradients without the slot, then hold it for the update."""
+        if self._ddp:
+            return  # DDP averaged them inside backward
         self._life.wait_for_gradients(horovod_optimizer(optimizer, _WHERE))
         self._life.begin_update()
 

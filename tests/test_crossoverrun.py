@@ -16,6 +16,7 @@ from crossover.launch.cli import main
 from tests.conftest import PY, REPO, assert_ran_together, wait_for
 
 SCRIPT = str(REPO / "examples/horovod_torch_synthetic.py")
+DDP_SCRIPT = str(REPO / "examples/ddp_tutorial.py")
 CROSSOVERRUN = [PY, "-m", "crossover.launch.cli"]
 
 
@@ -129,14 +130,19 @@ def test_jobs_file_runs_all_jobs_with_prefixed_output(runtime, tmp_path):
             np: 2
             priority: 2
             timeout: 200
+          - name: gamma
+            launcher: torchrun
+            command: {PY} {DDP_SCRIPT} --steps 20
+            np: 2
         """))
     res = run(["--crossover", "--crossover-idle-shutdown", "180", "--jobs", str(spec)])
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert re.search(r"^\[alpha\] .*weights checksum", res.stdout, re.M)
-    assert re.search(r"^\[beta\] .*weights checksum", res.stdout, re.M)
-    assert "job alpha exited 0" in res.stderr and "job beta exited 0" in res.stderr
+    for name in ("alpha", "beta", "gamma"):
+        assert re.search(rf"^\[{name}\] .*weights checksum", res.stdout, re.M), name
+        assert f"job {name} exited 0" in res.stderr
     log = (runtime / "daemon.log").read_text()
-    assert "job alpha rank 1" in log and "job beta rank 1" in log
+    # a torchrun job is a job like the others to the daemon
+    assert all(f"job {name} rank 1" in log for name in ("alpha", "beta", "gamma")), log
 
 
 def test_a_process_that_builds_no_optimizer_says_so(runtime):
@@ -212,6 +218,14 @@ SPEC_ERRORS = [
      "job 'a': field 'name': used by more than one job"),
     ("jobs:\n  - {name: a, command: [], np: 1}", "field 'command': expected a non-empty"),
     ("jobs: [", "cannot read the job spec"),
+    ("jobs:\n  - {name: a, command: x, np: 1, launcher: mpirun}",
+     "job 'a': field 'launcher': expected one of horovodrun, torchrun, got 'mpirun'"),
+    ("jobs:\n  - {name: a, command: x, np: 1, launcher: torchrun, hosts: 'h1:1'}",
+     "job 'a': field 'hosts': a torchrun job runs on this host"),
+    ("jobs:\n  - {name: a, command: x, np: 1, launcher: torchrun, horovodrun_args: [--gloo]}",
+     "job 'a': field 'horovodrun_args': not for a torchrun job; use 'torchrun_args'"),
+    ("jobs:\n  - {name: a, command: x, np: 1, torchrun_args: [--max-restarts, '0']}",
+     "job 'a': field 'torchrun_args': not for a horovodrun job; use 'horovodrun_args'"),
 ]
 
 
@@ -224,6 +238,12 @@ def test_job_spec_errors(text, message, tmp_path, runtime, capsys):
     assert main(["--crossover", "--jobs", str(spec)]) == 2
     assert message in capsys.readouterr().err
     assert not (runtime / "daemon.pid").exists(), "nothing may start"
+
+
+def test_a_torchrun_job_runs_its_script_with_torchruns_python():
+    (job,) = jobspec.parse({"jobs": [{"name": "d", "command": "python3 train.py --lr 1",
+                                       "np": 2, "launcher": "torchrun"}]})
+    assert job.launcher == "torchrun" and job.command == ["train.py", "--lr", "1"]
 
 
 def test_job_spec_reports_every_problem_at_once(tmp_path):

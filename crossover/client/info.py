@@ -1,4 +1,5 @@
-"""Where a rank stands in its job, from Horovod or from its launcher's environment."""
+"""Where a rank stands in its job: from Horovod, torch.distributed or its launcher's
+environment."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ class RankInfo:
 
     @classmethod
     def from_env(cls) -> RankInfo:
-        """From Horovod if initialised, else from the launcher's environment."""
+        """From Horovod if initialised, else from torch.distributed if initialised (with
+        torchrun's local rank and size), else from the launcher's environment."""
         try:
             import horovod.common.basics  # noqa: F401 - cheap check that horovod exists
 
@@ -29,9 +31,16 @@ class RankInfo:
         except ImportError:
             pass
         env = os.environ
+        dist = sys.modules.get("torch.distributed")
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return cls(dist.get_rank(), dist.get_world_size(), int(env.get("LOCAL_RANK", 0)),
+                       int(env.get("LOCAL_WORLD_SIZE", 1)))
         for prefix in ("OMPI_COMM_WORLD_", "HOROVOD_"):  # mpirun, horovodrun --gloo
             if prefix + "RANK" in env:
                 return cls(int(env[prefix + "RANK"]), int(env[prefix + "SIZE"]),
                            int(env.get(prefix + "LOCAL_RANK", 0)),
                            int(env.get(prefix + "LOCAL_SIZE", 1)))
+        if "TORCHELASTIC_RUN_ID" in env:  # torchrun, before init_process_group
+            return cls(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]),
+                       int(env["LOCAL_WORLD_SIZE"]))
         return cls(0, 1, 0, 1)

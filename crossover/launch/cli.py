@@ -16,6 +16,7 @@ import io
 import os
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import crossover
@@ -28,7 +29,7 @@ from crossover.launch.daemons import (
     hosts_of,
 )
 from crossover.launch.inject import INJECT_ENV, inject_dir
-from crossover.launch.running import merge_traces, run_horovod_child, run_jobs
+from crossover.launch.running import merge_traces, run_jobs, run_runner_child
 from crossover.scheduler import POLICIES
 
 #: crossoverrun's own answers, when given before the training command.
@@ -51,14 +52,16 @@ def horovod_args(rest: list[str]) -> argparse.Namespace | None:
         sys.argv = saved
 
 
-def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
-    """Separate the plugin flags from horovodrun's arguments.
+def split_argv(argv: list[str], command_start_of: Callable[[list[str]], int] | None = None
+               ) -> tuple[list[str], list[str]]:
+    """Separate the plugin flags from the runner's arguments.
 
-    Plugin flags are taken only before the training command (Horovod's parser tells
-    where that starts), so a script's own `--jobs` flag is left alone.
+    Plugin flags are taken only before the training command (the runner's parser tells
+    where that starts: `command_start_of`, Horovod's by default), so a script's own
+    `--jobs` flag is left alone.
     """
     plugin, rest, i = [], [], 0
-    command_start = _command_start(argv)
+    command_start = (command_start_of or _command_start)(argv)
     while i < len(argv):
         tok = argv[i]
         name = tok.split("=", 1)[0]
@@ -80,7 +83,19 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def _command_start(argv: list[str]) -> int:
-    """Index in argv where the training command begins (len(argv) if none)."""
+    """Index in argv where horovodrun's training command begins (len(argv) if none)."""
+    return command_start(argv, _horovod_command)
+
+
+def _horovod_command(args: list[str]) -> list[str] | None:
+    parsed = horovod_args(args)
+    return parsed.command if parsed is not None else None
+
+
+def command_start(argv: list[str], command_of: Callable[[list[str]], list[str] | None]) -> int:
+    """Index in argv where the training command begins (len(argv) if none), given the
+    runner's reading of its arguments without the plugin flags (`command_of`: the
+    command it finds, None where it finds the arguments wrong)."""
     stripped, index_of = [], []
     i = 0
     while i < len(argv):  # drop plugin flags wherever they are, remember positions
@@ -91,22 +106,23 @@ def _command_start(argv: list[str]) -> int:
         stripped.append(argv[i])
         index_of.append(i)
         i += 1
-    parsed = horovod_args(stripped)
-    if parsed is None or not parsed.command:
-        return len(argv)  # horovodrun will report the problem itself
-    return index_of[len(stripped) - len(parsed.command)]
+    command = command_of(stripped)
+    if not command:
+        return len(argv)  # the runner will report the problem itself
+    return index_of[len(stripped) - len(command)]
 
 
-def plugin_parser() -> argparse.ArgumentParser:
+def plugin_parser(prog: str = "crossoverrun", runner: str = "horovodrun"
+                  ) -> argparse.ArgumentParser:
     """The plugin flags (their help is `crossoverrun --help`'s first part)."""
+    usage = f"{prog} [plugin flags] [{runner} arguments] COMMAND ..."
+    if runner == "horovodrun":
+        usage += f"\n       {prog} --jobs FILE [plugin flags]"
     parser = argparse.ArgumentParser(
-        prog="crossoverrun", add_help=False, allow_abbrev=False, exit_on_error=False,
-        usage="crossoverrun [plugin flags] [horovodrun arguments] COMMAND ...\n"
-              "       crossoverrun --jobs FILE [plugin flags]",
-        description="horovodrun with the crossover plugin: several jobs share devices, "
-                    "one computing while another communicates. Plugin flags go before "
-                    "the training command; everything else goes to Horovod's runner "
-                    "unchanged.")
+        prog=prog, add_help=False, allow_abbrev=False, exit_on_error=False, usage=usage,
+        description=f"{runner} with the crossover plugin: several jobs share devices, "
+                    f"one computing while another communicates. Plugin flags go before "
+                    f"the training command; everything else goes to {runner} unchanged.")
     g = parser.add_argument_group("plugin flags")
     g.add_argument("--crossover", action="store_true",
                    help="run the job under crossover (every other plugin flag needs it, "
@@ -173,15 +189,16 @@ def parse_plugin(flags: list[str]) -> argparse.Namespace:
     return args
 
 
-def own_flag(argv: list[str]) -> str | None:
-    """-h/--help or --version when given to crossoverrun itself (before the training
+def own_flag(argv: list[str], command_start_of: Callable[[list[str]], int] | None = None
+             ) -> str | None:
+    """-h/--help or --version when given to the launcher itself (before the training
     command: `crossoverrun -np 2 python train.py --help` is the script's)."""
     given = [i for i, tok in enumerate(argv) if tok in OWN_FLAGS]
     if not given:
         return None
     plain = [tok for tok in argv if tok not in OWN_FLAGS]
     # the tokens before the first own flag are all plain: its index counts in `plain` too
-    return argv[given[0]] if given[0] <= _command_start(plain) else None
+    return argv[given[0]] if given[0] <= (command_start_of or _command_start)(plain) else None
 
 
 def usage() -> str:
@@ -285,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     os.environ.update(job_env(args, rdir, job))
     with daemon_watch(args, hosts):
-        rc = run_horovod_child(rest)
+        rc = run_runner_child([sys.executable, "-m", "horovod.runner.launch", *rest])
     if args.crossover_trace:
         merge_traces(args.crossover_trace, job)
     return rc

@@ -1,6 +1,7 @@
-"""Zero-code-change injection: crossoverrun puts `inject/sitecustomize.py` on the job's
-PYTHONPATH; it calls `install()`, which wraps Horovod's optimizer factories as soon as the
-training script imports them, so an unmodified script runs under crossover.
+"""Zero-code-change injection: the launchers put `inject/sitecustomize.py` on the job's
+PYTHONPATH; it calls `install()`, which wraps Horovod's optimizer factories and DDP's
+constructor as soon as the training script imports them, so an unmodified script runs
+under crossover.
 
 Loud by design: a patch that fails stops the process with the reason, and a process
 that imported Horovod but never built a wrapped optimizer says so at exit.
@@ -25,6 +26,8 @@ TARGETS: dict[str, list[tuple[str, str]]] = {
     "horovod.torch": [("DistributedOptimizer", "crossover.hooks.torch")],
     "horovod.tensorflow.keras": [("DistributedOptimizer", "crossover.hooks.keras")],
     "horovod.tensorflow": [("DistributedGradientTape", "crossover.hooks.keras")],
+    # a class: its __init__ is wrapped, so isinstance() and subclasses still work
+    "torch.nn.parallel.distributed": [("DistributedDataParallel", "crossover.hooks.ddp")],
 }
 
 _wrapped: list[str] = []  # factories that produced a wrapped object in this process
@@ -33,6 +36,9 @@ _imported: list[str] = []
 
 def _wrap_factory(module: ModuleType, attr: str, adapter: str) -> None:
     factory = getattr(module, attr)
+    if isinstance(factory, type):
+        _wrap_init(factory, f"{module.__name__}.{attr}", adapter)
+        return
     if getattr(factory, "_crossover_injected", False):
         return
 
@@ -47,8 +53,25 @@ def _wrap_factory(module: ModuleType, attr: str, adapter: str) -> None:
     setattr(module, attr, wrapped)
 
 
+def _wrap_init(cls: type, name: str, adapter: str) -> None:
+    """Wrap every instance of `cls` once its own __init__ is done."""
+    init = cls.__init__
+    if getattr(init, "_crossover_injected", False):
+        return
+
+    @functools.wraps(init)
+    def wrapped(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        _wrapped.append(name)
+        importlib.import_module(adapter).wrap(self)  # once, even for a subclass
+
+    wrapped._crossover_injected = True
+    cls.__init__ = wrapped
+
+
 def _patch(module: ModuleType) -> None:
-    _imported.append(module.__name__)
+    if not module.__name__.startswith("torch."):  # every torch process imports DDP's
+        _imported.append(module.__name__)
     for attr, adapter in TARGETS[module.__name__]:
         try:
             _wrap_factory(module, attr, adapter)

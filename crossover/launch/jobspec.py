@@ -4,10 +4,12 @@
       - name: resnet                 # unique; default job<i>
         command: python train.py     # required: a string (split like a shell) or a list
         np: 2                        # required: number of processes
+        launcher: horovodrun         # or torchrun (on this host: --nproc-per-node np)
         hosts: localhost:2           # horovodrun -H format; default localhost:<np>
         priority: 1                  # weight for --crossover-policy priority (> 0)
         env: {OMP_NUM_THREADS: "1"}  # extra environment
         horovodrun_args: [--gloo]    # extra horovodrun flags
+        torchrun_args: [--max-restarts, "0"]  # extra torchrun flags
         timeout: 3600                # seconds before the job is killed (default: none)
 
 Every problem is reported, one line each naming the job and the field, before anything
@@ -25,7 +27,9 @@ import yaml
 
 from crossover import environment as E
 
-FIELDS = {"name", "command", "np", "hosts", "priority", "env", "horovodrun_args", "timeout"}
+FIELDS = {"name", "command", "np", "launcher", "hosts", "priority", "env", "horovodrun_args",
+          "torchrun_args", "timeout"}
+LAUNCHERS = ("horovodrun", "torchrun")
 
 
 class JobSpecError(ValueError):
@@ -44,6 +48,8 @@ class JobSpec:
     env: dict[str, str] = field(default_factory=dict)
     horovodrun_args: list[str] = field(default_factory=list)
     timeout: float | None = None
+    launcher: str = "horovodrun"
+    torchrun_args: list[str] = field(default_factory=list)
 
 
 def host_slots(hosts: str) -> int:
@@ -95,13 +101,19 @@ def parse(doc: Any, source: str = "jobs") -> list[JobSpec]:
         errors += [f"{label}: {p}" for p in problems]
         if not problems:
             cmd = raw["command"]
+            command = shlex.split(cmd) if isinstance(cmd, str) else list(cmd)
+            launcher = raw.get("launcher", "horovodrun")
+            if launcher == "torchrun" and len(command) > 1 and \
+                    Path(command[0]).name.startswith("python"):
+                command = command[1:]  # torchrun runs the script with its own Python
             jobs.append(JobSpec(
                 name=raw.get("name") or f"job{i + 1}",
-                command=shlex.split(cmd) if isinstance(cmd, str) else list(cmd),
+                command=command,
                 np=raw["np"], hosts=raw.get("hosts"), priority=float(raw.get("priority", 1)),
                 env={k: str(v) for k, v in (raw.get("env") or {}).items()},
                 horovodrun_args=list(raw.get("horovodrun_args") or []),
-                timeout=raw.get("timeout"),
+                timeout=raw.get("timeout"), launcher=launcher,
+                torchrun_args=list(raw.get("torchrun_args") or []),
             ))
     names = [j.name for j in jobs]
     errors += [f"{source}: job {n!r}: field 'name': used by more than one job; names must be "
@@ -151,9 +163,21 @@ def _check(raw: dict) -> list[str]:
     else:  # the job's crossoverrun would refuse them only once the other jobs run
         out += [f"field 'env': {line}" for line in E.check(environ={
             k: str(v) for k, v in env.items()})]
-    extra = raw.get("horovodrun_args", [])
-    if not isinstance(extra, list) or not all(isinstance(a, str) for a in extra):
-        out.append(f"field 'horovodrun_args': expected a list of strings, got {extra!r}")
+    launcher = raw.get("launcher", "horovodrun")
+    if launcher not in LAUNCHERS:
+        out.append(f"field 'launcher': expected one of {', '.join(LAUNCHERS)}, got "
+                   f"{launcher!r}")
+    for key in ("horovodrun_args", "torchrun_args"):
+        extra = raw.get(key, [])
+        if not isinstance(extra, list) or not all(isinstance(a, str) for a in extra):
+            out.append(f"field {key!r}: expected a list of strings, got {extra!r}")
+    own = {"horovodrun": "horovodrun_args", "torchrun": "torchrun_args"}
+    for other, key in own.items():
+        if launcher in own and other != launcher and key in raw:
+            out.append(f"field {key!r}: not for a {launcher} job; use {own[launcher]!r}")
+    if launcher == "torchrun" and hosts is not None:
+        out.append("field 'hosts': a torchrun job runs on this host (--nproc-per-node np); "
+                   "drop hosts, or run it with horovodrun")
     timeout = raw.get("timeout")
     if timeout is not None and (not isinstance(timeout, int | float) or timeout <= 0):
         out.append(f"field 'timeout': expected seconds > 0, got {timeout!r}")

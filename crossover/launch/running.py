@@ -51,13 +51,12 @@ def group_gone(pgid: int) -> bool:
     return False
 
 
-def run_horovod_child(rest: list[str]) -> int:
-    """Horovod's runner in a child process group of its own: it runs mpirun under a
-    shell, and we have work after (merging the traces). A stop signal is passed on to
-    the whole group; whatever of it still runs KILL_GRACE_S later is killed, so no rank
-    outlives us."""
-    proc = subprocess.Popen([sys.executable, "-m", "horovod.runner.launch", *rest],
-                            process_group=0)
+def run_runner_child(cmd: list[str]) -> int:
+    """A job's runner (Horovod's, which runs mpirun under a shell, or torchrun's agent)
+    in a child process group of its own: we have work after (merging the traces). A stop
+    signal is passed on to the whole group; whatever of it still runs KILL_GRACE_S later
+    is killed, so no rank outlives us."""
+    proc = subprocess.Popen(cmd, process_group=0)
     deadline: list[float] = []  # set by the first stop signal
 
     def pass_on(signum: int, _frame: Any) -> None:
@@ -97,7 +96,8 @@ def merge_traces(trace_dir: str, job: str) -> None:
 
 
 def run_jobs(args: argparse.Namespace, specs: list[jobspec.JobSpec]) -> int:
-    """Run every job of a spec at once, each through crossoverrun, output prefixed."""
+    """Run every job of a spec at once, each through crossoverrun (or crossover-torchrun),
+    output prefixed."""
     hosts = sorted({h for s in specs for h in hosts_in(s.hosts or "localhost:1")})
     rdir = ensure_daemon(args.crossover_daemon, args.crossover_policy, hosts,
                          args.crossover_idle_shutdown)
@@ -108,13 +108,18 @@ def run_jobs(args: argparse.Namespace, specs: list[jobspec.JobSpec]) -> int:
 def _run_specs(args: argparse.Namespace, specs: list[jobspec.JobSpec], rdir: Path) -> int:
     procs = []
     for spec in specs:
-        cmd = [sys.executable, "-m", "crossover.launch.cli", "--crossover",
+        launcher = "torchrun" if spec.launcher == "torchrun" else "cli"
+        cmd = [sys.executable, "-m", f"crossover.launch.{launcher}", "--crossover",
                "--crossover-daemon", str(rdir), "--crossover-job", spec.name,
                "--crossover-priority", str(spec.priority)]
         if args.crossover_trace:
             cmd += ["--crossover-trace", args.crossover_trace]
-        cmd += ["-np", str(spec.np), "-H", spec.hosts or f"localhost:{spec.np}",
-                *spec.horovodrun_args, *spec.command]
+        if spec.launcher == "torchrun":
+            cmd += ["--standalone", "--nproc-per-node", str(spec.np), *spec.torchrun_args,
+                    *spec.command]
+        else:
+            cmd += ["-np", str(spec.np), "-H", spec.hosts or f"localhost:{spec.np}",
+                    *spec.horovodrun_args, *spec.command]
         p = subprocess.Popen(cmd, env={**os.environ, **spec.env}, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
         t = threading.Thread(target=_prefix, args=(spec.name, p.stdout), daemon=True)

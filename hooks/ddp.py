@@ -1,0 +1,163 @@
+"""PyTorch DistributedDataParallel under crossover: one line after the model is built.
+
+    model = DistributedDataParallel(model, ...)
+    crossover.hooks.ddp.wrap(model)
+
+DDP averages gradients inside backward: its reducer hands each bucket to the process
+group as the bucket fills, and the end of backward waits for them all. The slot is
+given up once the step's last bucket has been handed over and taken again when
+backward returns, before the optimizer update. A rank never waits on a collective
+while it holds its device: that rank's peers may wait for devices that another job's
+ranks hold while those wait for theirs. DDP's forward runs collectives of its own
+around the module's forward (the one-time rebuild of its buckets, the broadcast of
+buffers, a join), so the slot is given up around them. Mapped onto `SlotLifecycle`:
+
+    DDP forward (pre-hook)        end_step; release if DDP's pre-forward may communicate
+    module forward (pre-hook)     begin_compute: acquire
+    module forward done           release if DDP's post-forward syncs buffers
+    DDP forward done              begin_compute: acquire (a no-op when held)
+    the last bucket handed over   end_backward: device sync, release COMMUNICATE
+    backward done                 begin_update: acquire (after DDP waited for the buckets)
+
+The buckets go through a DDP communication hook. A hook the script registers later
+(`register_comm_hook`, or a built-in one such as FP16_COMPRESS) runs inside it: it still
+decides how each bucket is reduced. Under `no_sync()` no bucket is handed over, so an
+accumulation pass keeps the slot. Without a hook of the script's own, a bucket is scaled
+by 1/world size and summed, as DDP's reducer does, so the weights are the same as
+without crossover.
+"""
+
+# No `from __future__ import annotations`: DDP checks a hook's annotations as objects.
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from crossover import session
+from crossover.hooks._lifecycle import SlotLifecycle, device_sync
+from crossover.protocol import Phase
+
+_BUILTIN_HOOKS = {
+    "ALLREDUCE": "allreduce_hook",
+    "FP16_COMPRESS": "fp16_compress_hook",
+}
+
+
+def _mean_allreduce(process_group: dist.ProcessGroup | None,
+                    bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's own reduction: scale by 1/world size (in the gradient's type), then sum."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    buffer = bucket.buffer().mul_(1.0 / dist.get_world_size(group))
+    return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(
+        lambda fut: fut.value()[0])
+
+
+class _SlotHooks:
+    """The slot calls of one DDP model (see the module's docstring)."""
+
+    def __init__(self, model: DistributedDataParallel, life: SlotLifecycle) -> None:
+        self.model, self.life = model, life
+        self.inner: tuple[Any, Any] = (model.process_group, _mean_allreduce)
+        self._grad_forwards = 0  # forwards with gradients: DDP rebuilds buckets in the 2nd
+
+    def ddp_forward_pre(self, _module: Any, _inputs: Any) -> None:
+        self.life.end_step()
+        if self._pre_forward_communicates():
+            self._release_for_collectives()
+
+    def module_forward_pre(self, _module: Any, _inputs: Any) -> None:
+        self.life.begin_compute()
+
+    def module_forward_done(self, _module: Any, _inputs: Any, _output: Any) -> None:
+        if torch.is_grad_enabled() and self.model._check_sync_bufs_post_fwd():
+            self._release_for_collectives()
+
+    def ddp_forward_done(self, _module: Any, _inputs: Any, _output: Any) -> None:
+        self.life.begin_compute()
+
+    def _pre_forward_communicates(self) -> bool:
+        """Whether DDP's forward may run a collective before the module's forward."""
+        if torch.is_grad_enabled():
+            self._grad_forwards += 1
+        rebuild = torch.is_grad_enabled() and self._grad_forwards <= 2 and \
+            not getattr(self.model, "_has_rebuilt_buckets", False)
+        return rebuild or self.model._check_sync_bufs_pre_fwd() or \
+            self.model._join_config.enable
+
+    def _release_for_collectives(self) -> None:
+        client = self.life.client
+        if client is not None and client.holding:
+            device_sync(self.life.device)
+            client.release(Phase.COMMUNICATE)
+
+    def comm_hook(self, _state: Any,
+                  bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        state, hook = self.inner
+        fut = hook(state, bucket)
+        if bucket.is_last():
+            # Every bucket is with the process group: backward's compute is done.
+            self.life.end_backward()
+            # DDP queues its end-of-backward callback, which waits for the buckets, only
+            # once this hook returns: the acquire is queued from a callback queued now,
+            # so that it runs after DDP's (a rank waiting while it holds its device can
+            # stall another job's ranks, and so its own peers).
+            queue = torch.autograd.Variable._execution_engine.queue_callback
+            queue(lambda: queue(self.life.begin_update))
+        return fut
+
+    def register_comm_hook(self, state: object, hook: Any) -> None:
+        """The script's own hook: runs inside crossover's (DDP takes only one)."""
+        self.model._check_comm_hook(hook)  # DDP's own check of the hook's signature
+        self.inner = (state, hook)
+
+    def register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        name = getattr(comm_hook_type, "name", str(comm_hook_type))
+        if name not in _BUILTIN_HOOKS:
+            raise ValueError(f"crossover runs DDP's built-in {name} hook only as one of "
+                             f"{sorted(_BUILTIN_HOOKS)}; register it as a Python hook "
+                             f"with register_comm_hook instead")
+        self.inner = (self.model.process_group, getattr(default_hooks, _BUILTIN_HOOKS[name]))
+
+
+def wrap(model: DistributedDataParallel) -> DistributedDataParallel:
+    """Run `model`'s steps under crossover; returns the same model.
+
+    Call it after building the DDP model and before the first backward (and before
+    `register_comm_hook`, if the script registers one). With CROSSOVER_ENABLE=0 the
+    model is left as it is.
+
+    Raises:
+        TypeError: `model` is not a DistributedDataParallel.
+        RuntimeError: a communication hook was registered on it already.
+    """
+    if not isinstance(model, DistributedDataParallel):
+        raise TypeError(f"crossover.hooks.ddp.wrap needs the DistributedDataParallel model, "
+                        f"got {type(model).__name__}: wrap DDP(model, ...), not the module "
+                        f"inside it")
+    if getattr(model, "_crossover_hooks", None) is not None or not session.enabled():
+        return model
+    if getattr(model, "_comm_hooks", None):
+        raise RuntimeError("crossover.hooks.ddp.wrap(model) must come before "
+                           "model.register_comm_hook(...): DDP takes one hook, and "
+                           "crossover's runs the script's inside it")
+    device = _device_of(model)
+    client = session.init(gpu=device.index if device.type == "cuda" else None)
+    hooks = _SlotHooks(model, SlotLifecycle(client, None, device))
+    model.register_comm_hook(None, hooks.comm_hook)
+    model.register_forward_pre_hook(hooks.ddp_forward_pre)
+    model.register_forward_hook(hooks.ddp_forward_done)
+    model.module.register_forward_pre_hook(hooks.module_forward_pre)
+    model.module.register_forward_hook(hooks.module_forward_done)
+    model.register_comm_hook = hooks.register_comm_hook
+    model._register_builtin_comm_hook = hooks.register_builtin_comm_hook
+    model._crossover_hooks = hooks
+    return model
+
+
+def _device_of(model: DistributedDataParallel) -> torch.device:
+    """Where the model computes: its first parameter's device (CPU if it has none)."""
+    param = next(model.module.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")

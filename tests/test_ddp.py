@@ -1,0 +1,205 @@
+"""PyTorch DDP jobs under torchrun (gloo), 2 ranks each, share one daemon: each trains
+the same weights as alone (CROSSOVER_ENABLE=0), with DDP's options and a Horovod job
+beside it."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from crossover import trace
+from tests.conftest import PY, REPO, Cluster, Proc, assert_ran_together, same_weights
+
+pytestmark = pytest.mark.mpi  # real processes
+
+STEPS = 40
+SCRIPT = str(REPO / "examples/ddp_mlp.py")
+CASES = {
+    "plain": (),
+    "no_sync": ("--accumulate", "2"),
+    "fp16_hook": ("--fp16-hook",),
+    "find_unused": ("--find-unused",),
+    "static_bucket_view": ("--static-graph", "--bucket-view"),
+}
+
+
+def ddp_job(c: Cluster, name: str, seed: int, extra: tuple[str, ...] = (),
+            crossover: bool = True, script: str = SCRIPT) -> Proc:
+    # every release shows in the trace, even while the job is alone on its devices
+    env = dict(c.env, CROSSOVER_JOB=name, CROSSOVER_TRACE=str(c.traces),
+               CROSSOVER_KEEP_WHEN_ALONE="0", OMP_NUM_THREADS="1")
+    if not crossover:
+        env["CROSSOVER_ENABLE"] = "0"
+    out = c.tmp / f"{name}.pt"
+    cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           script, "--seed", str(seed), "--steps", str(STEPS), "--out", str(out), *extra]
+    proc = Proc(cmd, env, c.tmp / f"{name}.log")
+    proc.weights = out
+    c.procs.append(proc)
+    return proc
+
+
+def communicate_spans(c: Cluster, job: str, rank: int) -> int:
+    return sum(1 for e in trace.load(c.traces / f"{job}.rank{rank}.json")
+               if e.get("ph") == "X" and e["name"] == "communicate")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_two_ddp_jobs_share_devices_and_keep_their_math(tmp_path: Path, case: str):
+    extra = CASES[case]
+    c = Cluster(tmp_path)
+    try:
+        solo = [ddp_job(c, f"solo{seed}", seed, extra, crossover=False) for seed in (1, 2)]
+        for proc in solo:  # side by side: without crossover they do not meet
+            proc.wait(180)
+        with c.daemon():
+            together = c.start_args(2)
+            jobs = [ddp_job(c, name, seed, (*extra, *together))
+                    for name, seed in (("A", 1), ("B", 2))]
+            for proc in jobs:
+                proc.wait(180)
+    finally:
+        c.cleanup()
+    for proc, alone in zip(jobs, solo, strict=True):
+        assert same_weights(proc.weights, alone.weights), f"{case}: weights differ from solo"
+        assert "uncoordinated" not in proc.output()
+    # no rank ever waited on a collective while holding its device: that stalls the
+    # other job until the lease takes the device back
+    assert "lease" not in (tmp_path / "daemon.log").read_text()
+    events = trace.merge(sorted(c.traces.glob("*.json")), tmp_path / "merged.json")
+    assert len(trace.holds_by_device(events)) == 2, "expected two CPU devices"
+    assert_ran_together(events)
+    assert trace.overlaps(events) == []
+    for job in ("A", "B"):
+        for rank in (0, 1):
+            # one release per optimizer step, when its last bucket is handed over (no_sync
+            # passes hand over none and keep the slot), and one before each of the first
+            # two forwards (DDP may rebuild its buckets there, a collective)
+            assert communicate_spans(c, job, rank) == STEPS + 2, (case, job, rank)
+
+
+def test_lightning_ddp_jobs_share_devices_and_keep_their_math(tmp_path: Path):
+    """Trainer(strategy="ddp") under torchrun with crossover's Lightning callback."""
+    script = str(REPO / "examples/lightning_ddp_mlp.py")
+    c = Cluster(tmp_path)
+    try:
+        solo = [ddp_job(c, f"solo{seed}", seed, crossover=False, script=script)
+                for seed in (1, 2)]
+        for proc in solo:
+            proc.wait(240)
+        with c.daemon():
+            together = c.start_args(2)
+            jobs = [ddp_job(c, name, seed, together, script=script)
+                    for name, seed in (("A", 1), ("B", 2))]
+            for proc in jobs:
+                proc.wait(240)
+    finally:
+        c.cleanup()
+    for proc, alone in zip(jobs, solo, strict=True):
+        assert same_weights(proc.weights, alone.weights), "weights differ from solo"
+    events = trace.merge(sorted(c.traces.glob("*.json")), tmp_path / "merged.json")
+    assert_ran_together(events)
+    assert trace.overlaps(events) == []
+    for job in ("A", "B"):
+        for rank in (0, 1):
+            assert communicate_spans(c, job, rank) == STEPS + 2, (job, rank)
+
+
+def test_a_ddp_job_and_a_horovod_job_share_one_daemon(tmp_path: Path):
+    """One daemon, one device set, one global order: a torchrun DDP job beside an mpirun
+    Horovod job."""
+    c = Cluster(tmp_path)
+    try:
+        solo = ddp_job(c, "soloD", 1, crossover=False)
+        solo_h = c.job("soloH", 2, STEPS, crossover=False)
+        solo.wait(180)
+        solo_h.wait(180)
+        with c.daemon():
+            together = c.start_args(2)
+            ddp = ddp_job(c, "D", 1, together)
+            hvd = c.job("H", 2, STEPS, extra=together)
+            ddp.wait(180)
+            hvd.wait(180)
+            log = (tmp_path / "daemon.log").read_text()
+    finally:
+        c.cleanup()
+    assert same_weights(ddp.weights, solo.weights)
+    assert same_weights(hvd.weights, solo_h.weights)
+    orders = dict(re.findall(r"job (\w+) rank \d on node \S+ -> \S+ \(order (\d+)\)", log))
+    assert set(orders) == {"D", "H"} and orders["D"] != orders["H"], log[-2000:]
+    events = trace.merge(sorted(c.traces.glob("*.json")), tmp_path / "merged.json")
+    assert_ran_together(events)
+    assert trace.overlaps(events) == []
+
+
+def test_wrap_refuses_what_it_cannot_serve():
+    import torch
+
+    import crossover.hooks.ddp as crossover_ddp
+
+    with pytest.raises(TypeError, match="wrap DDP"):
+        crossover_ddp.wrap(torch.nn.Linear(2, 2))
+
+
+TUTORIAL = str(REPO / "examples/ddp_tutorial.py")
+LAUNCHER = [PY, "-m", "crossover.launch.torchrun"]
+
+
+def checksum(output: str) -> str:
+    found = re.findall(r"weights checksum (\S+)", output)
+    assert len(found) == 1, output[-3000:]
+    return found[0]
+
+
+def test_an_unmodified_ddp_script_runs_under_crossover_torchrun(runtime, tmp_path: Path):
+    """The tutorial's script, no edit: crossover-torchrun injects the DDP adapter; two
+    launches at once share one daemon. Each matches plain torchrun."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    torchrun = ["--standalone", "--nproc-per-node", "2", TUTORIAL]
+    # No start barrier in an unmodified script: both train several times longer than
+    # their start-ups differ (the trace shows that they took turns).
+    steps = {1: "2000", 2: "2000"}
+    solo = {seed: checksum(subprocess.run(
+        LAUNCHER + torchrun + ["--seed", str(seed), "--steps", steps[seed]], env=env,
+        capture_output=True, text=True, timeout=240, cwd=REPO).stdout) for seed in (1, 2)}
+    assert not (runtime / "daemon.pid").exists(), "without --crossover no daemon starts"
+    traces = tmp_path / "traces"
+    common = ["--crossover", "--crossover-policy", "crossover", "--crossover-trace",
+              str(traces), "--crossover-idle-shutdown", "180"]
+    procs = [subprocess.Popen(LAUNCHER + common + ["--crossover-job", name, *torchrun,
+                                                   "--seed", str(seed), "--steps", steps[seed]],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, cwd=REPO)
+             for name, seed in (("one", 1), ("two", 2))]
+    outs = [p.communicate(timeout=240) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, f"{out[-2000:]}\n{err[-3000:]}"
+        assert "uncoordinated" not in err
+    assert sum("started a crossover daemon" in err for _, err in outs) == 1
+    assert [checksum(out) for out, _ in outs] == [solo[1], solo[2]]
+    assert sum("started a crossover daemon" in err for _, err in outs) == 1
+    events = trace.merge([traces / "one.trace.json", traces / "two.trace.json"],
+                         tmp_path / "merged.json")
+    assert {s[2] for spans in trace.holds_by_device(events).values() for s in spans} == \
+        {"one", "two"}
+    assert_ran_together(events)
+    assert trace.overlaps(events) == []
+
+
+def test_crossover_torchrun_refuses_what_it_cannot_serve(runtime):
+    res = subprocess.run(LAUNCHER + ["--crossover", "--nnodes", "2", "--rdzv-endpoint",
+                                     "localhost:29400", TUTORIAL], capture_output=True,
+                         text=True, timeout=60, cwd=REPO)
+    assert res.returncode == 2 and "--nnodes 2" in res.stderr, res.stderr
+    assert "daemon world" in res.stderr and not (runtime / "daemon.pid").exists()
+    res = subprocess.run(LAUNCHER + ["--crossover", "--jobs", "x.yaml"], capture_output=True,
+                         text=True, timeout=60, cwd=REPO)
+    assert res.returncode == 2 and "crossoverrun --jobs" in res.stderr, res.stderr
+    res = subprocess.run(LAUNCHER + ["--help"], capture_output=True, text=True, timeout=60,
+                         cwd=REPO)
+    assert res.returncode == 0 and "--crossover-policy" in res.stdout
+    assert "--nproc-per-node" in res.stdout and not (runtime / "daemon.pid").exists()
