@@ -151,7 +151,35 @@ def test_a_process_that_builds_no_optimizer_says_so(runtime):
     res = subprocess.run([PY, "-c", "import horovod.torch as hvd; hvd.init()"], env=env,
                          capture_output=True, text=True, timeout=120, cwd=REPO)
     assert res.returncode == 0
-    assert "imported horovod.torch but built no Horovod DistributedOptimizer" in res.stderr
+    assert "used horovod.torch but built no Horovod DistributedOptimizer" in res.stderr
+
+
+FSDP_LIKE = """
+import os, torch, torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29611", RANK="0", WORLD_SIZE="1")
+dist.init_process_group("gloo")  # a distributed job, but no DDP model (FSDP, say)
+dist.destroy_process_group()
+"""
+
+
+def test_a_distributed_torch_process_without_ddp_says_so_and_one_with_ddp_does_not(runtime):
+    env = dict(os.environ, CROSSOVER_INJECT="1",
+               PYTHONPATH=str(REPO / "crossover/launch/inject"))
+    res = subprocess.run([PY, "-c", FSDP_LIKE], env=env, capture_output=True, text=True,
+                         timeout=120, cwd=REPO)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "used torch.distributed.distributed_c10d.init_process_group but built no" in \
+        res.stderr and "FSDP and tensor parallelism are not served" in res.stderr
+    ddp = FSDP_LIKE.replace("dist.destroy_process_group()",
+                            "torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))\n"
+                            "dist.destroy_process_group()")
+    res = subprocess.run([PY, "-c", ddp], env=env, capture_output=True, text=True,
+                         timeout=120, cwd=REPO)  # (no daemon: it trains uncoordinated)
+    assert res.returncode == 0 and "built no" not in res.stderr, res.stderr[-2000:]
+    assert "uncoordinated" in res.stderr  # the DDP model was wrapped: it looked for one
+    res = subprocess.run([PY, "-c", "import torch"], env=env, capture_output=True, text=True,
+                         timeout=120, cwd=REPO)  # torchrun's agent: torch, no process group
+    assert res.returncode == 0 and "WARNING" not in res.stderr, res.stderr[-2000:]
 
 
 def test_injection_wraps_the_optimizer_factory(runtime):

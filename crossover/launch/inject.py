@@ -22,20 +22,25 @@ from crossover import environment as E
 
 INJECT_ENV = E.INJECT
 #: Module name -> (factory attribute, adapter module) to wrap on import.
-TARGETS: dict[str, list[tuple[str, str]]] = {
+TARGETS: dict[str, list[tuple[str, str | None]]] = {
     "horovod.torch": [("DistributedOptimizer", "crossover.hooks.torch")],
     "horovod.tensorflow.keras": [("DistributedOptimizer", "crossover.hooks.keras")],
     "horovod.tensorflow": [("DistributedGradientTape", "crossover.hooks.keras")],
     # a class: its __init__ is wrapped, so isinstance() and subclasses still work
     "torch.nn.parallel.distributed": [("DistributedDataParallel", "crossover.hooks.ddp")],
+    # no adapter: a call only marks the process as a distributed job (for the exit report)
+    "torch.distributed.distributed_c10d": [("init_process_group", None)],
 }
 
 _wrapped: list[str] = []  # factories that produced a wrapped object in this process
 _imported: list[str] = []
 
 
-def _wrap_factory(module: ModuleType, attr: str, adapter: str) -> None:
+def _wrap_factory(module: ModuleType, attr: str, adapter: str | None) -> None:
     factory = getattr(module, attr)
+    if adapter is None:
+        _note_call(module, attr)
+        return
     if isinstance(factory, type):
         _wrap_init(factory, f"{module.__name__}.{attr}", adapter)
         return
@@ -51,6 +56,22 @@ def _wrap_factory(module: ModuleType, attr: str, adapter: str) -> None:
 
     wrapped._crossover_injected = True
     setattr(module, attr, wrapped)
+
+
+def _note_call(module: ModuleType, attr: str) -> None:
+    """Count a call of `attr` as an import of a framework that should be wrapped: every
+    torch process imports DDP's module, only a distributed job starts a process group."""
+    func = getattr(module, attr)
+    if getattr(func, "_crossover_injected", False):
+        return
+
+    @functools.wraps(func)
+    def noted(*args, **kwargs):
+        _imported.append(f"{module.__name__}.{attr}")
+        return func(*args, **kwargs)
+
+    noted._crossover_injected = True
+    setattr(module, attr, noted)
 
 
 def _wrap_init(cls: type, name: str, adapter: str) -> None:
@@ -119,9 +140,10 @@ def _report_at_exit() -> None:
     # Not with crossover off: the hooks then wrap nothing on purpose (a bad value of
     # CROSSOVER_ENABLE is off too, and was said already)
     if _imported and not _wrapped and E.enabled():
-        print(f"crossover: WARNING: this process imported {', '.join(_imported)} but built "
-              f"no Horovod DistributedOptimizer or DistributedGradientTape, so it ran "
-              f"without crossover", file=sys.stderr, flush=True)
+        print(f"crossover: WARNING: this process used {', '.join(_imported)} but built no "
+              f"Horovod DistributedOptimizer or DistributedGradientTape and no "
+              f"DistributedDataParallel model (FSDP and tensor parallelism are not served), "
+              f"so it ran without crossover", file=sys.stderr, flush=True)
 
 
 def install() -> None:
