@@ -41,6 +41,12 @@ left alone. Without `--crossover` (or `--jobs`) it is `horovodrun`. The job's ho
 from `-H/--hosts` or `--hostfile`; a host discovery script (elastic Horovod) is refused.
 The exit status is the job's (for `--jobs`, the worst job's; a job stopped at its
 `timeout` counts 124, a death by signal N 128 + N).
+
+`crossover-torchrun [plugin flags] [torchrun arguments] SCRIPT ...` takes the same plugin
+flags (but `--jobs`) before the training script, and every `torchrun` argument
+unchanged. With `--crossover --crossover-daemon auto` it runs on one node (`--standalone`
+or `--nnodes 1`); across nodes, give every node's launcher the runtime directory of a
+daemon world with `--crossover-daemon DIR`.
 """
 
 JOB_SPEC = """\
@@ -53,11 +59,13 @@ the field.
 jobs:
   - name: resnet                 # letters, digits, - and _; default job<i>
     command: python train.py     # required: a string (split like a shell) or a list
-    np: 2                        # required: number of processes
+    np: 2                        # required: number of processes (per node for torchrun)
+    launcher: horovodrun         # or torchrun: on this host, --standalone
     hosts: localhost:2           # horovodrun -H format; default localhost:<np>
     priority: 1                  # weight for the priority policy (> 0)
     env: {OMP_NUM_THREADS: "1"}  # extra environment
     horovodrun_args: [--gloo]    # extra horovodrun flags
+    torchrun_args: [--max-restarts, "0"]  # extra torchrun flags (torchrun jobs)
     timeout: 3600                # seconds, then SIGTERM, SIGKILL 10 s later (default: none)
 ```
 """
