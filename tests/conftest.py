@@ -6,6 +6,7 @@ failing test can kill the whole tree.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -17,6 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import psutil
 import pytest
 
 from crossover import trace
@@ -75,10 +77,19 @@ class Proc:
         return self.output()
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the whole tree: the process group, and descendants that left it
+        (torchrun starts each rank in a session of its own)."""
+        try:
+            tree = psutil.Process(self.popen.pid).children(recursive=True)
+        except psutil.Error:
+            tree = []
         try:
             os.killpg(self.popen.pid, sig)
         except ProcessLookupError:
             pass
+        for child in tree:
+            with contextlib.suppress(psutil.Error):
+                child.send_signal(sig)
         try:
             self.popen.wait(timeout=10)
         except subprocess.TimeoutExpired:

@@ -6,13 +6,23 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from crossover import trace
-from tests.conftest import PY, REPO, Cluster, Proc, assert_ran_together, same_weights
+from tests.conftest import (
+    PY,
+    REPO,
+    Cluster,
+    Proc,
+    assert_ran_together,
+    same_weights,
+    wait_for,
+)
+from tests.test_mpi_core import held
 
 pytestmark = pytest.mark.mpi  # real processes
 
@@ -203,3 +213,84 @@ def test_crossover_torchrun_refuses_what_it_cannot_serve(runtime):
                          cwd=REPO)
     assert res.returncode == 0 and "--crossover-policy" in res.stdout
     assert "--nproc-per-node" in res.stdout and not (runtime / "daemon.pid").exists()
+
+
+def registered(c: Cluster, job: str):
+    log = c.tmp / "daemon.log"
+    return lambda: log.exists() and len(re.findall(rf"job {job} rank \d+ on node",
+                                                   log.read_text())) >= 2
+
+
+def test_a_killed_ddp_job_frees_its_slots_and_the_other_finishes(tmp_path: Path):
+    long = ("--steps", "600")
+    c = Cluster(tmp_path)
+    try:
+        solo = ddp_job(c, "soloB", 2, long, crossover=False)
+        solo.wait(180)
+        with c.daemon():
+            doomed = ddp_job(c, "A", 1, ("--steps", "100000"))
+            wait_for(registered(c, "A"), 120, "job A to register")
+            survivor = ddp_job(c, "B", 2, long)
+            wait_for(held(c, "B"), 120, "job B to hold a device")
+            doomed.kill(signal.SIGKILL)
+            # freed when A's sockets closed (at once), not when its 30 s lease ran out
+            wait_for(lambda: "job A rank 0 left node" in (tmp_path / "daemon.log").read_text(),
+                     10, "the daemon to see job A's rank 0 leave")
+            survivor.wait(180)
+            log = (tmp_path / "daemon.log").read_text()
+    finally:
+        c.cleanup()
+    assert not re.search(r"job A rank \d held \S+ past its", log), log[-3000:]
+    assert same_weights(survivor.weights, solo.weights)
+
+
+def test_ddp_ranks_train_on_without_the_daemon_and_come_back_to_a_new_one(tmp_path: Path):
+    long = ("--steps", "2500")  # outlasts a daemon restart
+    c = Cluster(tmp_path)
+    try:
+        solo = ddp_job(c, "soloB", 2, long, crossover=False)
+        solo.wait(180)
+        with c.daemon() as daemon:
+            together = c.start_args(2)
+            a = ddp_job(c, "A", 1, ("--steps", "100000", *together))
+            b = ddp_job(c, "B", 2, (*long, *together))
+            for job in ("A", "B"):
+                wait_for(registered(c, job), 120, f"job {job} to register")
+            daemon.kill(signal.SIGKILL)
+        with c.daemon():  # a fresh daemon on the same runtime directory
+            for job in ("A", "B"):
+                wait_for(registered(c, job), 60, f"job {job} to re-register")
+            out_b = b.wait(180)
+            a.kill()
+    finally:
+        c.cleanup()
+    assert "trains on uncoordinated; it reconnects when the daemon is back" in out_b
+    assert out_b.count("is coordinated again") == 2, out_b[-3000:]  # both of B's ranks
+    assert same_weights(b.weights, solo.weights)
+
+
+def test_a_stopped_crossover_torchrun_leaves_no_rank(runtime):
+    """SIGTERM to the launcher reaches torchrun and its ranks (each in a session of its
+    own): none outlives it."""
+    from tests.test_cli import processes_running
+
+    marker = "--seed 4177"
+    proc = subprocess.Popen(LAUNCHER + ["--crossover", "--crossover-job", "stopme",
+                                        "--crossover-idle-shutdown", "60", "--standalone",
+                                        "--nproc-per-node", "2", TUTORIAL, "--steps",
+                                        "100000000", *marker.split()],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            cwd=REPO)
+    try:
+        log = runtime / "daemon.log"
+        wait_for(lambda: log.exists() and "job stopme rank 1 on node" in log.read_text(),
+                 120, "the job to register")
+        assert len(processes_running(marker)) >= 2
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        wait_for(lambda: not processes_running(marker), 30, "the ranks to end")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for left in processes_running(marker):
+            left.kill()

@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from crossover.backoff import Backoff, wait_until
 from crossover.launch import jobspec
 from crossover.launch.daemons import daemon_watch, ensure_daemon, hosts_in
@@ -55,12 +57,16 @@ def run_runner_child(cmd: list[str]) -> int:
     """A job's runner (Horovod's, which runs mpirun under a shell, or torchrun's agent)
     in a child process group of its own: we have work after (merging the traces). A stop
     signal is passed on to the whole group; whatever of it still runs KILL_GRACE_S later
-    is killed, so no rank outlives us."""
+    is killed, so no rank outlives us. Ranks that left the group (torchrun starts each in
+    a session of its own) are found among the runner's descendants when the signal comes,
+    and killed with the group."""
     proc = subprocess.Popen(cmd, process_group=0)
     deadline: list[float] = []  # set by the first stop signal
+    strays: list[psutil.Process] = []  # descendants outside the group, seen at a signal
 
     def pass_on(signum: int, _frame: Any) -> None:
         deadline.append(time.monotonic() + KILL_GRACE_S)
+        strays.extend(_descendants_outside_group(proc.pid))
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signum)
 
@@ -73,10 +79,31 @@ def run_runner_child(cmd: list[str]) -> int:
                 proc.wait(timeout=0.2)
         # the runner's shell may end before mpirun does (on a signal): wait for its group
         left = deadline[0] - time.monotonic() if deadline else KILL_GRACE_S
-        if not wait_until(lambda: group_gone(proc.pid), max(left, 0.0), Backoff(0.05, 0.5)):
+        if not wait_until(lambda: group_gone(proc.pid) and not _alive(strays),
+                          max(left, 0.0), Backoff(0.05, 0.5)):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
+            for stray in _alive(strays):
+                with contextlib.suppress(psutil.Error):
+                    stray.kill()
         return exit_code(proc.wait())
+
+
+def _descendants_outside_group(pid: int) -> list[psutil.Process]:
+    try:
+        return [p for p in psutil.Process(pid).children(recursive=True)
+                if os.getpgid(p.pid) != pid]
+    except (psutil.Error, ProcessLookupError):
+        return []
+
+
+def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    alive = []
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(p)
+    return alive
 
 
 def exit_code(returncode: int) -> int:
