@@ -183,6 +183,14 @@ time.sleep(600)
 """
 
 
+def table_state(c: Cluster, check) -> bool:
+    """`check` of this node's status report (its devices, its slot table's queues)."""
+    from crossover.probe import daemon_status
+
+    (node,) = daemon_status(c.runtime).values()
+    return check(node)
+
+
 def hold_mutex(c: Cluster, device: int, seconds: float) -> subprocess.Popen:
     """A process that holds a device's table mutex for `seconds`, as a rank stopped
     inside it would (then keeps living: the mutex is not left to a dead owner)."""
@@ -202,7 +210,9 @@ def test_a_change_waits_for_a_busy_table_mutex(cluster: Cluster):
         for c in (a, b):  # both known to the daemon, both idle: the plan admits either
             c.acquire()
             c.release(Phase.IDLE)
-        time.sleep(0.3)  # the plan for the idle device is published
+        wait_for(lambda: table_state(cluster, lambda node: node["devices"]["cpu0"]["holder"]
+                                     is None and "cpu0" not in node["table"]["plans_pending"]),
+                 10, "the plan for the idle device to be published")
         holder = hold_mutex(cluster, 0, 1.0)
         try:
             a.acquire()  # the table refuses after 0.5 s: asks over its socket
@@ -424,7 +434,8 @@ def test_a_rank_registered_behind_a_busy_mutex_keeps_its_job(cluster: Cluster):
             second.connect(str(next(cluster.runtime.glob("node-*.sock"))))
             body = P.encode(hello("j", 1, 2))
             second.sendall(len(body).to_bytes(4, "big") + body)
-            time.sleep(0.2)  # read and queued behind the mutex
+            wait_for(lambda: table_state(cluster, lambda node: node["table"]["changes_waiting"]
+                                         >= 1), 10, "the registration to wait for the mutex")
             first.close()
             reply = recv_msg(second)
             assert isinstance(reply, P.Welcome), reply

@@ -318,6 +318,7 @@ class Daemon:
         snap["job_usage"] = self._usage.job_usage(self.ranks.pids())
         # the native fast path: on or off, and the grants it made per device
         snap["fast_path"] = self.table.fast_grants()
+        snap["table"] = self.table.pending()
         return snap
 
     def _start_status(self, conn: RankConn) -> None:

@@ -300,6 +300,11 @@ class TableSync:
         """Grants made without the daemon, per device; None without a table."""
         return self.plane.fast_grants() if self.plane is not None else None
 
+    def pending(self) -> dict[str, list[str] | int]:
+        """What waits, for status: devices whose next plan is not published yet, and
+        changes queued behind a busy mutex."""
+        return {"plans_pending": sorted(self.replan), "changes_waiting": len(self._backlog)}
+
     # --- one order: changes wait for the events before them ---------------------------
     @property
     def waiting(self) -> bool:
