@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -244,6 +245,19 @@ class EmulatedCluster:
         return self.exec_in(0, [sys.executable, str(Path(__file__).resolve()), "gloo-run",
                                 spec, *argv])
 
+    def torchrun(self, argv: list[str], timeout_s: float = 600.0) -> list[str]:
+        """A command line running `argv` (a whole command: `python script.py ...`) as a
+        torchrun job, one rank per emulated host.
+
+        torchrun runs on each host (`--nnodes 2 --node-rank i`) and meets the others at a
+        static rendezvous on host 0's address, as on a real two-node cluster; gloo's
+        traffic goes over the shaped link (GLOO_SOCKET_IFNAME).
+        """
+        spec = json.dumps({"hosts": self.hosts, "addrs": self.addrs,
+                           "cores": list(self.cores), "timeout_s": timeout_s})
+        return self.exec_in(0, [sys.executable, str(Path(__file__).resolve()), "torchrun",
+                                spec, *argv])
+
     def measure_mbit(self, nbytes: int = 4 << 20, timeout_s: float = 60.0) -> float:
         """Send `nbytes` over TCP from host 0 to host 1 and return the rate in Mbit/s.
 
@@ -323,7 +337,36 @@ def _gloo_run(spec: dict, argv: list[str]) -> int:
                "HOROVOD_CROSS_RANK": str(slot.cross_rank),
                "HOROVOD_CROSS_SIZE": str(slot.cross_size), **extra}
         procs.append(subprocess.Popen(cmd, env={**os.environ, **env}, start_new_session=True))
-    deadline = time.monotonic() + spec["timeout_s"]
+    try:
+        return _wait_all(procs, spec["timeout_s"])
+    finally:
+        server.stop()
+
+
+def _torchrun(spec: dict, argv: list[str]) -> int:
+    """Run torchrun on each emulated host (one rank each, node rank = host index) with
+    its static rendezvous at host 0, which this process runs in; the first failure or the
+    timeout kills every host's torchrun. Returns as `_gloo_run`."""
+    hosts, addr = spec["hosts"], spec["addrs"][0]
+    with socket.socket() as probe:  # a free port on host 0's address for the store
+        probe.bind((addr, 0))
+        port = probe.getsockname()[1]
+    procs = []
+    for i, host in enumerate(hosts):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(hosts)),
+               "--nproc-per-node", "1", "--node-rank", str(i), "--master-addr", addr,
+               "--master-port", str(port), "--no-python", *argv]
+        procs.append(subprocess.Popen(_in_host(host, spec["cores"][i], cmd),
+                                      env={**os.environ, "GLOO_SOCKET_IFNAME": LINK},
+                                      start_new_session=True))
+    return _wait_all(procs, spec["timeout_s"])
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> int:
+    """Wait for every process; at the first failure or after `timeout_s`, SIGKILL the
+    rest (their process groups). Returns the first non-zero exit status (124 on the
+    timeout), else 0."""
+    deadline = time.monotonic() + timeout_s
     rc = 0
     try:
         while any(p.poll() is None for p in procs):
@@ -332,14 +375,12 @@ def _gloo_run(spec: dict, argv: list[str]) -> int:
                 rc = failed[0] if failed else 124
                 break
             time.sleep(0.05)
-        rc = rc or next((p.returncode for p in procs if p.returncode), 0)
+        return rc or next((p.returncode for p in procs if p.returncode), 0)
     finally:
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait(timeout=10)
-        server.stop()
-    return rc
 
 
 def _in_host(host: str, core: int, argv: list[str]) -> list[str]:
@@ -380,6 +421,8 @@ print(8 * n / (time.perf_counter() - t) / 1e6)
 __all__ = ["LINK", "EmulatedCluster", "cleanup_stale", "local_gloo_run"]
 
 if __name__ == "__main__":
-    if len(sys.argv) < 4 or sys.argv[1] != "gloo-run":
-        sys.exit("usage: cluster.py gloo-run SPEC_JSON command... (see EmulatedCluster.gloo_run)")
-    sys.exit(_gloo_run(json.loads(sys.argv[2]), sys.argv[3:]))
+    runners = {"gloo-run": _gloo_run, "torchrun": _torchrun}
+    if len(sys.argv) < 4 or sys.argv[1] not in runners:
+        sys.exit("usage: cluster.py gloo-run|torchrun SPEC_JSON command... (see "
+                 "EmulatedCluster.gloo_run and .torchrun)")
+    sys.exit(runners[sys.argv[1]](json.loads(sys.argv[2]), sys.argv[3:]))

@@ -6,15 +6,17 @@ one host.
 
 Two emulated hosts (network namespaces, one CPU core each, a veth link shaped with tc);
 each job has one rank per host and averages its gradients over the link (Horovod's Gloo
-over TCP); one crossover daemon per host. `--one-host` adds the `make demo` setting as
-rows with `mbit` 0: the jobs' two ranks on this host under mpirun, no shaped link. A
+over TCP; a `ddp-` workload is a PyTorch DDP job, torchrun on each host meeting at a
+static rendezvous, gloo over TCP); one crossover daemon per host. `--one-host` adds the
+`make demo` setting as rows with `mbit` 0: the jobs' two ranks on this host under mpirun
+(or torchrun), no shaped link. A
 workload `a+b` pairs different models (job A runs a, job B runs b). For each workload
 and setting, side by side, repeated:
 
-    solo            each job alone, plain Horovod; sequential = their sum
+    solo            each job alone, plain Horovod (or torchrun); sequential = their sum
     overhead        job A alone under the daemon, against the plain solo
     uncoordinated   the jobs at once, hooks on, daemon policy off
-    plain together  the jobs at once, plain Horovod
+    plain together  the jobs at once, plain Horovod (or torchrun)
     crossover       the jobs at once, daemon policy crossover (always antiphase)
     auto            the jobs at once, daemon policy auto (the default: it measures and
                     chooses antiphase or concurrent grants)
@@ -73,7 +75,7 @@ def measure(launch: Callable[[list[str]], list[str]], runtimes: dict[str, Path],
             mbit: float, measured_mbit: float | None, reps: int, steps: int, tmp: Path,
             trace_dir: Path | None, n_jobs: int = 2,
             job_env: dict[str, str] | None = None, auto_log: Path | None = None,
-            policy_arms: dict[str, str] = POLICY_ARMS) -> dict:
+            policy_arms: dict[str, str] = POLICY_ARMS, start_together: bool = False) -> dict:
     """One workload in one setting: all arms, `reps` times, interleaved (each repetition
     in another order: `common.arm_order`), for `n_jobs`.
 
@@ -87,6 +89,9 @@ def measure(launch: Callable[[list[str]], list[str]], runtimes: dict[str, Path],
         policy_arms: the arms run together under a daemon, and each one's policy ("off":
             the hooks run, every request is granted at once: uncoordinated). Every arm but
             the uncoordinated one is traced (`rank_skew_ms`, `ranks_apart`).
+        start_together: the jobs' loops start at one barrier once every job has set up
+            (`jobs.run_jobs`), so a makespan holds no job's start-up, as the sequential
+            sum of loops does not (jobs whose start-up differs: a DDP and a Horovod job).
     """
     traced = [arm for arm in policy_arms if arm != "together"]
     per_job = job_workloads(wl, n_jobs)
@@ -108,7 +113,8 @@ def measure(launch: Callable[[list[str]], list[str]], runtimes: dict[str, Path],
 
     def run(names: list[str], env: dict[str, str], first: int = 0) -> list[dict]:
         return run_jobs(launch, names, per_job[first], steps, env, logs, job_env=job_env,
-                        first_seed=1 + first, workloads=per_job[first:first + len(names)])
+                        first_seed=1 + first, workloads=per_job[first:first + len(names)],
+                        start_together=start_together)
 
     def run_solos(tag: str) -> None:
         for i, (x, arm) in enumerate(zip(letters, solo_arms, strict=True)):
@@ -256,12 +262,17 @@ def main() -> None:
                         help="add the make-demo setting: both jobs' ranks on this host")
     parser.add_argument("--delay-ms", type=float, default=0.0,
                         help="one-way link delay (needs tc netem in the kernel)")
-    parser.add_argument("--workloads", default=",".join(WORKLOADS),
-                        help="comma-separated; a+b pairs two models")
+    parser.add_argument("--workloads", default="mlp,cnn,transformer",
+                        help="comma-separated; a+b pairs two models; ddp-<model> runs the "
+                             "model as a PyTorch DDP job under torchrun (mlp+ddp-mlp: a "
+                             "Horovod job beside a DDP job)")
     parser.add_argument("--jobs", type=int, choices=range(2, 9), default=2,
                         help="jobs sharing the two hosts (each has one rank per host)")
     parser.add_argument("--name", default=None, help="result name (default crossover, "
                         "crossover_<N>jobs for N != 2, with _quick under --quick)")
+    parser.add_argument("--start-together", action="store_true",
+                        help="start the jobs' training loops at one barrier once all have "
+                             "set up (makespans without start-up, as the sequential sum)")
     parser.add_argument("--aligned-arm", action="store_true",
                         help="add an arm: always antiphase with the nodes' phases aligned "
                              "(daemon --align-phases; emulated hosts only)")
@@ -337,6 +348,7 @@ def main() -> None:
         **headline(rows),
         "setup": {"hosts": 2, "cores_per_host": 1, "ranks_per_job": 2, "jobs": args.jobs,
                   "reps": args.reps, "steps": args.steps, "delay_ms": args.delay_ms,
+                  "start_together": args.start_together,
                   "link": "a tc tbf-shaped veth pair between two network namespaces",
                   "one_host": "mbit 0: both ranks of each job on this host under mpirun, "
                               f"environment {ONE_HOST_ENV}",
@@ -365,7 +377,7 @@ def _row(launch: Callable[[list[str]], list[str]], runtimes: dict[str, Path], wl
     tdir = traces / f"{wl}-{mbit:g}"
     tdir.mkdir(parents=True)
     row = measure(launch, runtimes, wl, mbit, measured, args.reps, args.steps, tmp, tdir,
-                  args.jobs, job_env, auto_log, policy_arms)
+                  args.jobs, job_env, auto_log, policy_arms, args.start_together)
     row["measured_mbit"] = measured
     where = f"{mbit:g} Mbit/s" if mbit else "one host"
     print(f"{wl} {where}: auto {row['auto_vs_sequential']:.2f}x sequential, "

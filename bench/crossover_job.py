@@ -1,13 +1,18 @@
 """The benchmark's training job: an MLP, a small CNN or a transformer block, synthetic data.
 
     mpirun -np 2 python bench/crossover_job.py --model cnn --steps 30 [--device cuda]
+    torchrun --standalone --nproc-per-node 2 bench/crossover_job.py --framework ddp
 
-A Horovod PyTorch job under crossover (plain with CROSSOVER_ENABLE=0), seeded. Rank 0
-prints one JSON line: wall-clock start and end of the training loop (epoch seconds, so
-runs of several jobs can be laid on one time axis), samples/s, the step's split into
-compute (forward, backward, update) and exposed communication (waiting for the gradient
-allreduces after backward), summed over the steps, and a digest of the final weights.
-On CUDA the timing points synchronise the device, so the split is what the GPU did.
+A Horovod PyTorch job under crossover (plain with CROSSOVER_ENABLE=0), seeded; with
+`--framework ddp` the same model and data as a PyTorch DDP job (gloo) under torchrun.
+Rank 0 prints one JSON line: wall-clock start and end of the training loop (epoch
+seconds, so runs of several jobs can be laid on one time axis), samples/s, the step's
+split into compute (forward, backward, update) and exposed communication (waiting for
+the gradient allreduces after backward), summed over the steps, and a digest of the
+final weights. On CUDA the timing points synchronise the device, so the split is what
+the GPU did. DDP waits for its allreduces inside backward, so there the split is
+estimated: forward and backward of the bare model are timed before training, and the
+rest of each training step's forward and backward counts as exposed communication.
 """
 
 from __future__ import annotations
@@ -16,18 +21,20 @@ import argparse
 import hashlib
 import json
 import os
+import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-import horovod.torch as hvd
 import torch
 from torch import nn
 
-import crossover.hooks.torch as crossover_torch
 from crossover.hooks import _lifecycle
 from crossover.testing import add_start_barrier_flags, start_barrier
 
 MODELS = ("mlp", "cnn", "transformer")
+#: Bare forward and backward passes timed before a DDP job trains (after one warm-up).
+CALIBRATION_STEPS = 5
 
 
 class TransformerBlock(nn.Module):
@@ -81,9 +88,118 @@ def build(model: str, width: int, layers: int) -> tuple[nn.Module, object]:
     raise ValueError(f"unknown model {model!r}; choose one of {', '.join(MODELS)}")
 
 
+class Trainer:
+    """One framework's set-up and training step, behind one interface for `main`.
+
+    Attributes:
+        rank, size: this process's rank and the job's world size.
+        model: the bare model (its state is what the weights digest covers).
+        optimizer: the optimizer the step updates.
+    """
+
+    rank: int
+    size: int
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    last_loss: float = float("nan")
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, sync: Callable[[], None]) -> tuple[
+            float, float]:
+        """One training step; returns (compute seconds, exposed communication seconds)."""
+        raise NotImplementedError
+
+
+class HorovodTrainer(Trainer):
+    """Horovod's DistributedOptimizer, the crossover optimizer hook on top."""
+
+    def __init__(self, model: nn.Module) -> None:
+        import horovod.torch as hvd
+
+        import crossover.hooks.torch as crossover_torch
+
+        self.rank, self.size, self.model = hvd.rank(), hvd.size(), model
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        self.optimizer = hvd.DistributedOptimizer(optimizer,
+                                                  named_parameters=model.named_parameters())
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        crossover_torch.wrap(self.optimizer)
+        self.loss_fn = nn.CrossEntropyLoss()
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, sync: Callable[[], None]) -> tuple[
+            float, float]:
+        t0 = time.perf_counter()
+        self.optimizer.zero_grad()
+        loss = self.loss_fn(self.model(x), y)
+        loss.backward()
+        sync()
+        t1 = time.perf_counter()
+        self.optimizer.synchronize()  # the allreduces, without the slot
+        sync()
+        t2 = time.perf_counter()
+        with self.optimizer.skip_synchronize():
+            self.optimizer.step()
+        sync()
+        t3 = time.perf_counter()
+        self.last_loss = float(loss.detach())
+        return (t1 - t0) + (t3 - t2), t2 - t1
+
+
+class DDPTrainer(Trainer):
+    """DistributedDataParallel (gloo), the crossover DDP hook on top.
+
+    The forward and backward of the bare model are timed first (`CALIBRATION_STEPS`, no
+    communication, no slot, weights untouched): what a training step's forward and
+    backward take beyond that is the allreduce wait DDP hides inside backward.
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device,
+                 batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        import crossover.hooks.ddp as crossover_ddp
+
+        self.loss_fn = nn.CrossEntropyLoss()
+        self.compute_per_step = self._bare_forward_backward(model, batch)
+        self.rank, self.size, self.model = dist.get_rank(), dist.get_world_size(), model
+        self.ddp = crossover_ddp.wrap(DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None))
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def _bare_forward_backward(self, model: nn.Module,
+                               batch: tuple[torch.Tensor, torch.Tensor]) -> float:
+        """Median seconds of the bare model's forward and backward on `batch`."""
+        times = []
+        for _ in range(CALIBRATION_STEPS + 1):  # the first is a warm-up
+            t0 = time.perf_counter()
+            self.loss_fn(model(batch[0]), batch[1]).backward()
+            if batch[0].is_cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        model.zero_grad(set_to_none=True)
+        return statistics.median(times[1:])
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, sync: Callable[[], None]) -> tuple[
+            float, float]:
+        t0 = time.perf_counter()
+        self.optimizer.zero_grad()
+        loss = self.loss_fn(self.ddp(x), y)
+        loss.backward()  # the allreduces finish inside
+        sync()
+        t1 = time.perf_counter()
+        self.optimizer.step()
+        sync()
+        t2 = time.perf_counter()
+        self.last_loss = float(loss.detach())
+        compute = min(self.compute_per_step, t1 - t0)
+        return compute + (t2 - t1), (t1 - t0) - compute
+
+
 def main() -> None:
     """Train and print the JSON line (rank 0)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--framework", choices=("horovod", "ddp"), default="horovod",
+                        help="ddp: DistributedDataParallel over gloo, launched by torchrun")
     parser.add_argument("--model", choices=MODELS, default="mlp")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=256, help="samples per rank and step")
@@ -105,9 +221,19 @@ def main() -> None:
                              "without waiting for the GPU to finish")
     args = parser.parse_args()
 
-    hvd.init()
+    if args.framework == "ddp":
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        rank = dist.get_rank()
+    else:
+        import horovod.torch as hvd
+
+        hvd.init()
+        local_rank, rank = hvd.local_rank(), hvd.rank()
     if args.device == "cuda":
-        device = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
@@ -132,39 +258,23 @@ def main() -> None:
     torch.manual_seed(args.seed)
     model, data = build(args.model, args.width, args.layers)
     model.to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    crossover_torch.wrap(optimizer)
-    gen = torch.Generator().manual_seed(args.seed * 1000 + hvd.rank())
-    loss_fn = nn.CrossEntropyLoss()
+    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
     # data loading is not measured
     batches = [tuple(t.to(device) for t in data(args.batch, gen)) for _ in range(4)]
+    trainer: Trainer = (DDPTrainer(model, device, batches[0]) if args.framework == "ddp"
+                        else HorovodTrainer(model))
 
     compute = comm = 0.0
     sync()
-    start_barrier(args.start_barrier, args.start_jobs, hvd.rank(), hvd.size())
+    start_barrier(args.start_barrier, args.start_jobs, trainer.rank, trainer.size)
     if profiler is not None:
         profiler.start()
     start_wall, start = time.time(), time.perf_counter()
     cpu0, main0 = time.process_time(), time.thread_time()
     for step in range(args.steps):
-        x, y = batches[step % len(batches)]
-        t0 = time.perf_counter()
-        optimizer.zero_grad()
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        sync()
-        t1 = time.perf_counter()
-        optimizer.synchronize()  # the allreduces, without the slot
-        sync()
-        t2 = time.perf_counter()
-        with optimizer.skip_synchronize():
-            optimizer.step()
-        sync()
-        t3 = time.perf_counter()
-        compute += (t1 - t0) + (t3 - t2)
-        comm += t2 - t1
+        step_compute, step_comm = trainer.step(*batches[step % len(batches)], sync)
+        compute += step_compute
+        comm += step_comm
     elapsed = time.perf_counter() - start
     cpu, main_cpu = time.process_time() - cpu0, time.thread_time() - main0
     end_wall = start_wall + elapsed
@@ -172,21 +282,25 @@ def main() -> None:
         profiler.stop()
         args.profile_dir.mkdir(parents=True, exist_ok=True)
         job = os.environ.get("CROSSOVER_JOB", "job")  # the name the crossover trace uses
-        profiler.export_chrome_trace(str(args.profile_dir / f"{job}.rank{hvd.rank()}.json"))
+        profiler.export_chrome_trace(str(args.profile_dir / f"{job}.rank{trainer.rank}.json"))
     weights = hashlib.sha256()
     for tensor in model.state_dict().values():
         weights.update(tensor.detach().cpu().contiguous().numpy().tobytes())
 
-    if hvd.rank() == 0:
+    if trainer.rank == 0:
         params = sum(p.numel() for p in model.parameters())
         print(json.dumps({
-            "model": args.model, "params": params, "steps": args.steps,
-            "samples_per_s": args.steps * args.batch * hvd.size() / elapsed,
+            "model": args.model, "framework": args.framework, "params": params,
+            "steps": args.steps,
+            "samples_per_s": args.steps * args.batch * trainer.size / elapsed,
             "seconds": elapsed, "start": start_wall, "end": end_wall,
             "compute_s": compute, "comm_s": comm, "cpu_s": cpu,
-            "main_thread_cpu_s": main_cpu, "loss": float(loss.detach()),
+            "main_thread_cpu_s": main_cpu, "loss": trainer.last_loss,
             "device": str(device), "weights_sha256": weights.hexdigest(),
         }), flush=True)
+    if args.framework == "ddp":
+        dist.barrier()  # no rank tears its process group down while a peer still uses it
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -32,6 +32,9 @@ WORKLOADS: dict[str, list[str]] = {
     "transformer": ["--model", "transformer", "--width", "256", "--layers", "2",
                     "--batch", "8"],
 }
+#: The same models as PyTorch DDP jobs under torchrun ("ddp-mlp", ...).
+WORKLOADS.update({f"ddp-{name}": ["--framework", "ddp", *args]
+                  for name, args in list(WORKLOADS.items())})
 
 def job_workloads(wl: str, n_jobs: int) -> list[list[str]]:
     """Each job's workload arguments: `wl` names a workload, or several joined by "+"
@@ -49,14 +52,24 @@ JOB_ENV = {"HOROVOD_CYCLE_TIME": "5", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(
 ONE_HOST_ENV = {**JOB_ENV, "OMPI_MCA_mpi_yield_when_idle": "1"}
 
 
+def is_ddp(argv: list[str]) -> bool:
+    """Whether a job's command runs the job script as a DDP job (launched by torchrun)."""
+    return any(a == "--framework" and b == "ddp" for a, b in zip(argv, argv[1:], strict=False))
+
+
 def cluster_launch(cluster: EmulatedCluster) -> Callable[[list[str]], list[str]]:
-    """How a job's command runs on the emulated hosts (one rank on each), by TRANSPORT."""
-    return cluster.gloo_run if TRANSPORT == "gloo" else cluster.mpirun
+    """How a job's command runs on the emulated hosts (one rank on each): a DDP job under
+    torchrun on each host, a Horovod job by TRANSPORT."""
+    horovod = cluster.gloo_run if TRANSPORT == "gloo" else cluster.mpirun
+    return lambda argv: cluster.torchrun(argv) if is_ddp(argv) else horovod(argv)
 
 
 def one_host_launch(argv: list[str]) -> list[str]:
-    """A job's command as two ranks on this host under mpirun (the `make demo` fallback;
-    run it with ONE_HOST_ENV)."""
+    """A job's command as two ranks on this host: a DDP job under torchrun, a Horovod job
+    under mpirun (the `make demo` fallback; run it with ONE_HOST_ENV)."""
+    if is_ddp(argv):
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", "2", "--no-python", *argv]
     return mpirun(2, *argv)
 
 

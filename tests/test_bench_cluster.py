@@ -15,6 +15,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from cluster import HOSTS_FILE, MARKER, EmulatedCluster, cleanup_stale  # noqa: E402
+from jobs import Daemons, run_jobs  # noqa: E402
+
+from crossover import trace  # noqa: E402
+from tests.conftest import assert_ran_together  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
@@ -127,3 +131,44 @@ def test_ctrl_c_or_sigterm_tears_everything_down(sig):
                            timeout=30).stdout
     assert not any(h in names for h in hosts)
     assert not any(h in HOSTS_FILE.read_text() for h in hosts)
+
+
+HOROVOD_JOB = ["--model", "mlp", "--width", "64", "--layers", "2", "--batch", "32"]
+DDP_JOB = ["--framework", "ddp", *HOROVOD_JOB]
+
+
+@pytest.mark.timeout(600)
+def test_a_ddp_job_under_torchrun_across_the_hosts_shares_them_with_a_horovod_job(tmp_path):
+    """The benchmark's DDP jobs: torchrun on each emulated host, meeting at host 0. The
+    job trains what its Horovod twin trains, and beside a Horovod job under the hosts'
+    daemons each job keeps its weights while the two take turns on both hosts."""
+    plain = {"CROSSOVER_ENABLE": "0"}
+    with EmulatedCluster(mbit=1000) as cluster:
+        def solo(name: str, workload: list[str], seed: int) -> dict:
+            return run_jobs(cluster, [name], workload, 20, plain, tmp_path, 180,
+                            first_seed=seed)[0]
+
+        horovod_a, ddp_a, ddp_b = (solo("hvdA", HOROVOD_JOB, 1), solo("ddpA", DDP_JOB, 1),
+                                   solo("ddpB", DDP_JOB, 2))
+        assert (horovod_a["framework"], ddp_a["framework"]) == ("horovod", "ddp")
+        # the same model, data and seed: DDP's mean gradient is Horovod's average
+        assert ddp_a["weights_sha256"] == horovod_a["weights_sha256"]
+        assert ddp_b["weights_sha256"] != ddp_a["weights_sha256"]
+        traces = tmp_path / "traces"
+        daemons = Daemons(cluster, tmp_path / "run", "crossover", tmp_path / "daemons.log")
+        try:
+            both = run_jobs(cluster, ["hvdX", "ddpX"], HOROVOD_JOB, 20,
+                            {"CROSSOVER_RUNTIME_DIR": str(daemons.runtime),
+                             "CROSSOVER_TRACE": str(traces)}, tmp_path, 180,
+                            workloads=[HOROVOD_JOB, DDP_JOB], start_together=True)
+        finally:
+            daemons.stop()
+    assert [r["weights_sha256"] for r in both] == [horovod_a["weights_sha256"],
+                                                   ddp_b["weights_sha256"]]
+    events = trace.merge(sorted(traces.glob("*.json")), tmp_path / "merged.json")
+    holds = trace.holds_by_device(events)
+    # one rank of each job on each host: the device of each host, shared by both jobs
+    assert len(holds) == 2, holds.keys()
+    assert all({job for _, _, job, _ in spans} == {"hvdX", "ddpX"} for spans in holds.values())
+    assert_ran_together(events)
+    assert trace.overlaps(events) == []
