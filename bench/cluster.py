@@ -245,16 +245,20 @@ class EmulatedCluster:
         return self.exec_in(0, [sys.executable, str(Path(__file__).resolve()), "gloo-run",
                                 spec, *argv])
 
-    def torchrun(self, argv: list[str], timeout_s: float = 600.0) -> list[str]:
+    def torchrun(self, argv: list[str], timeout_s: float = 600.0,
+                 launcher: list[str] | None = None) -> list[str]:
         """A command line running `argv` (a whole command: `python script.py ...`) as a
         torchrun job, one rank per emulated host.
 
         torchrun runs on each host (`--nnodes 2 --node-rank i`) and meets the others at a
         static rendezvous on host 0's address, as on a real two-node cluster; gloo's
-        traffic goes over the shaped link (GLOO_SOCKET_IFNAME).
+        traffic goes over the shaped link (GLOO_SOCKET_IFNAME). `launcher`: the Python
+        arguments that run torchrun on each host (default `-m torch.distributed.run`;
+        `-m crossover.launch.torchrun --crossover ...` for crossover-torchrun).
         """
         spec = json.dumps({"hosts": self.hosts, "addrs": self.addrs,
-                           "cores": list(self.cores), "timeout_s": timeout_s})
+                           "cores": list(self.cores), "timeout_s": timeout_s,
+                           "launcher": launcher or ["-m", "torch.distributed.run"]})
         return self.exec_in(0, [sys.executable, str(Path(__file__).resolve()), "torchrun",
                                 spec, *argv])
 
@@ -353,7 +357,7 @@ def _torchrun(spec: dict, argv: list[str]) -> int:
         port = probe.getsockname()[1]
     procs = []
     for i, host in enumerate(hosts):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(hosts)),
+        cmd = [sys.executable, *spec["launcher"], "--nnodes", str(len(hosts)),
                "--nproc-per-node", "1", "--node-rank", str(i), "--master-addr", addr,
                "--master-port", str(port), "--no-python", *argv]
         procs.append(subprocess.Popen(_in_host(host, spec["cores"][i], cmd),

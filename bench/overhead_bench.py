@@ -1,9 +1,11 @@
-"""Single-job overhead: one 2-rank Horovod PyTorch job under the daemon vs plain Horovod.
+"""Single-job overhead: one 2-rank job under the daemon vs the same job plain.
 
-    .venv/bin/python bench/overhead_bench.py [--reps 5]
+    .venv/bin/python bench/overhead_bench.py [--reps 5] [--framework ddp]
 
-Runs alternate (plain, crossover, plain, ...) so drift on a shared machine hits both
-alike; reports medians of samples/s and writes bench/results/overhead.json.
+A Horovod PyTorch job under mpirun (examples/torch_mlp.py), or with `--framework ddp` a
+PyTorch DDP job under torchrun (examples/ddp_mlp.py). Runs alternate (plain, crossover,
+plain, ...) so drift on a shared machine hits both alike; reports medians of samples/s
+and writes bench/results/overhead.json (overhead_ddp.json).
 """
 
 from __future__ import annotations
@@ -67,9 +69,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--framework", choices=("horovod", "ddp"), default="horovod")
     args = parser.parse_args()
-    cmd = mpirun(2, sys.executable, str(REPO / "examples/torch_mlp.py"), "--steps",
-                 str(args.steps), "--hidden", str(args.hidden), "--layers", str(args.layers))
+    model = ["--steps", str(args.steps), "--hidden", str(args.hidden), "--layers",
+             str(args.layers)]
+    if args.framework == "ddp":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "2", str(REPO / "examples/ddp_mlp.py"), *model,
+               "--bucket-mb", "25"]  # DDP's default bucket size
+    else:
+        cmd = mpirun(2, sys.executable, str(REPO / "examples/torch_mlp.py"), *model)
     plain, under = [], []
     with tempfile.TemporaryDirectory() as tmp, DaemonProcess(Path(tmp) / "run"):
         env = {"CROSSOVER_RUNTIME_DIR": str(Path(tmp) / "run"), "CROSSOVER_JOB": "solo",
@@ -84,9 +93,9 @@ def main() -> None:
     p, c = statistics.median(plain), statistics.median(under)
     step_us = 32 * 2 / p * 1e6  # one step of the plain job: 2 ranks x 32 samples
     cycle_med = statistics.median(cycle)
-    out = write_result("overhead", {
+    out = write_result("overhead" + ("_ddp" if args.framework == "ddp" else ""), {
         "workload": f"MLP 64-{args.hidden}x{args.layers}-10, batch 32/rank, 2 ranks, "
-                    f"{args.steps} steps",
+                    f"{args.steps} steps, {args.framework}",
         "plain_samples_per_s": plain, "crossover_samples_per_s": under,
         "median_plain": p, "median_crossover": c,
         "single_job_overhead": 1 - c / p,

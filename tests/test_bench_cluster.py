@@ -6,6 +6,7 @@ Needs root and network namespaces; skipped elsewhere. No timing is asserted.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -170,5 +171,50 @@ def test_a_ddp_job_under_torchrun_across_the_hosts_shares_them_with_a_horovod_jo
     # one rank of each job on each host: the device of each host, shared by both jobs
     assert len(holds) == 2, holds.keys()
     assert all({job for _, _, job, _ in spans} == {"hvdX", "ddpX"} for spans in holds.values())
+    assert_ran_together(events)
+    assert trace.overlaps(events) == []
+
+
+TUTORIAL = str(Path(__file__).resolve().parents[1] / "examples/ddp_tutorial.py")
+CROSSOVER_TORCHRUN = ["-m", "crossover.launch.torchrun"]
+
+
+@pytest.mark.timeout(600)
+def test_crossover_torchrun_across_hosts_with_a_daemon_world_started_by_hand(tmp_path):
+    """Across nodes, crossover-torchrun joins a daemon world started by hand
+    (--crossover-daemon DIR): two unmodified DDP scripts, torchrun on each emulated host,
+    train what they train alone while taking turns on both hosts."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def launch(cluster: EmulatedCluster, seed: int, flags: list[str]) -> subprocess.Popen:
+        cmd = cluster.torchrun([sys.executable, TUTORIAL, "--seed", str(seed), "--steps",
+                                "1500"], launcher=[*CROSSOVER_TORCHRUN, *flags])
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    def checksum(proc: subprocess.Popen) -> str:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, f"{out[-2000:]}\n{err[-3000:]}"
+        assert "uncoordinated" not in err, err[-3000:]
+        (found,) = re.findall(r"weights checksum (\S+)", out)
+        return found
+
+    traces = tmp_path / "traces"
+    with EmulatedCluster(mbit=1000) as cluster:
+        solo = {seed: checksum(launch(cluster, seed, [])) for seed in (1, 2)}
+        daemons = Daemons(cluster, tmp_path / "run", "crossover", tmp_path / "daemons.log")
+        env["CROSSOVER_TRACE"] = str(traces)  # (--crossover-trace: each node would merge)
+        try:
+            procs = [launch(cluster, seed, ["--crossover", "--crossover-daemon",
+                                            str(daemons.runtime), "--crossover-job", name])
+                     for name, seed in (("one", 1), ("two", 2))]
+            together = [checksum(p) for p in procs]
+        finally:
+            daemons.stop()
+    assert together == [solo[1], solo[2]]
+    events = trace.merge(sorted(traces.glob("*.json")), tmp_path / "merged.json")
+    holds = trace.holds_by_device(events)
+    assert len(holds) == 2, holds.keys()  # each host's device
+    assert all({job for _, _, job, _ in spans} == {"one", "two"} for spans in holds.values())
     assert_ran_together(events)
     assert trace.overlaps(events) == []

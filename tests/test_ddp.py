@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from crossover import trace
+from crossover.__main__ import status_table
+from crossover.probe import daemon_status
 from tests.conftest import (
     PY,
     REPO,
@@ -132,11 +134,24 @@ def test_a_ddp_job_and_a_horovod_job_share_one_daemon(tmp_path: Path):
             together = c.start_args(2)
             ddp = ddp_job(c, "D", 1, together)
             hvd = c.job("H", 2, STEPS, extra=together)
+            # `crossover status` shows both kinds alike: each job's ranks on each device
+            seen: list[dict] = []
+
+            def both_listed() -> bool:
+                seen[:] = [daemon_status(c.runtime)]
+                (snap,) = seen[0].values()
+                ranks = {job: u["ranks"] for job, u in snap.get("job_usage", {}).items()}
+                return ranks == {"D": 2, "H": 2} and len(snap["devices"]) == 2 and all(
+                    set(dev["usage"]) == {"D", "H"} for dev in snap["devices"].values())
+
+            wait_for(both_listed, 120, "both jobs in the daemon's status")
+            table = status_table(seen[0])
             ddp.wait(180)
             hvd.wait(180)
             log = (tmp_path / "daemon.log").read_text()
     finally:
         c.cleanup()
+    assert "D 2 ranks" in table and "H 2 ranks" in table, table
     assert same_weights(ddp.weights, solo.weights)
     assert same_weights(hvd.weights, solo_h.weights)
     orders = dict(re.findall(r"job (\w+) rank \d on node \S+ -> \S+ \(order (\d+)\)", log))
