@@ -214,6 +214,17 @@ def assert_ran_together(events: list[dict], min_handovers: int = 2) -> None:
         f"{min_handovers} needed): they did not run at the same time, nothing was tested")
 
 
+def assert_shared_in_turns(events: list[dict], jobs: set[str], devices: int) -> None:
+    """The trace shows `devices` devices, each held by every one of `jobs`; the jobs ran
+    together (`assert_ran_together`) and no two ever held a device at once."""
+    holds = trace.holds_by_device(events)
+    assert len(holds) == devices, holds.keys()
+    assert all({job for _, _, job, _ in spans} == jobs for spans in holds.values()), {
+        device: {job for _, _, job, _ in spans} for device, spans in holds.items()}
+    assert_ran_together(events)
+    assert trace.overlaps(events) == []
+
+
 def same_weights(a: Path, b: Path) -> bool:
     """True when two saved state dicts are bit-identical."""
     import torch

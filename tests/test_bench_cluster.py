@@ -19,7 +19,7 @@ from cluster import HOSTS_FILE, MARKER, EmulatedCluster, cleanup_stale  # noqa: 
 from jobs import Daemons, run_jobs  # noqa: E402
 
 from crossover import trace  # noqa: E402
-from tests.conftest import assert_ran_together  # noqa: E402
+from tests.conftest import assert_shared_in_turns  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
@@ -167,12 +167,8 @@ def test_a_ddp_job_under_torchrun_across_the_hosts_shares_them_with_a_horovod_jo
     assert [r["weights_sha256"] for r in both] == [horovod_a["weights_sha256"],
                                                    ddp_b["weights_sha256"]]
     events = trace.merge(sorted(traces.glob("*.json")), tmp_path / "merged.json")
-    holds = trace.holds_by_device(events)
     # one rank of each job on each host: the device of each host, shared by both jobs
-    assert len(holds) == 2, holds.keys()
-    assert all({job for _, _, job, _ in spans} == {"hvdX", "ddpX"} for spans in holds.values())
-    assert_ran_together(events)
-    assert trace.overlaps(events) == []
+    assert_shared_in_turns(events, {"hvdX", "ddpX"}, devices=2)
 
 
 TUTORIAL = str(Path(__file__).resolve().parents[1] / "examples/ddp_tutorial.py")
@@ -213,8 +209,4 @@ def test_crossover_torchrun_across_hosts_with_a_daemon_world_started_by_hand(tmp
             daemons.stop()
     assert together == [solo[1], solo[2]]
     events = trace.merge(sorted(traces.glob("*.json")), tmp_path / "merged.json")
-    holds = trace.holds_by_device(events)
-    assert len(holds) == 2, holds.keys()  # each host's device
-    assert all({job for _, _, job, _ in spans} == {"one", "two"} for spans in holds.values())
-    assert_ran_together(events)
-    assert trace.overlaps(events) == []
+    assert_shared_in_turns(events, {"one", "two"}, devices=2)  # each host's device
