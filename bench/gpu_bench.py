@@ -1,23 +1,30 @@
-"""Two Horovod PyTorch jobs sharing one GPU: the figures of bench/results/gpu/.
+"""Two PyTorch jobs sharing one GPU: the figures of bench/results/gpu/.
 
-    python bench/gpu_bench.py [--reps 3] [--steps 40] [--check-steps 300]
-    (bash bench/gpu_bench.sh sets up Horovod first and runs this)
+    python bench/gpu_bench.py [--framework horovod|ddp] [--reps 3] [--steps 40]
+                              [--check-steps 300]
+    (bash bench/gpu_bench.sh sets up Horovod first, for --framework horovod, and runs this)
 
 Each job has 2 ranks on this host, both on the GPU (local rank i takes GPU i mod the
-GPUs present, so on one GPU every rank shares it) and averages its gradients with
-Horovod over Gloo: Horovod built without HOROVOD_GPU_ALLREDUCE copies CUDA gradients to
-host memory, sums them there and copies them back, and NCCL refuses two ranks of one
-communicator on one GPU. One crossover daemon under the default policy. Interleaved in
-each repetition, deterministic algorithms on in every arm:
+GPUs present, so on one GPU every rank shares it); NCCL refuses two ranks of one
+communicator on one GPU, so the gradients are averaged over Gloo:
 
-    solo A, solo B    each job alone, plain Horovod; sequential = their sum
-    plain together    both at once, plain Horovod
+    horovod  Horovod built without HOROVOD_GPU_ALLREDUCE copies CUDA gradients to host
+             memory, sums them there and copies them back (launched by horovodrun's Gloo)
+    ddp      DistributedDataParallel on the gloo process group, whose allreduce takes
+             CUDA tensors (launched by torchrun; crossover.hooks.ddp)
+
+One crossover daemon under the default policy. Interleaved in each repetition,
+deterministic algorithms on in every arm:
+
+    solo A, solo B    each job alone, plain (no crossover); sequential = their sum
+    plain together    both at once, plain
     crossover         both at once under the daemon
 
 Then the release check (bench/gpu_release.py): both jobs under crossover for
 `--check-steps` steps with the torch profiler, and again without the device sync before
 release (the negative control). Writes bench/results/gpu/sharing.json, release.json and
-gantt.png (the last crossover run's holds).
+gantt.png (the last crossover run's holds); with --framework ddp, ddp_sharing.json,
+ddp_release.json and ddp_gantt.png.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cluster import local_gloo_run  # noqa: E402
 from common import RESULTS, write_result  # noqa: E402
 from gpu_release import check_run  # noqa: E402
-from jobs import makespan, run_jobs  # noqa: E402
+from jobs import is_ddp, makespan, run_jobs, torchrun_standalone  # noqa: E402
 
 from crossover import trace  # noqa: E402
 from crossover.launch.local import DaemonProcess  # noqa: E402
@@ -54,8 +61,8 @@ JOB_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
 
 def launch(argv: list[str]) -> list[str]:
-    """A job's launch line: RANKS Gloo ranks on this host."""
-    return local_gloo_run(RANKS, argv)
+    """A job's launch line: RANKS ranks on this host, under torchrun or horovodrun (Gloo)."""
+    return torchrun_standalone(RANKS, argv) if is_ddp(argv) else local_gloo_run(RANKS, argv)
 
 
 def gpu_preconditions() -> str:
@@ -68,14 +75,18 @@ def gpu_preconditions() -> str:
     return torch.cuda.get_device_name(0)
 
 
+#: The job script's --framework, set by main().
+FRAMEWORK = ["--framework", "horovod"]
+
+
 def jobs(names: list[str], env: dict[str, str], logs: Path, steps: int,
          extra: list[str] | None = None, first_seed: int = 1) -> list[dict]:
     """Run the named jobs at once (seeds first_seed, first_seed + 1, ...)."""
-    return run_jobs(launch, names, [*WORKLOAD, *(extra or [])], steps, env, logs,
+    return run_jobs(launch, names, [*WORKLOAD, *FRAMEWORK, *(extra or [])], steps, env, logs,
                     timeout_s=600.0, job_env=JOB_ENV, first_seed=first_seed)
 
 
-def measure(daemon: DaemonProcess, reps: int, steps: int, tmp: Path) -> dict:
+def measure(daemon: DaemonProcess, reps: int, steps: int, tmp: Path, prefix: str) -> dict:
     """All arms, `reps` times, interleaved; medians, slowdowns, weight equality."""
     plain = {"CROSSOVER_ENABLE": "0"}
     under = {"CROSSOVER_RUNTIME_DIR": str(daemon.runtime_dir)}
@@ -112,8 +123,9 @@ def measure(daemon: DaemonProcess, reps: int, steps: int, tmp: Path) -> dict:
     equal = {arm: all({run[i]["weights_sha256"] for run in arms[arm]} == solo_digests[i]
                       for i in range(2)) for arm in ("plain_together", "crossover")}
     merged = trace.merge(sorted(traces.glob("*.json")), tmp / "crossover.trace.json")
-    trace.plot_gantt(merged, OUT / "gantt.png",
-                     title="two 2-rank jobs on one H100 under crossover: slot holds")
+    trace.plot_gantt(merged, OUT / f"{prefix}gantt.png",
+                     title=f"two 2-rank {FRAMEWORK[1]} jobs on one GPU under crossover: "
+                           "slot holds")
     return {
         "solo_s": solos, "sequential_s": sequential, "plain_together_s": plain_s,
         "crossover_s": cx_s, "compute_s": compute, "comm_s": comm,
@@ -143,9 +155,10 @@ def release_check(daemon: DaemonProcess, steps: int, tmp: Path) -> dict:
         out[arm] = {**check_run(pdir, tdir, names, RANKS),
                     "seconds": [r["seconds"] for r in runs]}
         c = out[arm]
-        print(f"release check, {arm.replace('_', ' ')}: {c['overruns']} of {c['kernels']} "
-              f"kernels and {c['copies']} copies ran past their hold (max "
-              f"{c['max_overrun_us']:.0f} us), {c['kernels_released']} kernels started while "
+        print(f"release check, {arm.replace('_', ' ')}: {c['kernel_overruns']} of "
+              f"{c['kernels']} kernels and {c['copy_overruns']} of {c['copies']} copies ran "
+              f"past their hold (max {c['max_overrun_us']:.0f} us), "
+              f"{c['kernels_released']} kernels started while "
               f"released; kernels of both jobs at once "
               f"{c['kernels_of_two_jobs_at_once_s'] * 1e3:.1f} ms", flush=True)
     return out
@@ -162,6 +175,7 @@ def nvidia_smi() -> dict:
 def main() -> None:
     """Run the arms and the release check; write the JSON files and the Gantt chart."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--framework", choices=("horovod", "ddp"), default="horovod")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--check-steps", type=int, default=300)
@@ -171,36 +185,47 @@ def main() -> None:
                              "(default: a temporary one, removed)")
     args = parser.parse_args()
     gpu_preconditions()
-    import horovod
     import torch
 
-    versions = {**nvidia_smi(), "torch_cuda": torch.version.cuda,
-                "horovod": horovod.__version__,
-                "horovod_allreduce_of_cuda_tensors": "host memory over Gloo "
-                                                     "(no HOROVOD_GPU_ALLREDUCE)"}
+    FRAMEWORK[1] = args.framework
+    versions = {**nvidia_smi(), "torch_cuda": torch.version.cuda, "framework": args.framework}
+    if args.framework == "horovod":
+        import horovod
+
+        versions.update(horovod=horovod.__version__,
+                        horovod_allreduce_of_cuda_tensors="host memory over Gloo "
+                                                          "(no HOROVOD_GPU_ALLREDUCE)")
+    else:
+        versions.update(ddp_allreduce_of_cuda_tensors="torch.distributed's gloo process "
+                                                      "group, on the CUDA tensors")
+    prefix = "" if args.framework == "horovod" else f"{args.framework}_"
     setup = {"ranks_per_job": RANKS, "hosts": "one (localhost): the two ranks of a job and "
-             "both jobs share the one GPU", "workload": WORKLOAD, "job_env": JOB_ENV,
-             "policy": "the daemon's default (auto)"}
+             "both jobs share the one GPU", "workload": [*WORKLOAD, *FRAMEWORK],
+             "job_env": JOB_ENV}
     OUT.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="crossover-gpu-") as tmp_s:
         tmp = args.work or Path(tmp_s)
         (tmp / "logs").mkdir(parents=True)
-        with DaemonProcess(tmp / "run", log=tmp / "daemon.log") as daemon:
+        # Always antiphase for the release check: a release at every step, the most
+        # releases to check (auto may serve the jobs concurrently, releasing nothing).
+        with DaemonProcess(tmp / "run-check", policy="crossover",
+                           log=tmp / "daemon-check.log") as daemon:
             check = release_check(daemon, args.check_steps, tmp)
-            write_result("gpu/release", {**versions, "setup": {**setup,
-                         "steps": args.check_steps}, **check})
-            if not args.skip_sharing:
-                shared = measure(daemon, args.reps, args.steps, tmp / "sharing")
-                write_result("gpu/sharing", {**versions, "setup": {**setup, "steps": args.steps,
-                             "reps": args.reps}, **shared,
-                             "wall_s": time.monotonic() - started})
-                print(f"sequential {shared['sequential_s']:.2f} s, plain together "
-                      f"{shared['plain_together_s']:.2f} s, crossover "
-                      f"{shared['crossover_s']:.2f} s: {shared['crossover_vs_sequential']:.2f}x "
-                      f"sequential, {shared['crossover_vs_plain_together']:.2f}x plain "
-                      f"together; weights equal solo: {shared['weights_equal_solo']}",
-                      flush=True)
+        write_result(f"gpu/{prefix}release", {**versions, "setup": {
+            **setup, "policy": "crossover (always antiphase)", "steps": args.check_steps},
+            **check})
+        if not args.skip_sharing:
+            with DaemonProcess(tmp / "run", log=tmp / "daemon.log") as daemon:
+                shared = measure(daemon, args.reps, args.steps, tmp / "sharing", prefix)
+            write_result(f"gpu/{prefix}sharing", {**versions, "setup": {
+                **setup, "policy": "the daemon's default (auto)", "steps": args.steps,
+                "reps": args.reps}, **shared, "wall_s": time.monotonic() - started})
+            print(f"sequential {shared['sequential_s']:.2f} s, plain together "
+                  f"{shared['plain_together_s']:.2f} s, crossover "
+                  f"{shared['crossover_s']:.2f} s: {shared['crossover_vs_sequential']:.2f}x "
+                  f"sequential, {shared['crossover_vs_plain_together']:.2f}x plain "
+                  f"together; weights equal solo: {shared['weights_equal_solo']}", flush=True)
     print(f"-> {OUT}", flush=True)
 
 

@@ -2,6 +2,7 @@
 # The GPU figures (bench/results/gpu/) in one command, on a machine with an NVIDIA GPU:
 #
 #   bash bench/gpu_bench.sh [--build-only] [bench/gpu_bench.py options]
+#   bash bench/gpu_bench.sh --framework ddp [options]   (two DDP jobs: no Horovod build)
 #
 # CI has no GPU and never runs this; the CPU suite (`make test`) stays the gate.
 # 1. Checks its preconditions and names what is missing: nvidia-smi, a python3 whose
@@ -31,7 +32,10 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >&
   || die "$py has no CUDA build of torch that sees the GPU (torch: $("$py" -c 'import torch; print(torch.__version__)' 2>&1 | tail -1))"
 
 export PYTHONPATH="$cx_site:$hvd_site${PYTHONPATH:+:$PYTHONPATH}"
-if ! "$py" -c 'import horovod.torch' 2>/dev/null; then
+# DDP jobs (--framework ddp) need no Horovod.
+needs_horovod=1
+prev=""; for a in "$@"; do [ "$prev $a" = "--framework ddp" ] || [ "$a" = "--framework=ddp" ] && needs_horovod=0; prev=$a; done
+if [ "$needs_horovod" = 1 ] && ! "$py" -c 'import horovod.torch' 2>/dev/null; then
   command -v cmake >/dev/null || die "cmake not found (pip install cmake), needed to build Horovod"
   command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ] \
     || die "nvcc not found: Horovod's build compiles its CUDA kernels when torch has CUDA"

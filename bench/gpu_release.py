@@ -79,10 +79,14 @@ def check_rank(profile: list[dict], holds: list[tuple[float, float]],
                slack_us: float = 10.0) -> dict:
     """GPU work of one rank measured against its holds.
 
-    Work is kernels and copies. Launched while holding, it must finish before the release:
-    one that runs past the end of its hold is an overrun. Launched while not holding, a
-    kernel is a violation; a copy is the communication the slot was released for
-    (Horovod's callback copies the averaged gradients back to the GPU), counted apart.
+    Work is kernels and copies. Launched while holding, it should finish before the
+    release: one that runs past the end of its hold is an overrun, a kernel's and a copy's
+    counted apart. A kernel overrun is a violation (compute of this job beside the next
+    holder's). A copy overrun is the communication the slot was released for, begun while
+    holding: torch's gloo allreduce copies a DDP bucket to host memory on its own stream as
+    soon as the bucket is handed over, on the copy engines, not the SMs. Launched while not
+    holding, a kernel is a violation; a copy is communication (Horovod's callback copies
+    the averaged gradients back to the GPU), counted apart.
 
     Args:
         profile: the rank's torch-profiler trace events.
@@ -91,11 +95,11 @@ def check_rank(profile: list[dict], holds: list[tuple[float, float]],
             the instants they stand for).
 
     Returns:
-        kernels, copies: the work checked; outside: overruns plus kernels started while
-        not holding; max_overrun_us, overrun_s: the largest and the total time past a
-        hold's end; min_margin_us: the least time between a hold's last work and its
-        release (negative when work overran); copies_released: copies started while not
-        holding.
+        kernels, copies: the work checked; overruns: kernel_overruns plus copy_overruns;
+        outside: overruns plus kernels started while not holding; max_overrun_us,
+        overrun_s: the largest and the total time past a hold's end; min_margin_us: the
+        least time between a hold's last work and its release (negative when work
+        overran); copies_released: copies started while not holding.
 
     Raises:
         ValueError: the profile holds no kernels, or no phase markers.
@@ -108,7 +112,7 @@ def check_rank(profile: list[dict], holds: list[tuple[float, float]],
     if not kernels:
         raise ValueError("no GPU kernels in the profile: was it recorded with "
                          "ProfilerActivity.CUDA on a GPU run?")
-    overruns, released_kernels, released_copies = [], 0, 0
+    overruns, released_kernels, released_copies, kernel_overruns = [], 0, 0, 0
     last_end: dict[int, float] = {}
     for work, is_kernel in ((kernels, True), (copies, False)):
         for start, end in work:
@@ -120,9 +124,11 @@ def check_rank(profile: list[dict], holds: list[tuple[float, float]],
             last_end[i] = max(last_end.get(i, float("-inf")), end)
             if end - holds[i][1] > slack_us:
                 overruns.append(end - holds[i][1])
+                kernel_overruns += is_kernel
     margins = [holds[i][1] - e for i, e in last_end.items() if i < len(holds) - 1]
     return {"kernels": len(kernels), "copies": len(copies),
             "outside": len(overruns) + released_kernels, "overruns": len(overruns),
+            "kernel_overruns": kernel_overruns, "copy_overruns": len(overruns) - kernel_overruns,
             "kernels_released": released_kernels,
             "max_overrun_us": max(overruns, default=0.0),
             "overrun_s": sum(overruns) / 1e6,
@@ -179,6 +185,8 @@ def check_run(profile_dir: Path, trace_dir: Path, jobs: list[str], ranks: int) -
             "copies": sum(r["copies"] for r in rows),
             "outside": sum(r["outside"] for r in rows),
             "overruns": sum(r["overruns"] for r in rows),
+            "kernel_overruns": sum(r["kernel_overruns"] for r in rows),
+            "copy_overruns": sum(r["copy_overruns"] for r in rows),
             "kernels_released": sum(r["kernels_released"] for r in rows),
             "max_overrun_us": max(r["max_overrun_us"] for r in rows),
             "overrun_s": sum(r["overrun_s"] for r in rows),

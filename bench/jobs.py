@@ -67,10 +67,13 @@ def cluster_launch(cluster: EmulatedCluster) -> Callable[[list[str]], list[str]]
 def one_host_launch(argv: list[str]) -> list[str]:
     """A job's command as two ranks on this host: a DDP job under torchrun, a Horovod job
     under mpirun (the `make demo` fallback; run it with ONE_HOST_ENV)."""
-    if is_ddp(argv):
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", "2", "--no-python", *argv]
-    return mpirun(2, *argv)
+    return torchrun_standalone(2, argv) if is_ddp(argv) else mpirun(2, *argv)
+
+
+def torchrun_standalone(nproc: int, argv: list[str]) -> list[str]:
+    """A DDP job's command as `nproc` ranks on this host, under torchrun."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc-per-node", str(nproc), "--no-python", *argv]
 
 
 class Daemons:
