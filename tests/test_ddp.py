@@ -4,6 +4,7 @@ beside it."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -168,6 +169,41 @@ def test_wrap_refuses_what_it_cannot_serve():
 
     with pytest.raises(TypeError, match="wrap DDP"):
         crossover_ddp.wrap(torch.nn.Linear(2, 2))
+
+
+#: One rank, three models: which way each one's last bucket is found (stdout: JSON).
+HOOK_PATHS = """
+import json, os, torch, torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+import crossover.hooks.ddp as crossover_ddp
+dist.init_process_group("gloo", init_method="file://" + os.environ["STORE"], rank=0,
+                        world_size=1)
+def net():
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+own = crossover_ddp.wrap(DDP(net()))
+unused = crossover_ddp.wrap(DDP(net(), find_unused_parameters=True))
+scripts = crossover_ddp.wrap(DDP(net()))
+scripts.register_comm_hook(None, default_hooks.fp16_compress_hook)
+for model in (own, unused, scripts):
+    model(torch.randn(3, 4)).sum().backward()
+print(json.dumps([[len(m._comm_hooks), m._crossover_hooks.counted is not None]
+                  for m in (own, unused, scripts)]))
+"""
+
+
+def test_without_a_hook_of_its_own_ddp_keeps_its_own_reduction(tmp_path: Path):
+    """DDP folds the 1/world-size scaling into its copy of each gradient into its bucket
+    only when no communication hook is registered: crossover registers none unless the
+    script brings one or some gradients may never arrive (find_unused_parameters)."""
+    env = {**os.environ, "STORE": str(tmp_path / "store"),
+           "CROSSOVER_RUNTIME_DIR": str(tmp_path / "no-daemon")}
+    res = subprocess.run([PY, "-c", HOOK_PATHS], env=env, capture_output=True, text=True,
+                         timeout=120, cwd=REPO)
+    assert res.returncode == 0, res.stderr[-3000:]
+    own, unused, scripts = json.loads(res.stdout.splitlines()[-1])
+    assert own == [0, True]  # counts gradient arrivals, DDP reduces
+    assert unused == [1, False] and scripts == [1, False]  # a hook marks the last bucket
 
 
 TUTORIAL = str(REPO / "examples/ddp_tutorial.py")
