@@ -5,7 +5,9 @@
 A Horovod PyTorch job under mpirun (examples/torch_mlp.py), or with `--framework ddp` a
 PyTorch DDP job under torchrun (examples/ddp_mlp.py). Runs alternate (plain, crossover,
 plain, ...) so drift on a shared machine hits both alike; reports medians of samples/s
-and writes bench/results/overhead.json (overhead_ddp.json).
+and writes bench/results/overhead.json (overhead_ddp.json). For DDP it also measures what
+the hooks add to a step inside one process (bench/ddp_step_cost.py, `--cost-runs`
+launches): alternating steps of plain and wrapped models, far less noisy than whole runs.
 """
 
 from __future__ import annotations
@@ -34,6 +36,34 @@ def samples_per_s(job: Job) -> float:
         raise RuntimeError(f"{job.name} failed:\n{res.output}")
     line = next(ln for ln in res.output.splitlines() if ln.startswith('{"samples_per_s"'))
     return json.loads(line)["samples_per_s"]
+
+
+def step_cost(runs: int, env: dict[str, str], model: list[str]) -> dict:
+    """bench/ddp_step_cost.py `runs` times under torchrun, the wrapped model built first,
+    second, third in turn: each run's median steps (wall and main-thread CPU) per role;
+    crossover's cost in a run against the mean of its two plain models, and the two
+    plain models' gap (the noise floor), each the median over the runs."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", "2", str(REPO / "bench/ddp_step_cost.py"), *model[2:]]
+    per_run = []
+    for i in range(runs):
+        (res,) = run_together([Job("step-cost", [*cmd, "--wrapped", str(i % 3)], env)],
+                              timeout_s=600)
+        if res.returncode != 0:
+            raise RuntimeError(f"ddp_step_cost failed:\n{res.output[-3000:]}")
+        line = next(ln for ln in res.output.splitlines() if ln.startswith('{"step_cost"'))
+        per_run.append(json.loads(line)["step_cost"])
+        print(f"step cost run {i + 1}/{runs}: " + ", ".join(
+            f"{k} {v['cpu_us']:.0f} us CPU" for k, v in per_run[-1].items()), flush=True)
+    out: dict = {"runs": per_run}
+    med = statistics.median
+    for clock in ("wall_us", "cpu_us"):  # paired within each run, then the median
+        cost = [r["crossover"][clock] / ((r["plain"][clock] + r["plain_again"][clock]) / 2)
+                - 1 for r in per_run]
+        floor = [abs(r["plain_again"][clock] / r["plain"][clock] - 1) for r in per_run]
+        out[clock.replace("_us", "_overhead")] = med(cost)
+        out[clock.replace("_us", "_noise_floor")] = med(floor)
+    return out
 
 
 def slot_cycle_us(runtime_dir: Path, company: bool, cycles: int = 2000,
@@ -70,6 +100,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--framework", choices=("horovod", "ddp"), default="horovod")
+    parser.add_argument("--cost-runs", type=int, default=6,
+                        help="DDP: launches of bench/ddp_step_cost.py (0: none)")
     args = parser.parse_args()
     model = ["--steps", str(args.steps), "--hidden", str(args.hidden), "--layers",
              str(args.layers)]
@@ -88,6 +120,8 @@ def main() -> None:
             under.append(samples_per_s(Job("crossover", cmd, env)))
             print(f"rep {rep}: plain {plain[-1]:.0f}, crossover {under[-1]:.0f} samples/s",
                   flush=True)
+        cost = (step_cost(args.cost_runs, env, model)
+                if args.framework == "ddp" and args.cost_runs else None)
         alone = slot_cycle_us(Path(tmp) / "run", company=False)
         cycle = slot_cycle_us(Path(tmp) / "run", company=True)
     p, c = statistics.median(plain), statistics.median(under)
@@ -103,9 +137,15 @@ def main() -> None:
         "slot_cycle_us": cycle, "median_slot_cycle_us": cycle_med,
         "median_step_us": step_us,
         "slot_cycle_share_of_step": cycle_med / step_us,
+        **({"step_cost_in_process": cost} if cost else {}),
     })
     print(f"single-job overhead, end to end: {100 * (1 - c / p):.1f}% (median of "
           f"{args.reps}; noisy on a shared machine)")
+    if cost:
+        print(f"in one process, alternating steps: crossover adds "
+              f"{100 * cost['cpu_overhead']:.1f}% main-thread CPU and "
+              f"{100 * cost['wall_overhead']:.1f}% wall time to a step (noise floor "
+              f"{100 * cost['cpu_noise_floor']:.1f}% / {100 * cost['wall_noise_floor']:.1f}%)")
     print(f"slot calls per step, alone: {statistics.median(alone):.1f} us; with another job "
           f"on the device: {cycle_med:.0f} us = {100 * cycle_med / step_us:.2f}% of a "
           f"{step_us / 1000:.1f} ms step -> {out}")
