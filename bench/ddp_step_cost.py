@@ -18,7 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -26,17 +28,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 import crossover.hooks.ddp as crossover_ddp
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from ddp_mlp import MLP  # noqa: E402  (the whole-run benchmark's model)
+
 ROLES = ("plain", "plain_again", "crossover")
-
-
-def mlp(hidden: int, layers: int) -> torch.nn.Module:
-    """examples/ddp_mlp.py's MLP (64 inputs, `layers` x `hidden`, 10 classes), seeded."""
-    torch.manual_seed(0)
-    width = [64] + [hidden] * layers
-    mods: list[torch.nn.Module] = []
-    for a, b in zip(width, width[1:], strict=False):
-        mods += [torch.nn.Linear(a, b), torch.nn.ReLU()]
-    return torch.nn.Sequential(*mods, torch.nn.Linear(width[-1], 10))
 
 
 def main() -> None:
@@ -50,8 +45,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)  # one core is one device
     dist.init_process_group("gloo")
-    models = [DistributedDataParallel(mlp(args.hidden, args.layers),
-                                      bucket_cap_mb=args.bucket_mb) for _ in ROLES]
+    models = []
+    for _ in ROLES:
+        torch.manual_seed(0)  # the same weights in all three
+        models.append(DistributedDataParallel(MLP(args.hidden, args.layers, False),
+                                              bucket_cap_mb=args.bucket_mb))
     crossover_ddp.wrap(models[args.wrapped])
     # role -> model: the wrapped one, and the plain ones in the order built
     plain = [i for i in range(len(models)) if i != args.wrapped]

@@ -75,18 +75,19 @@ def gpu_preconditions() -> str:
     return torch.cuda.get_device_name(0)
 
 
-#: The job script's --framework, set by main().
-FRAMEWORK = ["--framework", "horovod"]
+def prefix(framework: str) -> str:
+    """Result files' prefix: none for Horovod (the first GPU figures), `ddp_` for DDP."""
+    return "" if framework == "horovod" else f"{framework}_"
 
 
-def jobs(names: list[str], env: dict[str, str], logs: Path, steps: int,
+def jobs(names: list[str], framework: str, env: dict[str, str], logs: Path, steps: int,
          extra: list[str] | None = None, first_seed: int = 1) -> list[dict]:
     """Run the named jobs at once (seeds first_seed, first_seed + 1, ...)."""
-    return run_jobs(launch, names, [*WORKLOAD, *FRAMEWORK, *(extra or [])], steps, env, logs,
-                    timeout_s=600.0, job_env=JOB_ENV, first_seed=first_seed)
+    return run_jobs(launch, names, [*WORKLOAD, "--framework", framework, *(extra or [])],
+                    steps, env, logs, timeout_s=600.0, job_env=JOB_ENV, first_seed=first_seed)
 
 
-def measure(daemon: DaemonProcess, reps: int, steps: int, tmp: Path, prefix: str) -> dict:
+def measure(daemon: DaemonProcess, framework: str, reps: int, steps: int, tmp: Path) -> dict:
     """All arms, `reps` times, interleaved; medians, slowdowns, weight equality."""
     plain = {"CROSSOVER_ENABLE": "0"}
     under = {"CROSSOVER_RUNTIME_DIR": str(daemon.runtime_dir)}
@@ -95,12 +96,13 @@ def measure(daemon: DaemonProcess, reps: int, steps: int, tmp: Path, prefix: str
     arms: dict[str, list] = {"solo_a": [], "solo_b": [], "plain_together": [], "crossover": []}
     traces = tmp / "traces"
     for rep in range(reps):
-        arms["solo_a"] += jobs([f"r{rep}soloA"], plain, logs, steps, first_seed=1)
-        arms["solo_b"] += jobs([f"r{rep}soloB"], plain, logs, steps, first_seed=2)
-        arms["plain_together"].append(jobs([f"r{rep}plainA", f"r{rep}plainB"], plain, logs,
-                                           steps))
+        arms["solo_a"] += jobs([f"r{rep}soloA"], framework, plain, logs, steps, first_seed=1)
+        arms["solo_b"] += jobs([f"r{rep}soloB"], framework, plain, logs, steps, first_seed=2)
+        arms["plain_together"].append(jobs([f"r{rep}plainA", f"r{rep}plainB"], framework,
+                                           plain, logs, steps))
         env = {**under, **({"CROSSOVER_TRACE": str(traces)} if rep == reps - 1 else {})}
-        arms["crossover"].append(jobs([f"r{rep}xA", f"r{rep}xB"], env, logs, steps))
+        arms["crossover"].append(jobs([f"r{rep}xA", f"r{rep}xB"], framework, env, logs,
+                                      steps))
         print(f"rep {rep + 1}/{reps}: solo {arms['solo_a'][-1]['seconds']:.2f} + "
               f"{arms['solo_b'][-1]['seconds']:.2f} s, plain together "
               f"{makespan(arms['plain_together'][-1]):.2f} s, crossover "
@@ -123,8 +125,8 @@ def measure(daemon: DaemonProcess, reps: int, steps: int, tmp: Path, prefix: str
     equal = {arm: all({run[i]["weights_sha256"] for run in arms[arm]} == solo_digests[i]
                       for i in range(2)) for arm in ("plain_together", "crossover")}
     merged = trace.merge(sorted(traces.glob("*.json")), tmp / "crossover.trace.json")
-    trace.plot_gantt(merged, OUT / f"{prefix}gantt.png",
-                     title=f"two 2-rank {FRAMEWORK[1]} jobs on one GPU under crossover: "
+    trace.plot_gantt(merged, OUT / f"{prefix(framework)}gantt.png",
+                     title=f"two 2-rank {framework} jobs on one GPU under crossover: "
                            "slot holds")
     return {
         "solo_s": solos, "sequential_s": sequential, "plain_together_s": plain_s,
@@ -143,7 +145,7 @@ def measure(daemon: DaemonProcess, reps: int, steps: int, tmp: Path, prefix: str
     }
 
 
-def release_check(daemon: DaemonProcess, steps: int, tmp: Path) -> dict:
+def release_check(daemon: DaemonProcess, framework: str, steps: int, tmp: Path) -> dict:
     """Both jobs under crossover with the profiler: with the device sync, and without."""
     out = {}
     for arm, extra in (("with_device_sync", []), ("without_device_sync",
@@ -151,7 +153,8 @@ def release_check(daemon: DaemonProcess, steps: int, tmp: Path) -> dict:
         pdir, tdir = tmp / f"profile-{arm}", tmp / f"trace-{arm}"
         names = [f"{arm}A", f"{arm}B"]
         env = {"CROSSOVER_RUNTIME_DIR": str(daemon.runtime_dir), "CROSSOVER_TRACE": str(tdir)}
-        runs = jobs(names, env, tmp / "logs", steps, [*extra, "--profile-dir", str(pdir)])
+        runs = jobs(names, framework, env, tmp / "logs", steps,
+                    [*extra, "--profile-dir", str(pdir)])
         out[arm] = {**check_run(pdir, tdir, names, RANKS),
                     "seconds": [r["seconds"] for r in runs]}
         c = out[arm]
@@ -187,7 +190,6 @@ def main() -> None:
     gpu_preconditions()
     import torch
 
-    FRAMEWORK[1] = args.framework
     versions = {**nvidia_smi(), "torch_cuda": torch.version.cuda, "framework": args.framework}
     if args.framework == "horovod":
         import horovod
@@ -198,9 +200,8 @@ def main() -> None:
     else:
         versions.update(ddp_allreduce_of_cuda_tensors="torch.distributed's gloo process "
                                                       "group, on the CUDA tensors")
-    prefix = "" if args.framework == "horovod" else f"{args.framework}_"
     setup = {"ranks_per_job": RANKS, "hosts": "one (localhost): the two ranks of a job and "
-             "both jobs share the one GPU", "workload": [*WORKLOAD, *FRAMEWORK],
+             "both jobs share the one GPU", "workload": [*WORKLOAD, "--framework", args.framework],
              "job_env": JOB_ENV}
     OUT.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -211,14 +212,15 @@ def main() -> None:
         # releases to check (auto may serve the jobs concurrently, releasing nothing).
         with DaemonProcess(tmp / "run-check", policy="crossover",
                            log=tmp / "daemon-check.log") as daemon:
-            check = release_check(daemon, args.check_steps, tmp)
-        write_result(f"gpu/{prefix}release", {**versions, "setup": {
+            check = release_check(daemon, args.framework, args.check_steps, tmp)
+        write_result(f"gpu/{prefix(args.framework)}release", {**versions, "setup": {
             **setup, "policy": "crossover (always antiphase)", "steps": args.check_steps},
             **check})
         if not args.skip_sharing:
             with DaemonProcess(tmp / "run", log=tmp / "daemon.log") as daemon:
-                shared = measure(daemon, args.reps, args.steps, tmp / "sharing", prefix)
-            write_result(f"gpu/{prefix}sharing", {**versions, "setup": {
+                shared = measure(daemon, args.framework, args.reps, args.steps,
+                                 tmp / "sharing")
+            write_result(f"gpu/{prefix(args.framework)}sharing", {**versions, "setup": {
                 **setup, "policy": "the daemon's default (auto)", "steps": args.steps,
                 "reps": args.reps}, **shared, "wall_s": time.monotonic() - started})
             print(f"sequential {shared['sequential_s']:.2f} s, plain together "

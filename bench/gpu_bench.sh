@@ -34,7 +34,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >&
 export PYTHONPATH="$cx_site:$hvd_site${PYTHONPATH:+:$PYTHONPATH}"
 # DDP jobs (--framework ddp) need no Horovod.
 needs_horovod=1
-prev=""; for a in "$@"; do [ "$prev $a" = "--framework ddp" ] || [ "$a" = "--framework=ddp" ] && needs_horovod=0; prev=$a; done
+case " $* " in *" --framework ddp "*|*" --framework=ddp "*) needs_horovod=0 ;; esac
 if [ "$needs_horovod" = 1 ] && ! "$py" -c 'import horovod.torch' 2>/dev/null; then
   command -v cmake >/dev/null || die "cmake not found (pip install cmake), needed to build Horovod"
   command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ] \

@@ -38,13 +38,14 @@ def samples_per_s(job: Job) -> float:
     return json.loads(line)["samples_per_s"]
 
 
-def step_cost(runs: int, env: dict[str, str], model: list[str]) -> dict:
+def step_cost(runs: int, env: dict[str, str], hidden: int, layers: int) -> dict:
     """bench/ddp_step_cost.py `runs` times under torchrun, the wrapped model built first,
     second, third in turn: each run's median steps (wall and main-thread CPU) per role;
     crossover's cost in a run against the mean of its two plain models, and the two
     plain models' gap (the noise floor), each the median over the runs."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node", "2", str(REPO / "bench/ddp_step_cost.py"), *model[2:]]
+           "--nproc-per-node", "2", str(REPO / "bench/ddp_step_cost.py"),
+           "--hidden", str(hidden), "--layers", str(layers)]
     per_run = []
     for i in range(runs):
         (res,) = run_together([Job("step-cost", [*cmd, "--wrapped", str(i % 3)], env)],
@@ -120,7 +121,7 @@ def main() -> None:
             under.append(samples_per_s(Job("crossover", cmd, env)))
             print(f"rep {rep}: plain {plain[-1]:.0f}, crossover {under[-1]:.0f} samples/s",
                   flush=True)
-        cost = (step_cost(args.cost_runs, env, model)
+        cost = (step_cost(args.cost_runs, env, args.hidden, args.layers)
                 if args.framework == "ddp" and args.cost_runs else None)
         alone = slot_cycle_us(Path(tmp) / "run", company=False)
         cycle = slot_cycle_us(Path(tmp) / "run", company=True)
