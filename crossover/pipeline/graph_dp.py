@@ -15,6 +15,9 @@ critical path breaks ties).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
+from crossover.pipeline.node_sums import NodeSums
 from crossover.pipeline.pricing import StageInfo, StagePricer, replica_counts
 from crossover.pipeline.sptree import SPNode
 
@@ -38,7 +41,24 @@ def _merge(into: Table, table: Table) -> None:
             _put(into, d, h, best)
 
 
+def _prune(table: Table) -> Table:
+    """Drop every plan that another on as many devices beats or ties in bottleneck,
+    critical path and depth at once: whatever is built on it (deeper stages, a longer
+    path, more micro-batches in flight upstream) is no better."""
+    for d, row in table.items():
+        if len(row) < 2:
+            continue
+        kept: dict[int, Best] = {}
+        for h in sorted(row):
+            bn, cr, _pl = row[h]
+            if not any(b2 <= bn and c2 <= cr for b2, c2, _ in kept.values()):
+                kept[h] = row[h]
+        table[d] = kept
+    return table
+
+
 def flatten_stages(cons: tuple) -> list[tuple[tuple[str, ...], int]]:
+    """A plan's cons list as [(ops, replicas)] (its stages hold SP nodes)."""
     out, stack = [], [cons]
     while stack:
         c = stack.pop()
@@ -48,7 +68,8 @@ def flatten_stages(cons: tuple) -> list[tuple[tuple[str, ...], int]]:
             stack.append(c[2])
             stack.append(c[1])
         else:
-            out.append(c)
+            nodes, r = c
+            out.append((tuple(o for n in nodes for o in n.ops), r))
     return out
 
 
@@ -60,6 +81,9 @@ def _join(a: tuple, b: tuple) -> tuple:
     return ("+", a, b)
 
 
+_NOTHING: Table = {0: {0: (0.0, 0.0, ())}}  # an empty plan: no devices, no stages
+
+
 def _bridge_groups(m: int) -> list[int]:
     """Groups of a parallel node's m branches (bitmasks) that may share one stage with the
     series children just before or just after the node: every nonempty proper subset for up
@@ -67,6 +91,17 @@ def _bridge_groups(m: int) -> list[int]:
     if m > 4:
         return [1 << g for g in range(m)]
     return list(range(1, (1 << m) - 1))
+
+
+@dataclass
+class StageCache:
+    """Candidate stages' sums, which do not depend on the micro-batch size, so the DPs
+    for several sizes share them: (kind, ...) -> (SP nodes, info), and the ids of the infos
+    of stages made only of graph inputs."""
+
+    infos: dict[tuple, tuple[tuple[str, ...], StageInfo]] = field(default_factory=dict)
+    input_only: set[int] = field(default_factory=set)
+    sums: NodeSums | None = None
 
 
 class GraphDP:
@@ -80,64 +115,114 @@ class GraphDP:
     made only of graph inputs is never formed (its inputs go with their consumers)."""
 
     def __init__(self, pricer: StagePricer, tree: SPNode, devices: int, b: int, m: int,
-                 replicate: bool, infos: dict | None = None) -> None:
+                 replicate: bool, cache: StageCache | None = None,
+                 bound: float = float("inf")) -> None:
         self.p, self.tree, self.D, self.b, self.M = pricer, tree, devices, b, m
+        # Branch and bound: a plan's estimate `critical path + (M - 1) * bottleneck` is at
+        # least that of any part of it (both terms only grow as parts are composed), so a
+        # part estimated above `bound` (a plan already in hand) is dropped.
+        self.M1, self.bound = m - 1, bound * (1 + 1e-12)
         self.rs = replica_counts(devices, b, replicate)
         self.memo: dict[tuple[int, int], Table] = {}
         self.pmemo: dict[tuple[int, int, int], Table] = {}
-        # (kind, ...) -> (ops, info); batch-size-free, so shareable between micro-batch sizes
-        self.infos: dict[tuple, tuple[tuple[str, ...], StageInfo]] = \
-            {} if infos is None else infos
+        self.fits_whole: dict[int, bool] = {}
+        self.prices: dict[int, list[tuple[int, float, float]]] = {}  # by id of a StageInfo
+        self.cache = cache or StageCache()
+        if self.cache.sums is None:
+            self.cache.sums = NodeSums(pricer)
+        self.sums = self.cache.sums
         self.inputs = {n for n, op in pricer.graph.ops.items() if op.is_input}
 
-    def stage(self, key: tuple, ops_fn) -> tuple[tuple[str, ...], StageInfo]:
-        got = self.infos.get(key)
+    def stage(self, key: tuple, nodes_fn) -> tuple[tuple[SPNode, ...], StageInfo]:
+        """The stage made of the SP nodes `nodes_fn()` (cached under `key`)."""
+        got = self.cache.infos.get(key)
         if got is None:
-            ops = tuple(ops_fn())
-            got = self.infos[key] = (ops, self.p.info(ops))
+            nodes = tuple(nodes_fn())
+            got = self.cache.infos[key] = (nodes, self.sums.info(nodes))
+            if all(o in self.inputs for n in nodes for o in n.ops):
+                self.cache.input_only.add(id(got[1]))
         return got
 
-    def run(self, node: SPNode, i: int, j: int) -> tuple[tuple[str, ...], StageInfo]:
+    def run(self, node: SPNode, i: int, j: int) -> tuple[tuple[SPNode, ...], StageInfo]:
         """Children i..j-1 of a series node (the whole node for a leaf)."""
         if not node.children:
-            return self.stage(("node", id(node)), lambda: node.ops)
-        return self.stage(("run", id(node), i, j),
-                          lambda: (o for c in node.children[i:j] for o in c.ops))
+            return self.stage(("node", id(node)), lambda: [node])
+        return self.stage(("run", id(node), i, j), lambda: node.children[i:j])
 
-    def branch_ops(self, par: SPNode, mask: int) -> list[str]:
-        return [o for g, c in enumerate(par.children) if mask >> g & 1 for o in c.ops]
+    def branch_nodes(self, par: SPNode, mask: int) -> list[SPNode]:
+        return [c for g, c in enumerate(par.children) if mask >> g & 1]
 
-    def one_stage(self, info: StageInfo, ops: tuple[str, ...], k: int, table: Table,
-                  extra_d: int = 0, rest: dict[int, Best] | None = None) -> None:
-        """Add `ops` as one stage (any replica count) in front of `rest` ({h: best} on
-        `extra_d` devices; None: nothing downstream inside this node). Prices exactly as
+    def one_stage(self, info: StageInfo, nodes: tuple[SPNode, ...], k: int, table: Table,
+                  rest: Table | None = None) -> None:
+        """Add `nodes` as one stage (any replica count) in front of every plan in `rest`
+        (None: nothing downstream inside this node). Prices exactly as
         `StagePricer.price` (the replica counts already divide the micro-batch)."""
-        if all(o in self.inputs for o in ops):
+        if id(info) in self.cache.input_only:
             return  # an input-only stage: a device and a hop for nothing
-        rest = rest if rest is not None else {0: (0.0, 0.0, ())}
-        p, limit = self.p, self.p.costs.memory
-        for r in self.rs:
-            if r + extra_d > self.D:
-                break
-            t = p.time(info, r, self.b, self.M)
-            for h2, (bn2, cr2, pl2) in rest.items():
-                if p.memory(info, r, self.b, min(k + h2 + 1, self.M)) > limit:
-                    continue
-                _put(table, r + extra_d, h2 + 1, (max(t, bn2), t + cr2, _join((ops, r), pl2)))
+        k1, m, m1, bound = k + 1, self.M, self.M1, self.bound
+        prices = self.priced(info)
+        for extra_d, row2 in (rest if rest is not None else _NOTHING).items():
+            for r, t, fits in prices:
+                d = r + extra_d
+                if d > self.D:
+                    break
+                if m * t > bound:
+                    continue  # a plan holding it has a path and bottleneck of at least t
+                row = table.get(d)
+                if row is None:
+                    row = table[d] = {}
+                for h2, (bn2, cr2, pl2) in row2.items():
+                    if (k1 + h2 if k1 + h2 < m else m) > fits:
+                        continue
+                    bn = t if t > bn2 else bn2
+                    cr = t + cr2
+                    if cr + m1 * bn > bound:
+                        continue  # no plan holding it beats the bound
+                    old = row.get(h2 + 1)
+                    if old is None or bn < old[0] or (bn == old[0] and cr < old[1]):
+                        row[h2 + 1] = (bn, cr, _join((nodes, r), pl2))
+
+    def priced(self, info: StageInfo) -> list[tuple[int, float, float]]:
+        """(replicas, seconds per micro-batch, most micro-batches in flight that fit) for
+        each replica count, as `StagePricer.price` would have it."""
+        got = self.prices.get(id(info))
+        if got is None:
+            p, b, m = self.p, self.b, self.M
+            got = []
+            for r in self.rs:
+                base = p.memory(info, r, b, 0)
+                per = p.memory(info, r, b, 1) - base
+                spare = p.costs.memory - base
+                fits = -1 if spare < 0 else m if spare >= per * m else spare // per
+                got.append((r, p.time(info, r, b, m), fits))
+            self.prices[id(info)] = got
+        return got
 
     def solve(self, node: SPNode, k: int) -> Table:
+        nodes, info = self.run(node, 0, len(node.children))
+        k = self.memory_free_k(node, info, k)
         key = (id(node), k)
         if key in self.memo:
             return self.memo[key]
         table: Table = {}
-        ops, info = self.run(node, 0, len(node.children))
-        self.one_stage(info, ops, k, table)
+        self.one_stage(info, nodes, k, table)
         if node.kind == "series":
             self._series(node, k, table)
         elif node.kind == "parallel":
             _merge(table, self.branches(node, (1 << len(node.children)) - 1, k))
-        self.memo[key] = table
+        self.memo[key] = _prune(table)
         return table
+
+    def memory_free_k(self, node: SPNode, info: StageInfo, k: int) -> int:
+        """The `k` that `solve(node, k)` is the same for: memory admits at most M
+        micro-batches in flight, so every k >= M - 1 prices alike; and if the whole node
+        fits on one device with all M in flight, no stage inside it (a subset of its ops,
+        holding at most its activations) meets the limit at any k."""
+        got = self.fits_whole.get(id(node))
+        if got is None:
+            got = self.fits_whole[id(node)] = \
+                self.p.memory(info, 1, self.b, self.M) <= self.p.costs.memory
+        return 0 if got else min(k, self.M - 1)
 
     def _series(self, node: SPNode, k: int, table: Table) -> None:
         n = len(node.children)
@@ -147,14 +232,14 @@ class GraphDP:
             for j in range(i + 1, n + 1):
                 if i == 0 and j == n:
                     continue  # the whole node as one stage: added by solve
-                ops, info = self.run(node, i, j)
-                for d2, rest in suffix[j].items():
-                    self.one_stage(info, ops, k, g, d2, rest)
+                nodes, info = self.run(node, i, j)
+                self.one_stage(info, nodes, k, g, suffix[j])
             child = node.children[i]
             if child.kind != "leaf":
                 self._then(lambda h2, c=child: self.solve(c, k + h2), suffix[i + 1], g)
             if child.kind == "parallel":
                 self._bridges(node, i, k, suffix)
+            _prune(g)  # complete: later children (done first) bridge into it, not after
         _merge(table, suffix[0])
 
     def _then(self, first, rest: Table, out: Table) -> None:
@@ -166,7 +251,9 @@ class GraphDP:
                     if d1 + d2 > self.D:
                         continue
                     for h1, (bn1, cr1, pl1) in row1.items():
-                        _put(out, d1 + d2, h1 + h2, (max(bn1, bn2), cr1 + cr2, _join(pl1, pl2)))
+                        bn, cr = max(bn1, bn2), cr1 + cr2
+                        if cr + self.M1 * bn <= self.bound:
+                            _put(out, d1 + d2, h1 + h2, (bn, cr, _join(pl1, pl2)))
 
     def _bridges(self, node: SPNode, i: int, k: int, suffix: list[Table]) -> None:
         """Stages across the parallel child i: [children i0..i-1 + branches G1] and/or
@@ -180,12 +267,10 @@ class GraphDP:
             for g2 in groups:
                 tail: Table = {}
                 for j in range(i + 2, n + 1):
-                    ops, info = self.stage(
+                    nodes, info = self.stage(
                         ("tail", id(node), i, j, g2),
-                        lambda j=j, g2=g2: self.branch_ops(par, g2)
-                        + [o for c in kids[i + 1:j] for o in c.ops])
-                    for d2, rest in suffix[j].items():
-                        self.one_stage(info, ops, k, tail, d2, rest)
+                        lambda j=j, g2=g2: self.branch_nodes(par, g2) + kids[i + 1:j])
+                    self.one_stage(info, nodes, k, tail, suffix[j])
                 tails[g2] = tail
         for g1 in [0] + (groups if i > 0 else []):
             mid: Table = {}  # the branches outside G1 and what follows the node
@@ -201,17 +286,16 @@ class GraphDP:
                 _merge(suffix[i], mid)
                 continue
             for i0 in range(i):
-                ops, info = self.stage(
+                nodes, info = self.stage(
                     ("head", id(node), i0, i, g1),
-                    lambda i0=i0, g1=g1: [o for c in kids[i0:i] for o in c.ops]
-                    + self.branch_ops(par, g1))
-                for d2, rest in mid.items():
-                    self.one_stage(info, ops, k, suffix[i0], d2, rest)
+                    lambda i0=i0, g1=g1: kids[i0:i] + self.branch_nodes(par, g1))
+                self.one_stage(info, nodes, k, suffix[i0], mid)
 
     def branches(self, par: SPNode, mask: int, k: int) -> Table:
         """The branches in `mask` of parallel node `par` side by side, grouped by every set
         partition (up to 4 branches; beyond, one by one): a group of several branches is
         one stage, a single branch is solved on its own."""
+        k = self.memory_free_k(par, self.run(par, 0, len(par.children))[1], k)
         key = (id(par), mask, k)
         if key in self.pmemo:
             return self.pmemo[key]
@@ -229,8 +313,9 @@ class GraphDP:
                 sub = self.solve(par.children[low.bit_length() - 1], k)
             else:
                 sub = {}
-                ops, info = self.stage(("group", id(par), f), lambda f=f: self.branch_ops(par, f))
-                self.one_stage(info, ops, k, sub)
+                nodes, info = self.stage(("group", id(par), f),
+                                         lambda f=f: self.branch_nodes(par, f))
+                self.one_stage(info, nodes, k, sub)
             if f == mask:
                 _merge(out, sub)
                 continue
@@ -241,7 +326,8 @@ class GraphDP:
                         continue
                     for h1, (bn1, cr1, pl1) in row1.items():
                         for h2, (bn2, cr2, pl2) in row2.items():
-                            _put(out, d1 + d2, max(h1, h2),
-                                 (max(bn1, bn2), max(cr1, cr2), _join(pl1, pl2)))
-        self.pmemo[key] = out
+                            bn, cr = max(bn1, bn2), max(cr1, cr2)
+                            if cr + self.M1 * bn <= self.bound:
+                                _put(out, d1 + d2, max(h1, h2), (bn, cr, _join(pl1, pl2)))
+        self.pmemo[key] = _prune(out)
         return out

@@ -10,16 +10,22 @@ stages with the same `pricing.StagePricer`, so they compare on the same graph an
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 
+from crossover.pipeline.chain import chain_search, intervals
 from crossover.pipeline.graph import Graph
-from crossover.pipeline.graph_dp import GraphDP, flatten_stages
+from crossover.pipeline.graph_dp import GraphDP, StageCache, flatten_stages
 from crossover.pipeline.plan import PartitionError, Plan, Stage, make_plan
 from crossover.pipeline.pricing import StagePricer, micro_batch_sizes, no_fit
 from crossover.pipeline.profile import Costs, synthetic
 from crossover.pipeline.sequential import sequential_partition
 from crossover.pipeline.sptree import coarsen, decompose
+
+#: Cut positions of the chain plans the graph search also holds (all of them up to this
+#: many; beyond, `chain._thin` keeps the cheapest crossing of each stretch).
+CHAIN_CUTS = 512
 
 
 def graph_frontier(graph: Graph, costs: Costs, devices: int, micro_batch: int,
@@ -70,12 +76,23 @@ def graph_partition(graph: Graph, costs: Costs, devices: int, batch: int,
     tree, notes = decompose(graph)
     tree, cnotes = coarsen(tree, costs, max_children)
     notes += cnotes
+    sizes = micro_batches or micro_batch_sizes(batch)
+    # Chain plans first, priced as graph stages (tensors go straight to their readers):
+    # the space then holds every sequential plan, a branch cut part-way included, and
+    # the best of them bounds the series-parallel DP.
+    chain: tuple[float, int, int, list] | None = None
+    chains = intervals(graph, costs, direct=True, max_cuts=CHAIN_CUTS)
+    for b in sizes:
+        found = chain_search(chains, costs, devices, b, batch // b, replicate, use_all)
+        if found is not None and (chain is None or found[0] < chain[0]):
+            chain = (found[0], b, batch // b, found[1])
     pricer = StagePricer(graph, costs)
     best: tuple[float, int, int, list] | None = None
-    infos: dict = {}  # stage sums do not depend on the micro-batch size
-    for b in micro_batches or micro_batch_sizes(batch):
+    cache = StageCache()
+    for b in sizes:
         m = batch // b
-        dp = GraphDP(pricer, tree, devices, b, m, replicate, infos)
+        dp = GraphDP(pricer, tree, devices, b, m, replicate, cache,
+                     bound=chain[0] if chain else math.inf)
         for d, row in dp.solve(tree, 0).items():
             if use_all and d != devices:
                 continue
@@ -83,6 +100,8 @@ def graph_partition(graph: Graph, costs: Costs, devices: int, batch: int,
                 est = cr + (m - 1) * bn
                 if best is None or est < best[0]:
                     best = (est, b, m, flatten_stages(pl))
+    if chain is not None and (best is None or chain[0] < best[0] * (1 - 1e-12)):
+        best = chain  # on a tie the series-parallel plan stays (fewer hops in depth)
     if best is None:
         raise PartitionError(no_fit(costs, devices, batch, graph))
     est, b, m, stages = best

@@ -9,6 +9,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
+
 from crossover.pipeline.graph import Graph
 from crossover.pipeline.plan import Plan
 from crossover.pipeline.profile import Costs
@@ -37,27 +39,33 @@ class StagePricer:
 
     def __init__(self, graph: Graph, costs: Costs) -> None:
         self.graph, self.costs = graph, costs
+        # op sums and the edge list as arrays: the graph search prices thousands of
+        # candidate stages of hundreds of ops each
+        names = list(graph.ops)
+        self.index = {n: i for i, n in enumerate(names)}
+        per_op = [costs.of(n) for n in names]
+        self.fixed = np.array([c.fwd + c.bwd for c in per_op])
+        self.per_sample = np.array([c.fwd_per_sample + c.bwd_per_sample for c in per_op])
+        self.act = np.array([c.act_per_sample for c in per_op])
+        self.params = np.array([c.param_bytes for c in per_op])
+        edges = sorted({(self.index[s], self.index[d]) for s, ds in graph.succ.items()
+                        for d in ds})
+        self.src = np.array([e[0] for e in edges], dtype=np.int64)
+        self.dst = np.array([e[1] for e in edges], dtype=np.int64)
 
     def info(self, ops: Iterable[str]) -> StageInfo:
-        ops = set(ops)
-        g, c = self.graph, self.costs
-        fixed = per = act = params = comm = 0.0
-        msgs = 0
-        for n in ops:
-            oc = c.of(n)
-            fixed += oc.fwd + oc.bwd
-            per += oc.fwd_per_sample + oc.bwd_per_sample
-            act += oc.act_per_sample
-            params += oc.param_bytes
-            if any(s not in ops for s in g.succ[n]):  # sent forward, its gradient comes back
-                msgs += 1
-                comm += oc.act_per_sample
-        # received tensors: kept for backward, their gradients sent back
-        for src in {s for n in ops for s in g.ops[n].inputs} - ops:
-            msgs += 1
-            comm += c.of(src).act_per_sample
-            act += c.of(src).act_per_sample
-        return StageInfo(fixed, per, msgs, comm, act, params)
+        inside = np.zeros(len(self.index), dtype=bool)
+        inside[np.fromiter(map(self.index.__getitem__, ops), dtype=np.int64)] = True
+        src_in, dst_in = inside[self.src], inside[self.dst]
+        # sent forward (their gradients come back): produced here, read elsewhere
+        sent = np.unique(self.src[src_in & ~dst_in])
+        # received, kept for backward, their gradients sent back
+        received = np.unique(self.src[dst_in & ~src_in])
+        sent_bytes, received_bytes = self.act[sent].sum(), self.act[received].sum()
+        return StageInfo(float(self.fixed[inside].sum()), float(self.per_sample[inside].sum()),
+                         len(sent) + len(received), float(sent_bytes + received_bytes),
+                         float(self.act[inside].sum() + received_bytes),
+                         float(self.params[inside].sum()))
 
     def time(self, info: StageInfo, replicas: int, b: int, num_micro: int) -> float:
         """Seconds per micro-batch: compute, sends (sender pays), amortised allreduce."""
@@ -112,7 +120,8 @@ def _chain_info(pricer: StagePricer, plan: Plan, i: int) -> StageInfo:
                                               for s in pricer.graph.ops[o].inputs}
                                     - set(plan.stages[i].ops))
     act += sum(c.of(n).act_per_sample for n in inb)
-    return StageInfo(base.fixed, base.per_sample, int(bool(inb)) + int(bool(out)), comm, act,
+    # one message per tensor and hop, as the runner sends them
+    return StageInfo(base.fixed, base.per_sample, len(inb) + len(out), comm, act,
                      base.param_bytes)
 
 

@@ -1,0 +1,267 @@
+"""Chain plans: stages that are intervals of one topological order of the ops.
+
+The sequential partitioner (PipeDream-style) searches only these, with every tensor that
+crosses a cut passed along the chain through the stages in between. The graph
+partitioner searches them too, priced as graph stages (a tensor goes straight from the
+stage that makes it to the stages that read it, each graph input sits just before its
+first reader), so that its space holds every plan the sequential one can find, cut
+part-way through a branch included, and costs no more than it.
+
+Both are one vectorised DP over the candidate cut positions: state (stages h, devices d,
+first position a) -> least (bottleneck, critical path) of the suffix from a; a stage
+[a, b) on r replicas costs `StagePricer.time` on the interval's sums, and holds at most
+min(h, M) micro-batches in flight (the 1F1B count), which the memory limit prices.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from crossover.pipeline.graph import Graph
+from crossover.pipeline.pricing import replica_counts
+from crossover.pipeline.profile import Costs
+from crossover.pipeline.ties import units
+
+
+@dataclass
+class Intervals:
+    """Sums over every interval [pos[a], pos[b]) of `order` (P x P matrices, a < b).
+
+    Args:
+        order: the ops, topologically; pos: the candidate cut positions (0 and n
+            included); fixed, per_sample, params: the interval's op sums; act: bytes per
+            sample kept per micro-batch in flight (own outputs and what it receives);
+            comm: bytes per sample sent and received; messages: tensors sent and received.
+    """
+
+    order: list[str]
+    pos: np.ndarray
+    fixed: np.ndarray
+    per_sample: np.ndarray
+    params: np.ndarray
+    act: np.ndarray
+    comm: np.ndarray
+    messages: np.ndarray
+
+
+def _order(graph: Graph, direct: bool) -> tuple[list[str], np.ndarray]:
+    """The units' topological order and where a cut may fall (between units). With
+    `direct`, each graph input moves to just before its first reader and no cut falls
+    right after it, so no stage holds inputs only (a device and a hop for nothing)."""
+    groups = units(graph)
+    if direct:
+        inputs = {n for n, op in graph.ops.items() if op.is_input}
+        rest = [u for u in groups if not (len(u) == 1 and u[0] in inputs)]
+        placed: set[str] = set()
+        moved: list[tuple[str, ...]] = []
+        for u in rest:
+            for o in u:
+                for src in graph.ops[o].inputs:
+                    if src in inputs and src not in placed:
+                        placed.add(src)
+                        moved.append((src,))
+            moved.append(u)
+        moved += [(n,) for n in graph.inputs if n not in placed]  # read by nobody
+        groups = moved
+    order = [o for u in groups for o in u]
+    cuttable = np.zeros(len(order) + 1, dtype=bool)
+    cuttable[np.cumsum([0] + [len(u) for u in groups])] = True
+    if direct:
+        for i, o in enumerate(order[:-1]):
+            if graph.ops[o].is_input:
+                cuttable[i + 1] = False
+    return order, cuttable
+
+
+def _thin(cuttable: np.ndarray, crossing: np.ndarray, weight: np.ndarray,
+          max_cuts: int) -> np.ndarray:
+    """At most `max_cuts` cut positions: all of them if that few, else the one crossed
+    by the fewest bytes in each of `max_cuts` stretches of equal compute."""
+    pos = np.flatnonzero(cuttable)
+    if len(pos) <= max_cuts:
+        return pos
+    inner = pos[1:-1]
+    total = weight[-1] if weight[-1] > 0 else 1.0
+    bucket = np.minimum((weight[inner] / total * (max_cuts - 2)).astype(np.int64),
+                        max_cuts - 3)
+    keep = [0]
+    for k in np.unique(bucket):
+        cand = inner[bucket == k]
+        keep.append(int(cand[np.argmin(crossing[cand])]))
+    keep.append(int(pos[-1]))
+    return np.array(sorted(set(keep)), dtype=np.int64)
+
+
+def intervals(graph: Graph, costs: Costs, direct: bool, max_cuts: int) -> Intervals:
+    """The interval sums for a chain search.
+
+    Args:
+        graph, costs: the graph and its costs.
+        direct: price as graph stages (tensors sent straight to their readers); else as
+            a sequential chain (tensors crossing a cut pass through every stage between).
+        max_cuts: the most cut positions searched (exact below it; see `_thin`).
+    """
+    order, cuttable = _order(graph, direct)
+    n = len(order)
+    at = {o: i for i, o in enumerate(order)}
+    c = [costs.of(o) for o in order]
+    out_act = np.array([x.act_per_sample for x in c])
+    readers = [sorted(at[s] for s in graph.succ[o]) for o in order]
+    last = np.array([r[-1] if r else i for i, r in enumerate(readers)])
+    # crossing[j]: bytes per sample made before position j and read at or after it
+    diff = np.zeros(n + 2)
+    np.add.at(diff, np.arange(n) + 1, out_act * (last > np.arange(n)))
+    np.add.at(diff, last + 1, -out_act * (last > np.arange(n)))
+    crossing = np.cumsum(diff)[:n + 1]
+    count_diff = np.zeros(n + 2)
+    np.add.at(count_diff, np.arange(n) + 1, (last > np.arange(n)).astype(float))
+    np.add.at(count_diff, last + 1, -(last > np.arange(n)).astype(float))
+    crossing_n = np.cumsum(count_diff)[:n + 1]
+    crossing[0] = crossing[n] = crossing_n[0] = crossing_n[n] = 0.0
+
+    def prefix(vals) -> np.ndarray:
+        return np.concatenate([[0.0], np.cumsum(np.asarray(vals, dtype=float))])
+
+    fixed = prefix([x.fwd + x.bwd for x in c])
+    per = prefix([x.fwd_per_sample + x.bwd_per_sample for x in c])
+    pos = _thin(cuttable, crossing, per + fixed, max_cuts)
+    own_act = prefix(out_act)
+    params = prefix([x.param_bytes for x in c])
+    a, b = pos[:, None], pos[None, :]
+
+    def span(pre: np.ndarray) -> np.ndarray:
+        return pre[b] - pre[a]
+
+    if not direct:
+        comm = crossing[a] + crossing[b]
+        msgs = crossing_n[a] + crossing_n[b]
+        act = span(own_act) + crossing[a]
+    else:
+        sent, sent_n, recv, recv_n = _direct_boundaries(pos, out_act, readers, last)
+        comm, msgs, act = sent + recv, sent_n + recv_n, span(own_act) + recv
+    return Intervals(order, pos, span(fixed), span(per), span(params), act, comm, msgs)
+
+
+def _direct_boundaries(pos: np.ndarray, out_act: np.ndarray, readers: list[list[int]],
+                       last: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Bytes per sample and tensor counts that interval [pos[a], pos[b]) sends (made
+    inside, read at or after its end) and receives (made before it, read inside), from
+    rectangles added into 2-D difference arrays over the candidate positions."""
+    p = len(pos)
+    sent = np.zeros((p + 1, p + 1))
+    sent_n = np.zeros_like(sent)
+    recv = np.zeros_like(sent)
+    recv_n = np.zeros_like(sent)
+
+    def rect(mats, weights, i_lo, i_hi, j_lo, j_hi) -> None:
+        """Add to every (a, b) with pos[a] in [i_lo, i_hi] and pos[b] in [j_lo, j_hi]."""
+        a0, a1 = np.searchsorted(pos, i_lo), np.searchsorted(pos, i_hi, side="right")
+        b0, b1 = np.searchsorted(pos, j_lo), np.searchsorted(pos, j_hi, side="right")
+        if a0 >= a1 or b0 >= b1:
+            return
+        for m, w in zip(mats, weights, strict=True):
+            m[a0, b0] += w
+            m[a0, b1] -= w
+            m[a1, b0] -= w
+            m[a1, b1] += w
+
+    n = len(out_act)
+    for o in range(n):
+        if last[o] <= o:
+            continue  # read by nothing after it: never crosses a cut
+        # sent by [i, j) when i <= o < j <= last reader
+        rect((sent, sent_n), (out_act[o], 1.0), 0, o, o + 1, last[o])
+        # received by [i, j) when i > o and its first reader at or after i is before j
+        lo = o + 1
+        for r in readers[o]:
+            rect((recv, recv_n), (out_act[o], 1.0), lo, r, r + 1, n)
+            lo = r + 1
+    return tuple(np.cumsum(np.cumsum(m, axis=0), axis=1)[:p, :p]
+                 for m in (sent, sent_n, recv, recv_n))
+
+
+def chain_search(iv: Intervals, costs: Costs, devices: int, b: int, m: int,
+                 replicate: bool, use_all: bool
+                 ) -> tuple[float, list[tuple[tuple[str, ...], int]]] | None:
+    """The chain plan with the least `critical path + (m - 1) * bottleneck`.
+
+    Args:
+        iv: the interval sums; costs: link, memory limit and parameter copies.
+        devices, b, m: devices, micro-batch size, micro-batches; replicate: stages may
+            run on data-parallel replicas; use_all: the plan must use every device.
+
+    Returns:
+        (estimate, [(ops, replicas)] per stage), or None if nothing fits.
+    """
+    link, limit, pf = costs.link, costs.memory, costs.param_factor
+    p = len(iv.pos)
+    last, rows = p - 1, np.arange(p)
+    upper = rows[:, None] < rows[None, :]
+    rs = replica_counts(devices, b, replicate)
+    times, fits = {}, {}
+    for r in rs:
+        share = b / r
+        steps = 2 * (r - 1)
+        t = (iv.fixed + iv.per_sample * share + iv.messages * link.latency
+             + iv.comm * share / link.bandwidth
+             + (steps * link.latency + steps / r * iv.params / link.bandwidth) / m)
+        times[r] = np.where(upper, t, math.inf)
+        spare = limit - iv.params * pf
+        per = iv.act * share
+        with np.errstate(divide="ignore", invalid="ignore"):
+            most = np.where(per > 0, np.floor(spare / per), math.inf)
+        fits[r] = np.where(spare < 0, -1.0, most)
+        if fits[r].min() >= m:
+            fits[r] = None  # memory never binds
+    inf = math.inf
+    bn = np.full((devices + 1, devices + 1, p), inf)
+    cr = np.full_like(bn, inf)
+    arg = np.full((devices + 1, devices + 1, p, 2), -1, dtype=np.int64)
+    bn[0, 0, last] = cr[0, 0, last] = 0.0
+    for h in range(1, devices + 1):
+        # a stage h stages from the end holds min(h, m) micro-batches in flight
+        priced = {r: times[r] if fits[r] is None else
+                  np.where(fits[r] < min(h, m), inf, times[r])
+                  for r in rs if r <= devices - (h - 1)}
+        for d in range(h, devices + 1):
+            for r, t in priced.items():
+                if r > d - (h - 1):
+                    break
+                prev_bn, prev_cr = bn[h - 1, d - r], cr[h - 1, d - r]
+                finite = np.flatnonzero(prev_bn < inf)
+                if not len(finite):
+                    continue
+                lo, hi = finite[0], finite[-1] + 1  # a view over the suffixes that exist
+                # rows past `hi` have no stage end left; the rest view the suffixes
+                v = np.maximum(t[:hi, lo:hi], prev_bn[lo:hi])
+                k = np.argmin(v, axis=1)
+                sub = rows[:hi]
+                val = v[sub, k]
+                k = k + lo
+                crit = t[sub, k] + prev_cr[k]
+                cur_bn, cur_cr = bn[h, d, :hi], cr[h, d, :hi]
+                better = (val < cur_bn) | ((val == cur_bn) & (crit < cur_cr))
+                better &= val < inf
+                cur_bn[better], cur_cr[better] = val[better], crit[better]
+                arg[h, d, :hi][better] = np.stack([k[better], np.full(better.sum(), r)],
+                                                  axis=1)
+    best = None
+    for h in range(1, devices + 1):
+        for d in range(h, devices + 1):
+            if (use_all and d != devices) or bn[h, d, 0] == inf:
+                continue
+            est = cr[h, d, 0] + (m - 1) * bn[h, d, 0]
+            if best is None or est < best[0]:
+                best = (est, h, d)
+    if best is None:
+        return None
+    est, h, d = best
+    stages, a = [], 0
+    while a < last:
+        k, r = arg[h, d, a]
+        stages.append((tuple(iv.order[iv.pos[a]:iv.pos[k]]), int(r)))
+        a, h, d = int(k), h - 1, d - int(r)
+    return est, stages
