@@ -17,6 +17,10 @@ synthetic 1000-op multi-branch graph.
 
     .venv/bin/python bench/pipeline_bench.py            # writes bench/results/pipeline.json
     .venv/bin/python bench/pipeline_bench.py --quick    # fewer repeats, no real runs
+
+Real runs are planned and predicted with the runner's costs on this machine
+(`crossover.pipeline.calibrate`, cached; `--recalibrate` measures them again), and each
+real row reports, per action kind, the measured against the simulated seconds.
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ from crossover.pipeline.models import (  # noqa: E402
     TwoTowerTransformer,
     build,
 )
-from crossover.pipeline.profile import Link  # noqa: E402
+from crossover.pipeline.profile import Link, Runtime  # noqa: E402
 
 LINK = Link(bandwidth=2e9, latency=30e-6)
 BATCH = 256
@@ -130,7 +134,14 @@ def mpi_env() -> dict[str, str]:
 
 def run_ours(name: str, stages: list[list[str]], kind: str, schedule: str, iters: int,
              warmup: int = 1, timeout: float = 300.0) -> list[float]:
-    """Our runner under mpirun (one rank per stage): the timed iterations' seconds.
+    """Our runner under mpirun (one rank per stage): the timed iterations' seconds."""
+    return run_ours_full(name, stages, kind, schedule, iters, warmup, timeout)["times"]
+
+
+def run_ours_full(name: str, stages: list[list[str]], kind: str, schedule: str, iters: int,
+                  warmup: int = 1, timeout: float = 300.0) -> dict:
+    """Our runner under mpirun (one rank per stage): the timed iterations' seconds and,
+    per stage, the median seconds per iteration in each action kind.
 
     Raises:
         RuntimeError: non-zero exit or timeout, with the output's tail.
@@ -151,20 +162,65 @@ def run_ours(name: str, stages: list[list[str]], kind: str, schedule: str, iters
         if proc.returncode != 0 or not out.exists():
             raise RuntimeError(f"{name} {kind} {schedule}: runner exited {proc.returncode}:\n"
                                f"{(proc.stdout + proc.stderr)[-3000:]}")
-        return json.loads(out.read_text())["times"][warmup:]  # the first ones warm up
+        got = json.loads(out.read_text())
+    per_stage: dict[int, dict[str, float]] = {}
+    for its, stage in zip(got["spent"], got["stage_of_rank"], strict=True):
+        timed = its[warmup:]  # the first ones warm up
+        per_stage[stage] = {k: statistics.median(it.get(k, 0.0) for it in timed)
+                            for k in sorted({k for it in timed for k in it})}
+    return {"times": got["times"][warmup:], "spent": per_stage}
 
 
-def real(name: str, g: Graph, costs: Costs, ranks: int, iters: int) -> dict:
+def calibration(path: Path, fresh: bool) -> dict:
+    """The runner's costs on this machine (`crossover.pipeline.calibrate` on 2 ranks),
+    cached in `path` and measured again when missing or `fresh`."""
+    if fresh or not path.exists():
+        cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", "2", sys.executable,
+               "-m", "crossover.pipeline.calibrate", "--out", str(path)]
+        subprocess.run(cmd, cwd=REPO, env=mpi_env(), timeout=300, check=True,
+                       capture_output=True)
+    return json.loads(path.read_text())
+
+
+def kind_errors(measured: dict[int, dict[str, float]], simulated: dict[int, dict[str, float]]
+                ) -> dict[str, dict[str, float]]:
+    """Per action kind, seconds per iteration summed over stages, measured against
+    simulated: where a miss comes from (receive kinds are waits)."""
+    out = {}
+    for kind in ("F", "B", "SF", "SB", "RF", "RB"):
+        m = sum(row.get(kind, 0.0) for row in measured.values())
+        s = sum(row.get(kind, 0.0) for row in simulated.values())
+        if m or s:
+            out[kind] = {"measured_s": m, "simulated_s": s,
+                         "error": (s - m) / m if m else None}
+    return out
+
+
+def real(name: str, g: Graph, costs: Costs, ranks: int, iters: int, pairs: int) -> dict:
+    """Both partitioners' plans run for real, `pairs` times each in alternation (paired
+    runs share the machine's state); the simulator's prediction beside the medians."""
+    plans = {kind: plan_for(g, ranks, REAL_BATCH, REAL_MICRO, kind, costs)
+             for kind in ("graph", "sequential")}
+    preds = {kind: simulate(g, costs, p, schedule_for(p)) for kind, p in plans.items()}
+    runs: dict[str, list[dict]] = {"graph": [], "sequential": []}
+    for rep in range(pairs):
+        for kind in (("graph", "sequential") if rep % 2 == 0 else ("sequential", "graph")):
+            runs[kind].append(run_ours_full(name, [list(s.ops) for s in plans[kind].stages],
+                                            kind, "1f1b", iters))
     row: dict[str, Any] = {}
-    for kind in ("graph", "sequential"):
-        plan = plan_for(g, ranks, REAL_BATCH, REAL_MICRO, kind, costs)
-        pred = simulate(g, costs, plan, schedule_for(plan))
-        measured = statistics.median(run_ours(name, [list(s.ops) for s in plan.stages], kind,
-                                              "1f1b", iters))
-        row[kind] = {"plan": plan.describe(), "measured_s": measured,
-                     "predicted_s": pred.iteration_s,
-                     "prediction_error": abs(pred.iteration_s - measured) / measured}
-    row["gpp_vs_spp"] = row["sequential"]["measured_s"] / row["graph"]["measured_s"]
+    for kind, plan in plans.items():
+        per_run = [statistics.median(r["times"]) for r in runs[kind]]
+        measured = statistics.median(per_run)
+        spent = {st: {k: statistics.median(r["spent"][st].get(k, 0.0) for r in runs[kind])
+                      for k in runs[kind][0]["spent"][st]} for st in runs[kind][0]["spent"]}
+        row[kind] = {"plan": plan.describe(), "measured_s": measured, "per_run_s": per_run,
+                     "predicted_s": preds[kind].iteration_s,
+                     "prediction_error": abs(preds[kind].iteration_s - measured) / measured,
+                     "by_kind": kind_errors(spent, preds[kind].per_kind())}
+    ratios = [s / gr for s, gr in zip(row["sequential"]["per_run_s"], row["graph"]["per_run_s"],
+                                      strict=True)]
+    row["gpp_vs_spp"] = statistics.median(ratios)
+    row["gpp_vs_spp_per_pair"] = ratios
     row["gpp_vs_spp_predicted"] = (row["sequential"]["predicted_s"]
                                    / row["graph"]["predicted_s"])
     return row
@@ -313,9 +369,18 @@ def main() -> None:
     ap.add_argument("--peer-reps", type=int, default=5,
                     help="repetitions of the torch.distributed.pipelining comparison")
     ap.add_argument("--out", default=str(REPO / "bench/results/pipeline.json"))
+    ap.add_argument("--pairs", type=int, default=5,
+                    help="paired real runs of the two partitioners' plans per row")
+    ap.add_argument("--calibration", default=str(Path.home() / ".cache/crossover/"
+                                                 "pipeline-runtime.json"),
+                    help="where the runner's calibrated costs are cached")
+    ap.add_argument("--recalibrate", action="store_true",
+                    help="measure the runner's costs again even if cached")
     args = ap.parse_args()
     torch.set_num_threads(1)
     repeats, iters, profiles = (3, 3, 1) if args.quick else (7, 5, 3)
+    cal = calibration(Path(args.calibration), args.recalibrate)
+    runtime, transport = Runtime(**cal["runtime"]), Link(**cal["link"])
     scales = [int(s) for s in args.sim_scale.split(",") if s]
     result: dict[str, Any] = {
         "command": " ".join(["bench/pipeline_bench.py", *sys.argv[1:]]),
@@ -331,18 +396,27 @@ def main() -> None:
                      "real": {"batch": REAL_BATCH, "micro_batches": REAL_MICRO,
                               "iterations": iters, "stat": "median"}},
         "models": {},
+        "calibration": cal,
     }
     failures = []
     for name in MODELS:
         spec = build(name)
         g, costs, runs, state = model_costs(spec.module, lambda b, s=spec: s.make_batch(b, 0)[0],
                                             repeats, profiles)
+        # simulated devices each have their own core: the runner's costs, no stretch
+        per_device = replace(runtime, cores=0)
+        costs = replace(costs, runtime=per_device)
+        runs = [replace(c, runtime=per_device) for c in runs]
         entry: dict[str, Any] = {
             "ops": len(g), "param_state_bytes": state, "memory_limit": costs.memory,
             "simulated": {str(d): simulated(g, costs, d, runs if profiles > 1 else None)
                           for d in (2, 4, 8)}}
         if not args.quick:
-            entry["real"] = {str(r): real(name, g, costs, r, iters) for r in (2, 4)}
+            # real runs are planned and predicted with what this machine's runner and
+            # transport pay (4 ranks on fewer cores: the stretch is modelled)
+            local = replace(costs, link=transport, runtime=runtime)
+            entry["real"] = {str(r): real(name, g, local, r, iters, args.pairs)
+                             for r in (2, 4)}
             if name == "chain":
                 try:
                     result["torch_pipelining_peer"] = peer_comparison(g, costs, args.peer_reps)
@@ -379,6 +453,17 @@ def main() -> None:
         print("search", variant, {k: row[k] for k in ("graph_s_median", "sequential_s_median",
                                                       "gpp_vs_spp_estimate")}, flush=True)
     result["search_s_1000_ops"] = result["search_1000_ops"]["unbounded memory"]["graph_s_median"]
+    models = result["models"]
+    result["gpp_vs_spp_8_dev"] = {n: m["simulated"]["8"]["gpp_vs_spp"] for n, m in models.items()}
+    if not args.quick:
+        result["max_sim_error_2_ranks"] = max(
+            m["real"]["2"][k]["prediction_error"] for m in models.values()
+            for k in ("graph", "sequential"))
+        result["max_sim_error_4_ranks"] = max(
+            m["real"]["4"][k]["prediction_error"] for m in models.values()
+            for k in ("graph", "sequential"))
+        result["min_real_gpp_vs_spp"] = min(m["real"]["2"]["gpp_vs_spp"]
+                                            for m in models.values())
     result["machine"]["load_average_at_end"] = os.getloadavg()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))

@@ -14,8 +14,11 @@ from crossover.pipeline import (
     Stage,
     graph_partition,
     make_plan,
+    parameter_costs,
     plan_for,
+    schedule_for,
     sequential_partition,
+    simulate,
     synthetic,
 )
 from crossover.pipeline.chain import intervals
@@ -186,14 +189,32 @@ def test_sequential_dp_equals_brute_force(name, memory):
     assert evaluate(g, costs, plan)[0] == pytest.approx(brute, rel=1e-3)
 
 
-def test_graph_partitioner_runs_branches_on_their_own_devices():
+def test_the_sp_search_runs_branches_on_their_own_devices():
+    """On 4 devices the series-parallel search's least bottleneck gives each of Uno's
+    three towers a device and the join the fourth, 2 stages deep where a chain is 4."""
     g = Graph.from_fx(build("uno", small=True).module)
-    plan = plan_for(g, 4, 16, 4)
+    table = graph_frontier(g, parameter_costs(g), 4, 4, 4, replicate=False)
+    plan = min((v for (d, _h), v in table.items() if d == 4),
+               key=lambda v: v[1] + 3 * v[0])[2]  # critical path + (M - 1) x bottleneck
     firsts = sorted(s.ops[0] for s in plan.stages)
     assert firsts == ["cat", "cell", "drug1", "drug2"]
     assert plan.depth_to_sink() == [2, 2, 2, 1]
     seq = plan_for(g, 4, 16, 4, "sequential")
     assert seq.depth_to_sink() == [4, 3, 2, 1]
+
+
+def test_the_simulator_decides_between_the_two_searches():
+    """Parameter-count costs make Uno's join and head the heavy part: the chain plan
+    [towers + cat | top_0 | top_1 | rest] beats towers on their own devices when the
+    schedule runs, and is what the graph partitioner returns."""
+    g = Graph.from_fx(build("uno", small=True).module)
+    plan = plan_for(g, 4, 16, 4)
+    table = graph_frontier(g, parameter_costs(g), 4, 4, 4, replicate=False)
+    sp = min((v for (d, _h), v in table.items() if d == 4), key=lambda v: v[1] + 3 * v[0])[2]
+    costs = parameter_costs(g)
+    assert simulate(g, costs, plan, schedule_for(plan)).iteration_s < \
+        simulate(g, costs, sp, schedule_for(sp)).iteration_s
+    assert [s.ops[-1] for s in plan.stages][1:3] == ["top_0", "top_1"]
 
 
 def test_sequential_plan_passes_tensors_through():
@@ -331,8 +352,9 @@ def test_graph_plans_are_as_good_as_before_or_better(key):
     for share in (None, 0.6, 0.35, 0.2)])
 def test_the_graph_search_holds_every_sequential_plan(name, memory_share):
     """The same costs for both partitioners, every device count: the graph plan is
-    estimated no worse than the sequential plan, and its estimate is what a fresh
-    evaluation of the plan gives or more (a chain estimate counts the chain's depth)."""
+    estimated no worse than the sequential plan, its estimate is what a fresh
+    evaluation of the plan gives or more (a chain estimate counts the chain's depth), and
+    it simulates no slower."""
     g = Graph.from_fx(build(name, small=True).module)
     costs = model_costs(g, memory_share)
     for devices in (2, 3, 4, 6, 8):
@@ -345,6 +367,9 @@ def test_the_graph_search_holds_every_sequential_plan(name, memory_share):
             (devices, gpp.describe(), seq.describe())
         bn, cr = evaluate(g, costs, gpp)
         assert cr + (gpp.num_micro - 1) * bn <= gpp.estimate * (1 + 1e-9)
+        # and where the schedule runs (the simulator picks between the two searches)
+        assert simulate(g, costs, gpp, schedule_for(gpp)).iteration_s <= \
+            simulate(g, costs, seq, schedule_for(seq)).iteration_s * (1 + 1e-9)
 
 
 def test_a_branch_cut_part_way_when_that_pays():

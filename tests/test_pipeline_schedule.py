@@ -18,7 +18,7 @@ from crossover.pipeline import (
     synthetic,
     validate,
 )
-from crossover.pipeline.profile import Link
+from crossover.pipeline.profile import Link, Runtime
 from crossover.pipeline.schedule import F, chain, depths, peak_in_flight
 
 
@@ -133,3 +133,44 @@ def test_simulator_charges_links():
     # F0, send s0 (1000 B), F1, B1, send grad back, B0
     hop = 1e-4 + 1000 / 1e6
     assert r.iteration_s == pytest.approx(6e-3 + 2 * hop)
+
+
+def test_simulator_charges_the_runners_own_costs():
+    """`Runtime`: each forward and backward pays `action_s`; each tensor of a send pays
+    latency and its sender's `message_s`, each received tensor its receiver's."""
+    link = Link(bandwidth=1e6, latency=1e-4)
+    g, costs, stages = _uniform(2, 1e-3, link)
+    costs.runtime = Runtime(action_s=2e-4, message_s=5e-5)
+    plan = make_plan(g, stages, 1, 4)
+    r = simulate(g, costs, plan, one_f_one_b(chain(2), 4))
+    kinds = r.per_kind()
+    assert kinds[0]["F"] == pytest.approx(4 * (1e-3 + 2e-4))
+    assert kinds[1]["B"] == pytest.approx(4 * (2e-3 + 2e-4))
+    assert kinds[0]["SF"] == pytest.approx(4 * (1e-4 + 5e-5 + 1000 / 1e6))
+    assert kinds[1]["RF"] >= 4 * 5e-5
+    # one micro-batch: F0, send, receive, F1, B1, send back, receive, B0
+    one = simulate(g, costs, make_plan(g, stages, 1, 1), one_f_one_b(chain(2), 1))
+    hop = 1e-4 + 2 * 5e-5 + 1000 / 1e6
+    assert one.iteration_s == pytest.approx(6e-3 + 4 * 2e-4 + 2 * hop)
+
+
+def test_simulator_sends_one_message_per_tensor():
+    """An edge carrying two tensors costs two latencies (the runner sends each)."""
+    g = Graph.from_modules(["x"], [("a", lambda x: x, ["x"]), ("b", lambda x: x, ["x"]),
+                                   ("c", lambda a, b: a, ["a", "b"])])
+    costs = synthetic(g, {"a": 1e-3, "b": 1e-3, "c": 1e-3}, act_per_sample=0.0,
+                      link=Link(1e30, 1e-4))
+    plan = make_plan(g, [Stage(("x", "a", "b")), Stage(("c",))], 1, 1)
+    assert plan.edges[(0, 1)] == ("a", "b")
+    r = simulate(g, costs, plan, one_f_one_b(chain(2), 1))
+    assert r.per_kind()[0]["SF"] == pytest.approx(2e-4)
+
+
+def test_more_ranks_than_cores_stretch_the_cpu_work():
+    g, costs, stages = _uniform(4, 1e-3, Link(1e30, 0.0))
+    plan = make_plan(g, stages, 1, 4)
+    alone = simulate(g, costs, plan, one_f_one_b(chain(4), 4)).iteration_s
+    costs.runtime = Runtime(cores=2)
+    shared = simulate(g, costs, plan, one_f_one_b(chain(4), 4)).iteration_s
+    assert Runtime(cores=2).stretch(4) == 2.0 and Runtime().stretch(64) == 1.0
+    assert shared == pytest.approx(2 * alone)

@@ -93,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.slots:  # the job's name, trace and node come from CROSSOVER_* as for any job
         client = session.init(job=E.job_name() or f"pipeline-{args.model}")
     times, loss = [], 0.0
+    spent: list[dict[str, float]] = []  # seconds in each action kind, per iteration
+    seen: dict[str, float] = {}
     runner = StageRunner(graph, plan, sched, stage, comm, shapes, client, args.timeout)
     for _ in range(args.iters):
         for p in graph.parameters().values():
@@ -107,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
             comm.Abort(3)
         comm.Barrier()
         times.append(time.perf_counter() - t0)
+        spent.append({k: v - seen.get(k, 0.0) for k, v in runner.spent.items()})
+        seen = dict(runner.spent)
     grads = gather_grads(graph, comm, plan=plan)
     # each rank's own stage gradients, so a test can see the replicas agree
     own = {k: p.grad.detach().numpy().copy() for k, p in runner.params.items()
@@ -114,12 +118,16 @@ def main(argv: list[str] | None = None) -> int:
     rank_grads = comm.gather(own, root=0)
     losses = comm.gather(loss, root=0)
     peak_live = comm.gather(runner.peak_live, root=0)
+    # seconds in each action kind per iteration, per rank (the validator's measure)
+    spent_by_rank = comm.gather(spent, root=0)
+    stages_of = comm.gather(stage, root=0)
     session.shutdown()
     if rank == 0 and args.out:
         if args.out.endswith(".json"):
             with open(args.out, "w") as f:
                 json.dump({"times": times, "median_s": statistics.median(times),
-                           "plan": plan.describe(), "loss": sum(losses)}, f)
+                           "plan": plan.describe(), "loss": sum(losses),
+                           "spent": spent_by_rank, "stage_of_rank": stages_of}, f)
         else:
             with open(args.out, "wb") as f:
                 pickle.dump({"grads": {k: v.numpy() for k, v in grads.items()},

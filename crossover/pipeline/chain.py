@@ -196,7 +196,7 @@ def chain_search(iv: Intervals, costs: Costs, devices: int, b: int, m: int,
     Returns:
         (estimate, [(ops, replicas)] per stage), or None if nothing fits.
     """
-    link, limit, pf = costs.link, costs.memory, costs.param_factor
+    link, limit, pf, rt = costs.link, costs.memory, costs.param_factor, costs.runtime
     p = len(iv.pos)
     last, rows = p - 1, np.arange(p)
     upper = rows[:, None] < rows[None, :]
@@ -205,7 +205,8 @@ def chain_search(iv: Intervals, costs: Costs, devices: int, b: int, m: int,
     for r in rs:
         share = b / r
         steps = 2 * (r - 1)
-        t = (iv.fixed + iv.per_sample * share + iv.messages * link.latency
+        t = (iv.fixed + iv.per_sample * share + 2 * rt.action_s
+             + iv.messages * (link.latency + 2 * rt.message_s)
              + iv.comm * share / link.bandwidth
              + (steps * link.latency + steps / r * iv.params / link.bandwidth) / m)
         times[r] = np.where(upper, t, math.inf)

@@ -20,7 +20,9 @@ from crossover.pipeline.graph_dp import GraphDP, StageCache, flatten_stages
 from crossover.pipeline.plan import PartitionError, Plan, Stage, make_plan
 from crossover.pipeline.pricing import StagePricer, micro_batch_sizes, no_fit
 from crossover.pipeline.profile import Costs, synthetic
+from crossover.pipeline.schedule import schedule_for
 from crossover.pipeline.sequential import sequential_partition
+from crossover.pipeline.simulate import simulate
 from crossover.pipeline.sptree import coarsen, decompose
 
 #: Cut positions of the chain plans the graph search also holds (all of them up to this
@@ -100,13 +102,17 @@ def graph_partition(graph: Graph, costs: Costs, devices: int, batch: int,
                 est = cr + (m - 1) * bn
                 if best is None or est < best[0]:
                     best = (est, b, m, flatten_stages(pl))
-    if chain is not None and (best is None or chain[0] < best[0] * (1 - 1e-12)):
-        best = chain  # on a tie the series-parallel plan stays (fewer hops in depth)
-    if best is None:
+    finalists = [make_plan(graph, [Stage(ops, r) for ops, r in found[3]], found[1], found[2],
+                           "graph") for found in (best, chain) if found is not None]
+    if not finalists:
         raise PartitionError(no_fit(costs, devices, batch, graph))
-    est, b, m, stages = best
-    plan = make_plan(graph, [Stage(ops, r) for ops, r in stages], b, m, "graph")
-    plan.notes, plan.estimate, plan.search_s = notes, est, time.perf_counter() - t0
+    for plan, found in zip(finalists, [f for f in (best, chain) if f is not None], strict=True):
+        plan.estimate = found[0]
+    # The estimate ranks plans within each search; the simulator, which runs the
+    # schedule, decides between the two searches' best (on a tie the series-parallel
+    # plan stays: no deeper than the chain's)
+    plan = min(finalists, key=lambda p: simulate(graph, costs, p, schedule_for(p)).iteration_s)
+    plan.notes, plan.search_s = notes, time.perf_counter() - t0
     return plan
 
 

@@ -68,11 +68,15 @@ class StagePricer:
                          float(self.params[inside].sum()))
 
     def time(self, info: StageInfo, replicas: int, b: int, num_micro: int) -> float:
-        """Seconds per micro-batch: compute, sends (sender pays), amortised allreduce."""
-        link = self.costs.link
+        """Seconds per micro-batch: compute, the runner's cost per action and message,
+        sends (sender pays the wire), amortised allreduce."""
+        link, rt = self.costs.link, self.costs.runtime
         share = b / replicas
-        return (info.fixed + info.per_sample * share
-                + info.messages * link.latency + info.comm_per_sample * share / link.bandwidth
+        # a boundary tensor is sent one way and received the other (its gradient) each
+        # micro-batch: one latency, two sides' message costs; a forward and a backward
+        return (info.fixed + info.per_sample * share + 2 * rt.action_s
+                + info.messages * (link.latency + 2 * rt.message_s)
+                + info.comm_per_sample * share / link.bandwidth
                 + link.allreduce(info.param_bytes, replicas) / num_micro)
 
     def memory(self, info: StageInfo, replicas: int, b: int, inflight: int) -> float:

@@ -71,6 +71,35 @@ class Link:
         return steps * self.latency + steps / replicas * nbytes / self.bandwidth
 
 
+@dataclass(frozen=True)
+class Runtime:
+    """What the stage runner pays beyond its ops' own time and the wire, per machine
+    (`calibrate.py` measures it; the default is the bare model: nothing).
+
+    Args:
+        action_s: seconds each forward or backward action costs beyond its ops (the
+            runner's bookkeeping, feeding inputs, the autograd call, the loss).
+        message_s: seconds each tensor sent or received costs its own side (posting the
+            request and completing it, in Python and MPI).
+        cores: cores the ranks of one host share (0: a device each); more ranks than
+            cores share them, so their compute and message costs stretch.
+        shared_slowdown: how much slower the same work runs on each of two ranks of
+            the host computing at once than on one alone (shared caches, memory
+            bandwidth, sibling hyperthreads); applies with `cores` set.
+    """
+
+    action_s: float = 0.0
+    message_s: float = 0.0
+    cores: int = 0
+    shared_slowdown: float = 1.0
+
+    def stretch(self, ranks: int) -> float:
+        """How much slower CPU work runs when `ranks` ranks share `cores` cores."""
+        if not self.cores:
+            return 1.0
+        return max(1.0, ranks / self.cores) * (self.shared_slowdown if ranks > 1 else 1.0)
+
+
 @dataclass
 class Costs:
     """Costs of every op of a graph plus the machine's limits.
@@ -81,12 +110,14 @@ class Costs:
         memory: bytes a device may hold (parameters x `param_factor` + activations).
         param_factor: copies of each parameter a device keeps (weights, gradients and
             two optimizer moments: 4).
+        runtime: the runner's own costs per action and message (`Runtime`).
     """
 
     ops: dict[str, OpCost]
     link: Link = field(default_factory=Link)
     memory: float = float("inf")
     param_factor: float = 4.0
+    runtime: Runtime = field(default_factory=Runtime)
 
     def of(self, name: str) -> OpCost:
         return self.ops.get(name, _ZERO)
@@ -140,7 +171,7 @@ _ZERO = OpCost()
 
 def profile(graph: Graph, make_batch: Callable[[int], Mapping[str, Any]],
             sizes: tuple[int, int] = (2, 8), repeats: int = 5, link: Link | None = None,
-            memory: float = float("inf")) -> Costs:
+            memory: float = float("inf"), consistent: bool = True) -> Costs:
     """Measure every op's forward and backward time at two batch sizes and fit them.
 
     Backward of an op is timed as autograd.grad of its output (with a ones gradient)
@@ -153,6 +184,8 @@ def profile(graph: Graph, make_batch: Callable[[int], Mapping[str, Any]],
         repeats: timings per op and size; the median counts.
         link: the transfer model to attach (default `Link()`).
         memory: the device memory limit to attach, bytes.
+        consistent: scale the op costs so that they add up to the whole model's
+            forward and backward run as one (`_scaled_to_whole`).
 
     Returns:
         The fitted costs.
@@ -163,7 +196,8 @@ def profile(graph: Graph, make_batch: Callable[[int], Mapping[str, Any]],
     b0, b1 = sizes
     if not 0 < b0 < b1:
         raise ValueError(f"sizes must be two increasing positive batch sizes, got {sizes}")
-    meas = {b: _measure(graph, make_batch(b), repeats) for b in (b0, b1)}
+    feeds = {b: make_batch(b) for b in (b0, b1)}
+    meas = {b: _measure(graph, feeds[b], repeats) for b in (b0, b1)}
     ops: dict[str, OpCost] = {}
     for name, op in graph.ops.items():
         (f0, g0, _), (f1, g1, a1) = meas[b0][name], meas[b1][name]
@@ -172,12 +206,60 @@ def profile(graph: Graph, make_batch: Callable[[int], Mapping[str, Any]],
                            bwd=max(g0 - gs * b0, 0.0), bwd_per_sample=gs,
                            act_per_sample=a1 / b1,
                            param_bytes=float(sum(tensor_bytes(p) for p in op.params.values())))
+    if consistent:
+        whole = {b: _whole(graph, feeds[b], repeats) for b in (b0, b1)}
+        ops = _scaled_to_whole(ops, whole, b0, b1)
     return Costs(ops, link or Link(), memory)
+
+
+def _whole(graph: Graph, feeds: Mapping[str, Any], repeats: int) -> tuple[float, float]:
+    """Median seconds of the whole model's forward and of its backward, run as a stage
+    runs them (the ops in order, then one autograd call)."""
+    params = list(graph.parameters().values())
+    fwd, bwd = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        y = graph.run(feeds)[graph.output]
+        t1 = time.perf_counter()
+        if isinstance(y, torch.Tensor) and y.requires_grad:
+            torch.autograd.backward(y, torch.ones_like(y))
+        t2 = time.perf_counter()
+        fwd.append(t1 - t0)
+        bwd.append(t2 - t1)
+    for p in params:
+        p.grad = None
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def _scaled_to_whole(ops: dict[str, OpCost], whole: dict[int, tuple[float, float]],
+                     b0: int, b1: int) -> dict[str, OpCost]:
+    """Op costs scaled so that their sums equal the whole model's forward and backward
+    at both sizes. Timed one by one, each op pays a call of its own (its backward a whole
+    autograd call), which the model run as one does not: the fixed and per-sample parts
+    get a factor each per direction, solved from the two sizes (kept within 0.05-20)."""
+    def factors(fixed: float, per: float, w0: float, w1: float) -> tuple[float, float]:
+        if per <= 0 or fixed <= 0:
+            ratio = w1 / (fixed + per * b1) if fixed + per * b1 > 0 else 1.0
+            return ratio, ratio
+        a_per = (w1 - w0) / (per * (b1 - b0))
+        a_fixed = (w0 - a_per * per * b0) / fixed
+        return min(max(a_fixed, 0.05), 20.0), min(max(a_per, 0.05), 20.0)
+
+    fa, fp = factors(sum(c.fwd for c in ops.values()),
+                     sum(c.fwd_per_sample for c in ops.values()), whole[b0][0], whole[b1][0])
+    ba, bp = factors(sum(c.bwd for c in ops.values()),
+                     sum(c.bwd_per_sample for c in ops.values()), whole[b0][1], whole[b1][1])
+    return {n: replace(c, fwd=c.fwd * fa, fwd_per_sample=c.fwd_per_sample * fp,
+                       bwd=c.bwd * ba, bwd_per_sample=c.bwd_per_sample * bp)
+            for n, c in ops.items()}
 
 
 def _measure(graph: Graph, feeds: Mapping[str, Any], repeats: int
              ) -> dict[str, tuple[float, float, float]]:
-    """op -> (median forward s, median backward s, output bytes)."""
+    """op -> (forward s, backward s, output bytes): the fastest of `repeats` timings
+    after one warm-up call, the op's own cost with nothing else in the way (one
+    preempted timing on a shared machine would move a median; `_scaled_to_whole` brings
+    the sums back to what the model run as one pays)."""
     with torch.no_grad():
         env = graph.run(feeds)
     out: dict[str, tuple[float, float, float]] = {}
@@ -186,7 +268,7 @@ def _measure(graph: Graph, feeds: Mapping[str, Any], repeats: int
             out[name] = (0.0, 0.0, float(tensor_bytes(env[name])))
             continue
         fwd, bwd = [], []
-        for _ in range(repeats):
+        for _ in range(repeats + 1):
             local = {s: _leaf(env[s]) for s in op.inputs}
             t0 = time.perf_counter()
             y = op.run(local)
@@ -200,7 +282,7 @@ def _measure(graph: Graph, feeds: Mapping[str, Any], repeats: int
                 bwd.append(time.perf_counter() - t2)
             else:
                 bwd.append(0.0)
-        out[name] = (statistics.median(fwd), statistics.median(bwd), float(tensor_bytes(env[name])))
+        out[name] = (min(fwd[1:]), min(bwd[1:]), float(tensor_bytes(env[name])))
     return out
 
 

@@ -103,7 +103,9 @@ class StageRunner:
         check_tags(len(self.tensor_ids), schedule.num_micro, tag_upper_bound(comm))
         self.params = {k: p for o in self.ops for k, p in graph.ops[o].params.items()}
         self.inflight = InFlight()  # this rank's sends and receives not yet complete
-        self.compute_s = 0.0
+        # seconds spent in each action kind (and "drain", "allreduce"), over all runs:
+        # what the simulator's per-kind figures are checked against
+        self.spent: dict[str, float] = {}
         # most micro-batches whose activations this stage held at once (1F1B bounds it
         # by the stage's depth to the sink; the partitioner prices memory by that)
         self.peak_live = 0
@@ -232,6 +234,7 @@ class StageRunner:
         if self.client is not None and actions and actions[0].kind != ACQ:
             # the last iteration ended holding; this one starts by waiting on a peer
             self.client.release(Phase.COMMUNICATE)
+        clock = time.perf_counter()
         for a in actions:
             m = a.micro
             if a.kind == RECV_F:
@@ -242,7 +245,6 @@ class StageRunner:
                     needs_grad = t.is_floating_point() and a.peer not in frozen
                     env[name] = t.requires_grad_() if needs_grad else t
             elif a.kind == F:
-                t0 = time.perf_counter()
                 env = envs.setdefault(m, {})
                 inputs = feeds(m)
                 self.g.run({k: self._share(inputs[k]) for k in self.g.inputs if k in self.ops},
@@ -252,7 +254,6 @@ class StageRunner:
                     # is the micro-batch mean, and gradients sent upstream are unscaled
                     losses[m] = loss_fn(env[self.g.output], self._share(targets(m))) * weight
                     total += float(losses[m].detach())
-                self.compute_s += time.perf_counter() - t0
                 self.peak_live = max(self.peak_live, len(envs))
             elif a.kind == SEND_F:
                 for name in self.plan.edges[(self.s, a.peer)]:
@@ -266,9 +267,7 @@ class StageRunner:
                         gr = self._recv(name, a.peer, m, True)
                         acc[name] = acc[name] + gr if name in acc else gr
             elif a.kind == B:
-                t0 = time.perf_counter()
                 self._backward(envs[m], grads.pop(m, {}), losses.pop(m, None))
-                self.compute_s += time.perf_counter() - t0
                 if not live_preds:  # no gradient to send back: done with m
                     envs.pop(m)
             elif a.kind == SEND_B:
@@ -287,9 +286,12 @@ class StageRunner:
                     self.client.release(Phase.COMMUNICATE)
             else:
                 raise ScheduleError(f"unknown action {a} in stage {self.s}'s schedule")
+            clock = self._spend(a.kind.value, clock)
         self.inflight.wait(self.timeout)  # every send received
+        clock = self._spend("drain", clock)
         if self.replicas > 1:
             self._sum_replica_grads()
+            self._spend("allreduce", clock)
         if self.client is not None:
             # a step boundary, as a Horovod step's end: counted, and the device kept for
             # what the caller does between iterations (the optimizer step) unless the
@@ -297,6 +299,11 @@ class StageRunner:
             # iteration ask the daemon again, even with nobody to share the device with.
             self.client.yield_slot()
         return total
+
+    def _spend(self, kind: str, since: float) -> float:
+        now = time.perf_counter()
+        self.spent[kind] = self.spent.get(kind, 0.0) + now - since
+        return now
 
     def _sum_replica_grads(self) -> None:
         """Sum this stage's parameter gradients over its replicas (MPI, in place).

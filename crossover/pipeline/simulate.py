@@ -2,9 +2,12 @@
 fraction and peak memory per stage.
 
 Each stage has a clock. Compute actions take the op costs at the stage's share of the
-micro-batch; a send occupies its sender for `latency + bytes / bandwidth` and the data
-arrives when it ends; a receive waits for that arrival. A replicated stage ends its
-iteration with a ring allreduce of its parameters. Slot actions are free (one job).
+micro-batch plus the runner's own cost per action (`Runtime.action_s`); a send occupies
+its sender for `latency + message_s` per tensor plus `bytes / bandwidth`, and the data
+arrives when it ends; a receive waits for that arrival and pays `message_s` per tensor.
+With more ranks than cores (`Runtime.cores`) all CPU work stretches by ranks / cores.
+A replicated stage ends its iteration with a ring allreduce of its parameters. Slot
+actions are free (one job).
 """
 
 from __future__ import annotations
@@ -40,7 +43,9 @@ class SimResult:
         bubble: fraction of device-time not spent computing.
         peak_memory: per stage, parameter copies + activations held at the peak, bytes.
         peak_in_flight: per stage, the most micro-batches held at once.
-        spans: (stage, action, start, end) of every compute and send action.
+        spans: (stage, action, start, end) of every compute, send and receive action
+            (a receive's span is its wait for the message and its own message cost).
+        kinds: the action kind of each span, in the same order.
     """
 
     iteration_s: float
@@ -49,6 +54,16 @@ class SimResult:
     peak_memory: list[float]
     peak_in_flight: list[int]
     spans: list[tuple[int, str, float, float]] = field(default_factory=list)
+    kinds: list[str] = field(default_factory=list)
+
+    def per_kind(self) -> dict[int, dict[str, float]]:
+        """{stage: {action kind code: seconds}} over the iteration (the final gradient
+        allreduce of replicated stages is not an action and is left out)."""
+        out: dict[int, dict[str, float]] = {}
+        for (s, _action, start, end), kind in zip(self.spans, self.kinds, strict=True):
+            row = out.setdefault(s, {})
+            row[kind] = row.get(kind, 0.0) + end - start
+        return out
 
 
 def simulate(graph: Graph, costs: Costs, plan: Plan, schedule: Schedule) -> SimResult:
@@ -68,13 +83,18 @@ def simulate(graph: Graph, costs: Costs, plan: Plan, schedule: Schedule) -> SimR
     if not schedule.lowered:
         schedule = lower(schedule)
     pricer = StagePricer(graph, costs)
-    b, link = plan.micro_batch, costs.link
+    b, link, rt = plan.micro_batch, costs.link, costs.runtime
+    stretch = rt.stretch(plan.devices)  # more ranks than cores: CPU work shares them
     n = len(plan.stages)
     share = [b / st.replicas for st in plan.stages]
-    fwd = [sum(costs.of(o).forward(share[s]) for o in st.ops) for s, st in enumerate(plan.stages)]
-    bwd = [sum(costs.of(o).backward(share[s]) for o in st.ops)
+    fwd = [stretch * (rt.action_s + sum(costs.of(o).forward(share[s]) for o in st.ops))
+           for s, st in enumerate(plan.stages)]
+    bwd = [stretch * (rt.action_s + sum(costs.of(o).backward(share[s]) for o in st.ops))
            for s, st in enumerate(plan.stages)]
     edge_bytes = {e: sum(costs.of(t).act_per_sample for t in ts) for e, ts in plan.edges.items()}
+    # one message per tensor: each costs its sender the wire and both sides their own part
+    edge_msgs = {e: len(ts) for e, ts in plan.edges.items()}
+    message_s = stretch * rt.message_s
     act = [pricer.info(st.ops).act_per_sample * share[s] for s, st in enumerate(plan.stages)]
     params = [pricer.info(st.ops).param_bytes for st in plan.stages]
 
@@ -85,6 +105,7 @@ def simulate(graph: Graph, costs: Costs, plan: Plan, schedule: Schedule) -> SimR
     held = [0] * n
     peak = [0] * n
     spans: list[tuple[int, str, float, float]] = []
+    kinds: list[str] = []
     rows = schedule.actions
     while True:
         progressed = False
@@ -95,18 +116,25 @@ def simulate(graph: Graph, costs: Costs, plan: Plan, schedule: Schedule) -> SimR
                     key = (SEND_F if a.kind == RECV_F else SEND_B, a.peer, s, a.micro)
                     if key not in arrivals:
                         break
-                    clock[s] = max(clock[s], arrivals[key])
+                    edge = (a.peer, s) if a.kind == RECV_F else (s, a.peer)
+                    start = clock[s]
+                    clock[s] = max(clock[s], arrivals[key]) + edge_msgs.get(edge, 0) * message_s
+                    spans.append((s, str(a), start, clock[s]))
+                    kinds.append(a.kind.value)
                 elif a.kind in (F, B):
                     dt = fwd[s] if a.kind == F else bwd[s]
                     spans.append((s, str(a), clock[s], clock[s] + dt))
+                    kinds.append(a.kind.value)
                     clock[s] += dt
                     busy[s] += dt
                     held[s] += 1 if a.kind == F else -1
                     peak[s] = max(peak[s], held[s])
                 elif a.kind in (SEND_F, SEND_B):
                     edge = (s, a.peer) if a.kind == SEND_F else (a.peer, s)
-                    dt = link.transfer(edge_bytes.get(edge, 0.0) * share[s])
+                    dt = (edge_msgs.get(edge, 0) * (link.latency + message_s)
+                          + edge_bytes.get(edge, 0.0) * share[s] / link.bandwidth)
                     spans.append((s, str(a), clock[s], clock[s] + dt))
+                    kinds.append(a.kind.value)
                     clock[s] += dt
                     arrivals[(a.kind, s, a.peer, a.micro)] = clock[s]
                 elif a.kind not in (ACQ, REL):
@@ -127,4 +155,4 @@ def simulate(graph: Graph, costs: Costs, plan: Plan, schedule: Schedule) -> SimR
     mem = [params[s] * costs.param_factor + peak[s] * act[s] for s in range(n)]
     return SimResult(makespan, b * schedule.num_micro / makespan if makespan > 0 else 0.0,
                      1.0 - compute / (devices * makespan) if makespan > 0 else 0.0,
-                     mem, peak, spans)
+                     mem, peak, spans, kinds)

@@ -32,8 +32,11 @@ _MESSAGE_BYTES = 2048  # an error message's room in `agree`; longer ones are cut
 
 
 def _backoff() -> Backoff:
-    # MPI messages between stages take microseconds: start short, cap at a millisecond
-    return Backoff(1e-5, 1e-3)
+    # MPI messages between stages take microseconds: start short. A stage often waits
+    # milliseconds for its peer's compute, and a wait ends only at its next poll, so the
+    # cap bounds what each wait overshoots: 100 us (a capped 1 ms cost the pipeline up
+    # to a millisecond a message, a third of a 2-rank step on the benchmark's models).
+    return Backoff(1e-5, 1e-4)
 
 
 def wait_requests(requests: Sequence[Any], timeout: float, what: str) -> None:

@@ -1,0 +1,202 @@
+"""What the stage runner pays on this machine beyond its ops and the wire: the probe
+behind `profile.Runtime` and the transport `Link` that real runs are simulated with.
+
+    mpirun -np 2 python -m crossover.pipeline.calibrate --out runtime.json
+
+Three probes, medians after a warm-up (a few seconds):
+
+- messages (2 ranks): tensors exchanged with mpi4py `Isend`/`Irecv` on their own memory
+  and completed by `waits.wait_requests`, as the runner does. Posting a send, and
+  completing a receive whose message has already arrived, give each side's
+  `message_s`; ping-pong one-way times at two sizes, less both sides, give the wire's
+  latency and bandwidth.
+- actions (every rank on its own): `StageRunner` runs a one-stage plan of a tiny model on
+  `COMM_SELF`; what an iteration takes beyond its ops' profiled time, per forward or
+  backward action, is `action_s`.
+- sharing (2 ranks): a small MLP's forward and backward on one rank alone, then on two
+  at once: `shared_slowdown`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict
+from typing import Any
+
+import torch
+from torch import nn
+
+from crossover.pipeline.graph import Graph
+from crossover.pipeline.plan import Stage, make_plan
+from crossover.pipeline.profile import Link, Runtime, profile
+from crossover.pipeline.runner import StageRunner, output_shapes
+from crossover.pipeline.schedule import schedule_for
+from crossover.pipeline.waits import wait_requests
+
+SMALL, LARGE = 64, 1 << 20  # bytes of the two ping-pong sizes
+REPS, WARMUP = 41, 5
+
+
+def _median_after_warmup(fn, reps: int = REPS) -> float:
+    times = [fn() for _ in range(reps + WARMUP)]
+    return statistics.median(times[WARMUP:])
+
+
+def message_costs(comm: Any, timeout: float = 30.0) -> dict[str, float]:
+    """Ranks 0 and 1: send and receive sides' costs per message, and the one-way time at
+    `SMALL` and `LARGE` bytes. Returns the same figures on both ranks."""
+    rank = comm.Get_rank()
+    peer = 1 - rank
+    small = torch.zeros(SMALL // 4)
+    large = torch.zeros(LARGE // 4)
+
+    def post_send() -> float:
+        comm.Barrier()
+        if rank == 0:
+            t0 = time.perf_counter()
+            req = comm.Isend(small.numpy(), dest=peer, tag=1)
+            dt = time.perf_counter() - t0
+            wait_requests([req], timeout, "calibration send")
+        else:
+            wait_requests([comm.Irecv(small.numpy(), source=peer, tag=1)], timeout,
+                          "calibration receive")
+            dt = 0.0
+        return comm.bcast(dt, root=0)
+
+    def complete_arrived() -> float:
+        if rank == 0:
+            wait_requests([comm.Isend(small.numpy(), dest=peer, tag=2)], timeout,
+                          "calibration send")
+        comm.Barrier()
+        dt = 0.0
+        if rank == 1:
+            time.sleep(1e-3)  # the message is surely here
+            t0 = time.perf_counter()
+            wait_requests([comm.Irecv(small.numpy(), source=peer, tag=2)], timeout,
+                          "calibration receive")
+            dt = time.perf_counter() - t0
+        return comm.bcast(dt, root=1)
+
+    def one_way(buf: torch.Tensor) -> float:
+        comm.Barrier()
+        t0 = time.perf_counter()
+        for first in (0, 1):
+            if rank == first:
+                wait_requests([comm.Isend(buf.numpy(), dest=peer, tag=3)], timeout,
+                              "calibration ping")
+            else:
+                wait_requests([comm.Irecv(buf.numpy(), source=peer, tag=3)], timeout,
+                              "calibration pong")
+        return comm.bcast((time.perf_counter() - t0) / 2, root=0)
+
+    return {"send_s": _median_after_warmup(post_send),
+            "receive_s": _median_after_warmup(complete_arrived),
+            "one_way_small_s": _median_after_warmup(lambda: one_way(small)),
+            "one_way_large_s": _median_after_warmup(lambda: one_way(large))}
+
+
+def shared_slowdown(comm: Any) -> float:
+    """Ranks 0 and 1: a small MLP's forward and backward timed on rank 0 alone (rank 1
+    asleep), then on both at once; their ratio on rank 0."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
+    x = torch.randn(64, 256)
+
+    def work() -> float:
+        t0 = time.perf_counter()
+        model(x).sum().backward()
+        return time.perf_counter() - t0
+
+    for _ in range(WARMUP):
+        work()
+    comm.Barrier()
+    alone = 0.0
+    if comm.Get_rank() == 0:
+        alone = _median_after_warmup(work)
+    else:
+        time.sleep(3.0)  # longer than rank 0's timings: it runs alone
+    comm.Barrier()
+    both = _median_after_warmup(work)
+    return comm.bcast(both / alone if alone > 0 else 1.0, root=0)
+
+
+def action_cost(micro: int = 16, width: int = 8) -> dict[str, float]:
+    """This rank alone: a one-stage plan of a tiny two-layer model through `StageRunner`
+    on COMM_SELF, micro-batches of one sample; seconds per action beyond the ops."""
+    from mpi4py import MPI
+
+    torch.manual_seed(0)
+    root = nn.Sequential(nn.Linear(width, width), nn.Linear(width, width))
+    graph = Graph.from_modules(["x"], [("a", root[0], ["x"]), ("b", root[1], ["a"])],
+                               root=root)
+    costs = profile(graph, lambda b: {"x": torch.randn(b, width)}, sizes=(1, 2),
+                    repeats=REPS)
+    ops_s = sum(costs.of(o).forward(1) + costs.of(o).backward(1) for o in graph.ops)
+    plan = make_plan(graph, [Stage(tuple(graph.ops))], 1, micro)
+    feeds = {m: {"x": torch.randn(1, width)} for m in range(micro)}
+    runner = StageRunner(graph, plan, schedule_for(plan), 0, MPI.COMM_SELF,
+                         output_shapes(graph, feeds[0]), None, 30.0)
+    target = torch.zeros(1, width)
+
+    def iteration() -> float:
+        t0 = time.perf_counter()
+        runner.run(feeds.__getitem__, lambda m: target, nn.functional.mse_loss)
+        return time.perf_counter() - t0
+
+    per_micro = _median_after_warmup(iteration, 21) / micro
+    return {"ops_s": ops_s, "per_micro_batch_s": per_micro,
+            "action_s": max(per_micro - ops_s, 0.0) / 2}
+
+
+def measure(comm: Any) -> dict[str, Any]:
+    """Both probes (collective on `comm`, which needs at least 2 ranks): the figures
+    and the `Runtime` and `Link` made of them."""
+    torch.set_num_threads(1)
+    pair = comm.Split(0 if comm.Get_rank() < 2 else 1, comm.Get_rank())
+    msgs = comm.bcast(message_costs(pair) if comm.Get_rank() < 2 else None, root=0)
+    slowdown = comm.bcast(shared_slowdown(pair) if comm.Get_rank() < 2 else None, root=0)
+    actions = comm.allgather(action_cost()["action_s"])
+    message_s = (msgs["send_s"] + msgs["receive_s"]) / 2
+    small, large = msgs["one_way_small_s"], msgs["one_way_large_s"]
+    latency = max(small - 2 * message_s, 0.0)
+    bandwidth = (LARGE - SMALL) / max(large - small, 1e-9)
+    runtime = Runtime(action_s=statistics.median(actions), message_s=message_s,
+                      cores=os.cpu_count() or 1, shared_slowdown=max(slowdown, 1.0))
+    return {"runtime": asdict(runtime), "link": {"latency": latency, "bandwidth": bandwidth},
+            "messages": msgs, "action_s_per_rank": actions,
+            "ranks": comm.Get_size(), "cores": os.cpu_count(), "torch": torch.__version__}
+
+
+def load(path: str) -> tuple[Runtime, Link]:
+    """The `Runtime` and transport `Link` a calibration file holds."""
+    with open(path) as f:
+        got = json.load(f)
+    return Runtime(**got["runtime"]), Link(**got["link"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mpi4py import MPI
+
+    ap = argparse.ArgumentParser(prog="python -m crossover.pipeline.calibrate")
+    ap.add_argument("--out", required=True, help="rank 0 writes the figures here (JSON)")
+    args = ap.parse_args(argv)
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() < 2:
+        print("calibration needs 2 ranks: mpirun -np 2 python -m crossover.pipeline."
+              "calibrate --out FILE", file=sys.stderr)
+        return 2
+    figures = measure(comm)
+    if comm.Get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump(figures, f, indent=1)
+        print(json.dumps({k: figures[k] for k in ("runtime", "link")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
