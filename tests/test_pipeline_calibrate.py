@@ -7,12 +7,13 @@ import json
 import subprocess
 
 import pytest
+import torch
 
 from crossover.pipeline import Graph, sequential_partition
 from crossover.pipeline.calibrate import load
 from crossover.pipeline.models import build
 from crossover.pipeline.pricing import evaluate
-from crossover.pipeline.profile import Link, Runtime
+from crossover.pipeline.profile import Link, OpCost, Runtime, _scaled_to_whole, profile
 from tests.conftest import PY, REPO, Proc, mpirun
 from tests.test_pipeline_partition import model_costs
 
@@ -70,3 +71,36 @@ def test_the_chain_search_prices_the_runtime_as_the_pricer_does(name):
     plan = sequential_partition(g, costs, 4, 256)
     bn, cr = evaluate(g, costs, plan)
     assert plan.estimate == pytest.approx(cr + (plan.num_micro - 1) * bn, rel=1e-9)
+
+
+def test_op_costs_are_scaled_to_the_whole_model():
+    """Timed one by one, ops pay a call each; the scaled costs add up to the whole
+    model's forward and backward at both profiled sizes, fixed and per-sample parts
+    each with their own factor, kept within bounds."""
+    ops = {"a": OpCost(fwd=1e-4, fwd_per_sample=1e-5, bwd=3e-4, bwd_per_sample=2e-5),
+           "b": OpCost(fwd=1e-4, fwd_per_sample=3e-5, bwd=1e-4, bwd_per_sample=4e-5)}
+    whole = {2: (2.5e-4, 2.0e-4), 8: (6.1e-4, 5.6e-4)}  # (forward, backward) seconds
+    got = _scaled_to_whole(ops, whole, 2, 8)
+    for b, (fwd, bwd) in whole.items():
+        assert sum(c.forward(b) for c in got.values()) == pytest.approx(fwd, rel=1e-12)
+        assert sum(c.backward(b) for c in got.values()) == pytest.approx(bwd, rel=1e-12)
+    # relative shares within a part are kept
+    assert got["b"].fwd_per_sample / got["a"].fwd_per_sample == pytest.approx(3.0)
+    # a whole run far slower than any factor allows is capped, not extrapolated
+    capped = _scaled_to_whole(ops, {2: (1.0, 1.0), 8: (1.0, 1.0)}, 2, 8)
+    assert capped["a"].fwd == pytest.approx(20 * 1e-4)
+
+
+def test_profile_gives_every_op_with_work_a_cost():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 4))
+    g = Graph.from_fx(model)
+    name = g.inputs[0]  # what fx calls the Sequential's argument
+    costs = profile(g, lambda b: {name: torch.randn(b, 16)}, sizes=(2, 16), repeats=3)
+    linears = [n for n, op in g.ops.items() if op.params]
+    assert len(linears) == 2
+    for n in linears:
+        c = costs.of(n)
+        assert c.forward(16) > 0 and c.backward(16) > 0 and c.param_bytes > 0
+        assert c.act_per_sample > 0

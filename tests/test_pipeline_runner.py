@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from crossover.pipeline import Graph, parameter_costs
 from crossover.pipeline.models import build
+from crossover.pipeline.partition import graph_frontier
 from crossover.trace import load
 from tests.conftest import PY, REPO, Proc, mpirun
 
@@ -36,6 +38,17 @@ def run_pipeline(tmp_path, env, name, np_, *extra, batch=8, micro=4, timeout=120
         return pickle.load(f)
 
 
+def branch_plan(name: str, devices: int, batch: int = 8, micro: int = 4) -> list[list[str]]:
+    """The series-parallel DP's plan on `devices` stages (parameter-count costs, the
+    CLI's), least `critical path + (M - 1) x bottleneck`: its stages' op lists."""
+    g = Graph.from_fx(build(name, torch.float64, small=True).module)
+    table = graph_frontier(g, parameter_costs(g), devices, batch // micro, micro,
+                           replicate=False)
+    plan = min((v for (d, _h), v in table.items() if d == devices),
+               key=lambda v: v[1] + (micro - 1) * v[0])[2]
+    return [list(st.ops) for st in plan.stages]
+
+
 def assert_same_grads(got, name, batch=8):
     ref, loss = reference(name, batch)
     assert set(got["grads"]) == set(ref)
@@ -54,8 +67,11 @@ def assert_same_grads(got, name, batch=8):
 def test_pipelined_gradients_equal_single_process(tmp_path, cluster, name, np_, partitioner,
                                                   schedule, stages):
     env = dict(cluster.env, CROSSOVER_ENABLE="0")
+    # with branch stages named, run the series-parallel search's plan with each branch on
+    # a rank of its own (the partitioner may prefer a chain plan for these costs)
+    plan = ["--plan", json.dumps(branch_plan(name, np_))] if stages is not None else []
     got = run_pipeline(tmp_path, env, name, np_, "--partitioner", partitioner,
-                       "--schedule", schedule)
+                       "--schedule", schedule, *plan)
     assert len(got["plan"]) == np_
     if stages is not None:  # the branches really ran on different ranks
         assert sorted(p[0] for p in got["plan"]) == sorted(stages)
@@ -124,7 +140,9 @@ ABANDONED = """
 import torch
 from mpi4py import MPI
 from crossover.pipeline.graph import Graph
+from crossover.pipeline import Graph, parameter_costs
 from crossover.pipeline.models import build
+from crossover.pipeline.partition import graph_frontier
 from crossover.pipeline.partition import plan_for
 from crossover.pipeline.runner import StageRunner, output_shapes
 from crossover.pipeline.schedule import schedule_for

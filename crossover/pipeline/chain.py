@@ -204,11 +204,9 @@ def chain_search(iv: Intervals, costs: Costs, devices: int, b: int, m: int,
     times, fits = {}, {}
     for r in rs:
         share = b / r
-        steps = 2 * (r - 1)
         t = (iv.fixed + iv.per_sample * share + 2 * rt.action_s
              + iv.messages * (link.latency + 2 * rt.message_s)
-             + iv.comm * share / link.bandwidth
-             + (steps * link.latency + steps / r * iv.params / link.bandwidth) / m)
+             + iv.comm * share / link.bandwidth + link.allreduce(iv.params, r) / m)
         times[r] = np.where(upper, t, math.inf)
         spare = limit - iv.params * pf
         per = iv.act * share

@@ -9,8 +9,12 @@ replicas. No stage holds only graph inputs (an input goes with a consumer).
 
 The DP state is (tree node, devices, stages downstream k) -> {depth h: best}; `k + h`
 is how many micro-batches a stage holds in a one-forward-one-backward schedule, which is
-what the memory limit prices. Each state minimises the bottleneck stage time (the
-critical path breaks ties).
+what the memory limit prices. Each state keeps the least bottleneck per depth (the
+critical path breaks ties) and drops a depth another beats in depth, bottleneck and
+critical path at once. A node that fits on one device with every micro-batch in flight
+is solved once for every k. With a bound (the best chain plan's estimate), a part
+whose `critical path + (M - 1) * bottleneck` exceeds it is dropped: composing parts
+only grows both terms. Stages are priced from their SP nodes' ports (`node_sums`).
 """
 
 from __future__ import annotations
@@ -99,7 +103,7 @@ class StageCache:
     for several sizes share them: (kind, ...) -> (SP nodes, info), and the ids of the infos
     of stages made only of graph inputs."""
 
-    infos: dict[tuple, tuple[tuple[str, ...], StageInfo]] = field(default_factory=dict)
+    infos: dict[tuple, tuple[tuple[SPNode, ...], StageInfo]] = field(default_factory=dict)
     input_only: set[int] = field(default_factory=set)
     sums: NodeSums | None = None
 
