@@ -26,7 +26,7 @@ from crossover.pipeline.models import build
 from crossover.pipeline.node_sums import NodeSums
 from crossover.pipeline.partition import graph_frontier
 from crossover.pipeline.pricing import StagePricer, _chain_info, evaluate, replica_counts
-from crossover.pipeline.profile import Link
+from crossover.pipeline.profile import Costs, Link, OpCost, Runtime
 from crossover.pipeline.sptree import SPNode, decompose
 
 
@@ -370,6 +370,27 @@ def test_the_graph_search_holds_every_sequential_plan(name, memory_share):
         # and where the schedule runs (the simulator picks between the two searches)
         assert simulate(g, costs, gpp, schedule_for(gpp)).iteration_s <= \
             simulate(g, costs, seq, schedule_for(seq)).iteration_s * (1 + 1e-9)
+
+
+def test_few_micro_batches_and_input_stages_do_not_lose_the_sequential_plan():
+    """Two cases the chain DP alone loses: with 8 micro-batches of one sample, a plan
+    with a larger bottleneck but a shorter path (the DP keeps the least bottleneck per
+    state); and, using every device, a plan that needs a stage of graph inputs alone."""
+    g = Graph.from_modules(["x0", "x1"], [("o0", ident, ["x0"]), ("o1", ident, ["o0", "x1"]),
+                                          ("out", ident, ["o1"])])
+    ops = {"x0": OpCost(act_per_sample=1e5), "x1": OpCost(act_per_sample=1e4),
+           "o0": OpCost(3.84e-5, 7.58e-4, 5.76e-5, 8.03e-4, 1e5, 0.0),
+           "o1": OpCost(4.39e-5, 2.40e-4, 1.5e-5, 7.51e-4, 1e3, 1e5),
+           "out": OpCost(6.55e-5, 6.59e-4, 5.95e-6, 8.06e-4, 1e3, 1e5)}
+    costs = Costs(ops, Link(1e9, 1e-5), memory=6e6, runtime=Runtime(1e-5, 2e-6))
+    gpp = graph_partition(g, costs, 2, 8, replicate=False)
+    seq = sequential_partition(g, costs, 2, 8, replicate=False)
+    assert gpp.estimate <= seq.estimate * (1 + 1e-12), (gpp.describe(), seq.describe())
+    chain = explicit({"o0": ["x"], "out": ["o0"]})
+    free = synthetic(chain, {"o0": 1e-3, "out": 1e-3}, link=Link(1e9, 1e-5))
+    seq = sequential_partition(chain, free, 3, 8, replicate=False, use_all=True)
+    gpp = graph_partition(chain, free, 3, 8, replicate=False, use_all=True)
+    assert [s.ops for s in gpp.stages] == [s.ops for s in seq.stages]
 
 
 def test_a_branch_cut_part_way_when_that_pays():

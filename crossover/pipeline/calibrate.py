@@ -154,7 +154,7 @@ def action_cost(micro: int = 16, width: int = 8) -> dict[str, float]:
 
 
 def measure(comm: Any) -> dict[str, Any]:
-    """Both probes (collective on `comm`, which needs at least 2 ranks): the figures
+    """The three probes (collective on `comm`, which needs at least 2 ranks): the figures
     and the `Runtime` and `Link` made of them."""
     torch.set_num_threads(1)
     pair = comm.Split(0 if comm.Get_rank() < 2 else 1, comm.Get_rank())

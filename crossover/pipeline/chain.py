@@ -4,11 +4,13 @@ The sequential partitioner (PipeDream-style) searches only these, with every ten
 crosses a cut passed along the chain through the stages in between. The graph
 partitioner searches them too, priced as graph stages (a tensor goes straight from the
 stage that makes it to the stages that read it, each graph input sits just before its
-first reader), so that its space holds every plan the sequential one can find, cut
-part-way through a branch included, and costs no more than it.
+first reader), so that its space holds the plans the sequential one can find (a branch
+cut part-way included; not a stage of graph inputs alone), each priced no higher.
 
 Both are one vectorised DP over the candidate cut positions: state (stages h, devices d,
-first position a) -> least (bottleneck, critical path) of the suffix from a; a stage
+first position a) -> the suffix from a with the least bottleneck (its critical path
+kept beside it; so, like PipeDream's, the DP can miss a plan with a larger bottleneck
+but a shorter path, which matters only with few micro-batches); a stage
 [a, b) on r replicas costs `StagePricer.time` on the interval's sums, and holds at most
 min(h, M) micro-batches in flight (the 1F1B count), which the memory limit prices.
 """
@@ -35,6 +37,7 @@ class Intervals:
             included); fixed, per_sample, params: the interval's op sums; act: bytes per
             sample kept per micro-batch in flight (own outputs and what it receives);
             comm: bytes per sample sent and received; messages: tensors sent and received.
+        exact: every cut position is a candidate (none thinned out).
     """
 
     order: list[str]
@@ -45,6 +48,7 @@ class Intervals:
     act: np.ndarray
     comm: np.ndarray
     messages: np.ndarray
+    exact: bool = True
 
 
 def _order(graph: Graph, direct: bool) -> tuple[list[str], np.ndarray]:
@@ -142,7 +146,8 @@ def intervals(graph: Graph, costs: Costs, direct: bool, max_cuts: int) -> Interv
     else:
         sent, sent_n, recv, recv_n = _direct_boundaries(pos, out_act, readers, last)
         comm, msgs, act = sent + recv, sent_n + recv_n, span(own_act) + recv
-    return Intervals(order, pos, span(fixed), span(per), span(params), act, comm, msgs)
+    return Intervals(order, pos, span(fixed), span(per), span(params), act, comm, msgs,
+                     exact=len(pos) == int(cuttable.sum()))
 
 
 def _direct_boundaries(pos: np.ndarray, out_act: np.ndarray, readers: list[list[int]],

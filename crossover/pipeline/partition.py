@@ -18,7 +18,7 @@ from crossover.pipeline.chain import chain_search, intervals
 from crossover.pipeline.graph import Graph
 from crossover.pipeline.graph_dp import GraphDP, StageCache, flatten_stages
 from crossover.pipeline.plan import PartitionError, Plan, Stage, make_plan
-from crossover.pipeline.pricing import StagePricer, micro_batch_sizes, no_fit
+from crossover.pipeline.pricing import StagePricer, evaluate, micro_batch_sizes, no_fit
 from crossover.pipeline.profile import Costs, synthetic
 from crossover.pipeline.schedule import schedule_for
 from crossover.pipeline.sequential import sequential_partition
@@ -104,13 +104,32 @@ def graph_partition(graph: Graph, costs: Costs, devices: int, batch: int,
                     best = (est, b, m, flatten_stages(pl))
     finalists = [make_plan(graph, [Stage(ops, r) for ops, r in found[3]], found[1], found[2],
                            "graph") for found in (best, chain) if found is not None]
-    if not finalists:
-        raise PartitionError(no_fit(costs, devices, batch, graph))
     for plan, found in zip(finalists, [f for f in (best, chain) if f is not None], strict=True):
         plan.estimate = found[0]
+    if chains.exact:
+        # The chain DP keeps per state the least bottleneck, so where few micro-batches
+        # make the critical path count it can miss the sequential DP's plan, and it
+        # never gives graph inputs a stage (which `use_all` may need): on graphs it
+        # searches exactly (cheap ones), that plan, sent direct, is a finalist too.
+        try:
+            seq = sequential_partition(graph, costs, devices, batch, sizes, replicate,
+                                       use_all)
+        except PartitionError:
+            seq = None
+        inputs_alone = seq is not None and any(
+            all(graph.ops[o].is_input for o in st.ops) for st in seq.stages)
+        # a stage of graph inputs alone trains nothing (an optimizer over no parameters
+        # fails): only when nothing else fits
+        if seq is not None and (not inputs_alone or not finalists):
+            direct = make_plan(graph, seq.stages, seq.micro_batch, seq.num_micro, "graph")
+            bn, cr = evaluate(graph, costs, direct)
+            direct.estimate = cr + (direct.num_micro - 1) * bn
+            finalists.append(direct)
+    if not finalists:
+        raise PartitionError(no_fit(costs, devices, batch, graph))
     # The estimate ranks plans within each search; the simulator, which runs the
-    # schedule, decides between the two searches' best (on a tie the series-parallel
-    # plan stays: no deeper than the chain's)
+    # schedule, decides between the searches' best (on a tie the series-parallel plan
+    # stays: no deeper than a chain's)
     plan = min(finalists, key=lambda p: simulate(graph, costs, p, schedule_for(p)).iteration_s)
     plan.notes, plan.search_s = notes, time.perf_counter() - t0
     return plan

@@ -181,7 +181,7 @@ def profile(graph: Graph, make_batch: Callable[[int], Mapping[str, Any]],
         graph: the model's graph.
         make_batch: batch size -> {input name: tensor} for the model inputs.
         sizes: two distinct batch sizes to fit `fixed + per_sample * b`.
-        repeats: timings per op and size; the median counts.
+        repeats: timings per op and size; the fastest after a warm-up counts.
         link: the transfer model to attach (default `Link()`).
         memory: the device memory limit to attach, bytes.
         consistent: scale the op costs so that they add up to the whole model's
@@ -241,9 +241,11 @@ def _scaled_to_whole(ops: dict[str, OpCost], whole: dict[int, tuple[float, float
         if per <= 0 or fixed <= 0:
             ratio = w1 / (fixed + per * b1) if fixed + per * b1 > 0 else 1.0
             return ratio, ratio
-        a_per = (w1 - w0) / (per * (b1 - b0))
+        a_per = min(max((w1 - w0) / (per * (b1 - b0)), 0.05), 20.0)
+        # the fixed factor is solved with the per-sample factor as kept, so the sums
+        # still hold at b0 when only that one was clamped (at both sizes when neither)
         a_fixed = (w0 - a_per * per * b0) / fixed
-        return min(max(a_fixed, 0.05), 20.0), min(max(a_per, 0.05), 20.0)
+        return min(max(a_fixed, 0.05), 20.0), a_per
 
     fa, fp = factors(sum(c.fwd for c in ops.values()),
                      sum(c.fwd_per_sample for c in ops.values()), whole[b0][0], whole[b1][0])
