@@ -115,16 +115,19 @@ def intervals(graph: Graph, costs: Costs, direct: bool, max_cuts: int) -> Interv
     out_act = np.array([x.act_per_sample for x in c])
     readers = [sorted(at[s] for s in graph.succ[o]) for o in order]
     last = np.array([r[-1] if r else i for i, r in enumerate(readers)])
-    # crossing[j]: bytes per sample made before position j and read at or after it
-    diff = np.zeros(n + 2)
-    np.add.at(diff, np.arange(n) + 1, out_act * (last > np.arange(n)))
-    np.add.at(diff, last + 1, -out_act * (last > np.arange(n)))
-    crossing = np.cumsum(diff)[:n + 1]
-    count_diff = np.zeros(n + 2)
-    np.add.at(count_diff, np.arange(n) + 1, (last > np.arange(n)).astype(float))
-    np.add.at(count_diff, last + 1, -(last > np.arange(n)).astype(float))
-    crossing_n = np.cumsum(count_diff)[:n + 1]
-    crossing[0] = crossing[n] = crossing_n[0] = crossing_n[n] = 0.0
+    read_later = (last > np.arange(n)).astype(float)
+
+    def across(weight: np.ndarray) -> np.ndarray:
+        """Per cut position j: the sum of `weight` over tensors made before j and read
+        at or after it."""
+        diff = np.zeros(n + 2)
+        np.add.at(diff, np.arange(n) + 1, weight * read_later)
+        np.add.at(diff, last + 1, -weight * read_later)
+        out = np.cumsum(diff)[:n + 1]
+        out[0] = out[n] = 0.0
+        return out
+
+    crossing, crossing_n = across(out_act), across(np.ones(n))  # bytes, tensors
 
     def prefix(vals) -> np.ndarray:
         return np.concatenate([[0.0], np.cumsum(np.asarray(vals, dtype=float))])

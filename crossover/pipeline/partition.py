@@ -102,10 +102,12 @@ def graph_partition(graph: Graph, costs: Costs, devices: int, batch: int,
                 est = cr + (m - 1) * bn
                 if best is None or est < best[0]:
                     best = (est, b, m, flatten_stages(pl))
-    finalists = [make_plan(graph, [Stage(ops, r) for ops, r in found[3]], found[1], found[2],
-                           "graph") for found in (best, chain) if found is not None]
-    for plan, found in zip(finalists, [f for f in (best, chain) if f is not None], strict=True):
-        plan.estimate = found[0]
+    finalists = []
+    for found in (best, chain):
+        if found is not None:
+            est, b, m, stages = found
+            finalists.append(make_plan(graph, [Stage(ops, r) for ops, r in stages], b, m))
+            finalists[-1].estimate = est
     if chains.exact:
         # The chain DP keeps per state the least bottleneck, so where few micro-batches
         # make the critical path count it can miss the sequential DP's plan, and it
