@@ -360,6 +360,12 @@ def search_times(g: Graph, costs: Costs, reps: int) -> dict:
             "notes": plans["graph"].notes[:3]}
 
 
+def write(out: str, result: dict) -> None:
+    result["machine"]["load_average_at_end"] = os.getloadavg()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -376,12 +382,21 @@ def main() -> None:
                     help="where the runner's calibrated costs are cached")
     ap.add_argument("--recalibrate", action="store_true",
                     help="measure the runner's costs again even if cached")
+    ap.add_argument("--models", default=",".join(MODELS),
+                    help="comma-separated example models to run")
+    ap.add_argument("--real-ranks", default="2,4",
+                    help="comma-separated rank counts of the real rows (one rank per stage)")
+    ap.add_argument("--real-only", action="store_true",
+                    help="only profiles, plans and real rows: no scaled simulation, search "
+                         "timing or torch pipelining peer (for a short run on a bigger "
+                         "machine)")
     args = ap.parse_args()
+    real_ranks = [int(r) for r in args.real_ranks.split(",") if r]
     torch.set_num_threads(1)
     repeats, iters, profiles = (3, 3, 1) if args.quick else (7, 5, 3)
     cal = calibration(Path(args.calibration), args.recalibrate)
     runtime, transport = Runtime(**cal["runtime"]), Link(**cal["link"])
-    scales = [int(s) for s in args.sim_scale.split(",") if s]
+    scales = [] if args.real_only else [int(s) for s in args.sim_scale.split(",") if s]
     result: dict[str, Any] = {
         "command": " ".join(["bench/pipeline_bench.py", *sys.argv[1:]]),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
@@ -399,7 +414,7 @@ def main() -> None:
         "calibration": cal,
     }
     failures = []
-    for name in MODELS:
+    for name in args.models.split(","):
         spec = build(name)
         g, costs, runs, state = model_costs(spec.module, lambda b, s=spec: s.make_batch(b, 0)[0],
                                             repeats, profiles)
@@ -415,9 +430,17 @@ def main() -> None:
             # real runs are planned and predicted with what this machine's runner and
             # transport pay (4 ranks on fewer cores: the stretch is modelled)
             local = replace(costs, link=transport, runtime=runtime)
-            entry["real"] = {str(r): real(name, g, local, r, iters, args.pairs)
-                             for r in (2, 4)}
-            if name == "chain":
+            entry["real"] = {}
+            for r in real_ranks:
+                entry["real"][str(r)] = real(name, g, local, r, iters, args.pairs)
+                print(name, r, "ranks", {k: round(v["prediction_error"], 3)
+                                         for k, v in entry["real"][str(r)].items()
+                                         if isinstance(v, dict)},
+                      "gpp_vs_spp", round(entry["real"][str(r)]["gpp_vs_spp"], 3), flush=True)
+                # written as it goes: a run cut short keeps its finished rows
+                result["models"][name] = entry
+                write(args.out, result)
+            if name == "chain" and not args.real_only:
                 try:
                     result["torch_pipelining_peer"] = peer_comparison(g, costs, args.peer_reps)
                 except (peer.PeerError, RuntimeError) as exc:
@@ -445,6 +468,20 @@ def main() -> None:
                 "memory_limit": costs.memory, "simulated": sims}
             print(f"{name} x{scale}", {d: round(v["gpp_vs_spp"], 3) for d, v in sims.items()
                                        if "gpp_vs_spp" in v}, flush=True)
+    models = result["models"]
+    result["gpp_vs_spp_8_dev"] = {n: m["simulated"]["8"]["gpp_vs_spp"] for n, m in models.items()}
+    if not args.quick:
+        for r in real_ranks:
+            result[f"max_sim_error_{r}_ranks"] = max(
+                m["real"][str(r)][k]["prediction_error"] for m in models.values()
+                for k in ("graph", "sequential"))
+            result[f"min_real_gpp_vs_spp_{r}_ranks"] = min(
+                m["real"][str(r)]["gpp_vs_spp"] for m in models.values())
+        if 2 in real_ranks:
+            result["min_real_gpp_vs_spp"] = result["min_real_gpp_vs_spp_2_ranks"]
+    if args.real_only:
+        write(args.out, result)
+        return
     result["search_1000_ops"] = {}
     for variant, memory_share in (("unbounded memory", None), ("memory-bound", 0.3)):
         g, costs = big_graph(memory_share=memory_share)
@@ -453,20 +490,7 @@ def main() -> None:
         print("search", variant, {k: row[k] for k in ("graph_s_median", "sequential_s_median",
                                                       "gpp_vs_spp_estimate")}, flush=True)
     result["search_s_1000_ops"] = result["search_1000_ops"]["unbounded memory"]["graph_s_median"]
-    models = result["models"]
-    result["gpp_vs_spp_8_dev"] = {n: m["simulated"]["8"]["gpp_vs_spp"] for n, m in models.items()}
-    if not args.quick:
-        result["max_sim_error_2_ranks"] = max(
-            m["real"]["2"][k]["prediction_error"] for m in models.values()
-            for k in ("graph", "sequential"))
-        result["max_sim_error_4_ranks"] = max(
-            m["real"]["4"][k]["prediction_error"] for m in models.values()
-            for k in ("graph", "sequential"))
-        result["min_real_gpp_vs_spp"] = min(m["real"]["2"]["gpp_vs_spp"]
-                                            for m in models.values())
-    result["machine"]["load_average_at_end"] = os.getloadavg()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write(args.out, result)
     if "torch_pipelining_peer" in result and "error" not in result["torch_pipelining_peer"]:
         print("torch_pipelining_peer", json.dumps(
             {k: v for k, v in result["torch_pipelining_peer"].items()

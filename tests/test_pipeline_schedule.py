@@ -174,3 +174,23 @@ def test_more_ranks_than_cores_stretch_the_cpu_work():
     shared = simulate(g, costs, plan, one_f_one_b(chain(4), 4)).iteration_s
     assert Runtime(cores=2).stretch(4) == 2.0 and Runtime().stretch(64) == 1.0
     assert shared == pytest.approx(2 * alone)
+
+
+def test_a_receive_that_waited_pays_the_sleeping_waits_overshoot():
+    """With more ranks than cores, waits sleep between polls: a receive whose message
+    came while it waited ends `sleep_wake_s` after the arrival; one whose message was
+    already there does not pay it, nor does any receive while each rank has a core."""
+    assert [Runtime(cores=2, sleep_wake_s=1e-4).wake(r) for r in (1, 2, 3)] == [0, 0, 1e-4]
+    assert Runtime(cores=0, sleep_wake_s=1e-4).wake(64) == 0.0
+    g, costs, stages = _uniform(2, 1e-3, Link(1e30, 0.0))
+    plan = make_plan(g, stages, 1, 1)
+    costs.runtime = Runtime(cores=1)
+    base = simulate(g, costs, plan, one_f_one_b(chain(2), 1))
+    costs.runtime = Runtime(cores=1, sleep_wake_s=1e-4)
+    woken = simulate(g, costs, plan, one_f_one_b(chain(2), 1))
+    # F0 -> stage 1 waits for it; B1 -> stage 0 waits for it: two waited receives
+    assert woken.iteration_s == pytest.approx(base.iteration_s + 2e-4)
+    assert woken.per_kind()[1]["RF"] == pytest.approx(base.per_kind()[1]["RF"] + 1e-4)
+    costs.runtime = Runtime(cores=2, sleep_wake_s=1e-4)
+    assert simulate(g, costs, plan, one_f_one_b(chain(2), 1)).iteration_s == \
+        pytest.approx(base.iteration_s / 2)

@@ -6,10 +6,12 @@ behind `profile.Runtime` and the transport `Link` that real runs are simulated w
 Three probes, medians after a warm-up (a few seconds):
 
 - messages (2 ranks): tensors exchanged with mpi4py `Isend`/`Irecv` on their own memory
-  and completed by `waits.wait_requests`, as the runner does. Posting a send, and
-  completing a receive whose message has already arrived, give each side's
-  `message_s`; ping-pong one-way times at two sizes, less both sides, give the wire's
-  latency and bandwidth.
+  and completed by `waits.wait_requests`, as the runner does (polling back to back, as
+  with a core per rank). Posting a send, and completing a receive whose message has
+  already arrived, give each side's `message_s`; ping-pong one-way times at two sizes,
+  less both sides, give the wire's latency and bandwidth. A receive that waits 2 ms for
+  its message, once polled back to back and once sleeping between polls (as when the
+  ranks outnumber the cores), gives `sleep_wake_s`: what the sleeping wait overshoots.
 - actions (every rank on its own): `StageRunner` runs a one-stage plan of a tiny model on
   `COMM_SELF`; what an iteration takes beyond its ops' profiled time, per forward or
   backward action, is `action_s`.
@@ -36,10 +38,11 @@ from crossover.pipeline.plan import Stage, make_plan
 from crossover.pipeline.profile import Link, Runtime, profile
 from crossover.pipeline.runner import StageRunner, output_shapes
 from crossover.pipeline.schedule import schedule_for
-from crossover.pipeline.waits import wait_requests
+from crossover.pipeline.waits import SPIN_S, spin_budget, wait_requests
 
 SMALL, LARGE = 64, 1 << 20  # bytes of the two ping-pong sizes
 REPS, WARMUP = 41, 5
+LATE = 2e-3  # seconds a waiting receive's message comes after the receive was posted
 
 
 def _median_after_warmup(fn, reps: int = REPS) -> float:
@@ -54,6 +57,7 @@ def message_costs(comm: Any, timeout: float = 30.0) -> dict[str, float]:
     peer = 1 - rank
     small = torch.zeros(SMALL // 4)
     large = torch.zeros(LARGE // 4)
+    spin = spin_budget(comm.Get_size(), os.cpu_count() or 1)
 
     def post_send() -> float:
         comm.Barrier()
@@ -61,24 +65,24 @@ def message_costs(comm: Any, timeout: float = 30.0) -> dict[str, float]:
             t0 = time.perf_counter()
             req = comm.Isend(small.numpy(), dest=peer, tag=1)
             dt = time.perf_counter() - t0
-            wait_requests([req], timeout, "calibration send")
+            wait_requests([req], timeout, "calibration send", spin)
         else:
             wait_requests([comm.Irecv(small.numpy(), source=peer, tag=1)], timeout,
-                          "calibration receive")
+                          "calibration receive", spin)
             dt = 0.0
         return comm.bcast(dt, root=0)
 
     def complete_arrived() -> float:
         if rank == 0:
             wait_requests([comm.Isend(small.numpy(), dest=peer, tag=2)], timeout,
-                          "calibration send")
+                          "calibration send", spin)
         comm.Barrier()
         dt = 0.0
         if rank == 1:
             time.sleep(1e-3)  # the message is surely here
             t0 = time.perf_counter()
             wait_requests([comm.Irecv(small.numpy(), source=peer, tag=2)], timeout,
-                          "calibration receive")
+                          "calibration receive", spin)
             dt = time.perf_counter() - t0
         return comm.bcast(dt, root=1)
 
@@ -88,16 +92,33 @@ def message_costs(comm: Any, timeout: float = 30.0) -> dict[str, float]:
         for first in (0, 1):
             if rank == first:
                 wait_requests([comm.Isend(buf.numpy(), dest=peer, tag=3)], timeout,
-                              "calibration ping")
+                              "calibration ping", spin)
             else:
                 wait_requests([comm.Irecv(buf.numpy(), source=peer, tag=3)], timeout,
-                              "calibration pong")
+                              "calibration pong", spin)
         return comm.bcast((time.perf_counter() - t0) / 2, root=0)
+
+    def late_delivery(spin_s: float) -> float:
+        # rank 1 waits from before rank 0 sends; both read the host's monotonic clock
+        comm.Barrier()
+        if rank == 0:
+            time.sleep(LATE)
+            sent = time.perf_counter()
+            wait_requests([comm.Isend(small.numpy(), dest=peer, tag=4)], timeout,
+                          "calibration send", spin)
+        else:
+            wait_requests([comm.Irecv(small.numpy(), source=peer, tag=4)], timeout,
+                          "calibration late receive", spin_s)
+            sent = time.perf_counter()  # here: when the wait ended
+        ends = comm.allgather(sent)
+        return ends[1] - ends[0]
 
     return {"send_s": _median_after_warmup(post_send),
             "receive_s": _median_after_warmup(complete_arrived),
             "one_way_small_s": _median_after_warmup(lambda: one_way(small)),
-            "one_way_large_s": _median_after_warmup(lambda: one_way(large))}
+            "one_way_large_s": _median_after_warmup(lambda: one_way(large)),
+            "late_polled_s": _median_after_warmup(lambda: late_delivery(SPIN_S)),
+            "late_slept_s": _median_after_warmup(lambda: late_delivery(0.0))}
 
 
 def shared_slowdown(comm: Any) -> float:
@@ -166,7 +187,8 @@ def measure(comm: Any) -> dict[str, Any]:
     latency = max(small - 2 * message_s, 0.0)
     bandwidth = (LARGE - SMALL) / max(large - small, 1e-9)
     runtime = Runtime(action_s=statistics.median(actions), message_s=message_s,
-                      cores=os.cpu_count() or 1, shared_slowdown=max(slowdown, 1.0))
+                      cores=os.cpu_count() or 1, shared_slowdown=max(slowdown, 1.0),
+                      sleep_wake_s=max(msgs["late_slept_s"] - msgs["late_polled_s"], 0.0))
     return {"runtime": asdict(runtime), "link": {"latency": latency, "bandwidth": bandwidth},
             "messages": msgs, "action_s_per_rank": actions,
             "ranks": comm.Get_size(), "cores": os.cpu_count(), "torch": torch.__version__}

@@ -86,12 +86,22 @@ class Runtime:
         shared_slowdown: how much slower the same work runs on each of two ranks of
             the host computing at once than on one alone (shared caches, memory
             bandwidth, sibling hyperthreads); applies with `cores` set.
+        sleep_wake_s: what a receive that had to wait pays beyond its message's arrival
+            when the ranks outnumber the cores: its waits then sleep between polls
+            (`waits.spin_budget`), and it ends only at the poll after the arrival.
     """
 
     action_s: float = 0.0
     message_s: float = 0.0
     cores: int = 0
     shared_slowdown: float = 1.0
+    sleep_wake_s: float = 0.0
+
+    def wake(self, ranks: int) -> float:
+        """What a receive that waited pays after its message arrived, with `ranks` ranks
+        on the host: nothing more than the wire while each has a core (its waits poll
+        back to back), `sleep_wake_s` beyond."""
+        return self.sleep_wake_s if self.cores and ranks > self.cores else 0.0
 
     def stretch(self, ranks: int) -> float:
         """How much slower CPU work runs when `ranks` ranks share `cores` cores."""

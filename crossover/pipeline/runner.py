@@ -50,7 +50,7 @@ from crossover.pipeline.schedule import (
     ScheduleError,
 )
 from crossover.pipeline.tags import check_tags, edge_tensor_ids, message_tag, tag_upper_bound
-from crossover.pipeline.waits import InFlight, abandon, wait_requests
+from crossover.pipeline.waits import InFlight, abandon, host_spin_budget, wait_requests
 from crossover.protocol import Phase
 
 Feeds = Callable[[int], Mapping[str, torch.Tensor]]
@@ -103,6 +103,7 @@ class StageRunner:
         check_tags(len(self.tensor_ids), schedule.num_micro, tag_upper_bound(comm))
         self.params = {k: p for o in self.ops for k, p in graph.ops[o].params.items()}
         self.inflight = InFlight()  # this rank's sends and receives not yet complete
+        self.spin_s = host_spin_budget(comm.Get_size())  # how its waits poll
         # seconds spent in each action kind (and "drain", "allreduce"), over all runs:
         # what the simulator's per-kind figures are checked against
         self.spent: dict[str, float] = {}
@@ -178,7 +179,7 @@ class StageRunner:
             self.inflight.add(req, piece, what)  # a failed wait cancels it (see `run`)
             reqs.append((req, what))
         for req, what in reqs:
-            wait_requests([req], self.timeout, what)
+            wait_requests([req], self.timeout, what, self.spin_s)
         return buf
 
     def _share(self, t: torch.Tensor) -> torch.Tensor:
@@ -287,7 +288,7 @@ class StageRunner:
             else:
                 raise ScheduleError(f"unknown action {a} in stage {self.s}'s schedule")
             clock = self._spend(a.kind.value, clock)
-        self.inflight.wait(self.timeout)  # every send received
+        self.inflight.wait(self.timeout, self.spin_s)  # every send received
         clock = self._spend("drain", clock)
         if self.replicas > 1:
             self._sum_replica_grads()
@@ -332,7 +333,7 @@ class StageRunner:
                 wait_requests([req], self.timeout,
                               f"{self._who()}: the gradient allreduce of {len(grads)} "
                               f"parameters with its replicas on ranks "
-                              f"{self.plan.devices_of(self.s)}")
+                              f"{self.plan.devices_of(self.s)}", self.spin_s)
             except TimeoutError:
                 abandon(req, flat)  # a collective cannot be cancelled: keep its memory
                 raise

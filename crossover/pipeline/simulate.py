@@ -95,6 +95,7 @@ def simulate(graph: Graph, costs: Costs, plan: Plan, schedule: Schedule) -> SimR
     # one message per tensor: each costs its sender the wire and both sides their own part
     edge_msgs = {e: len(ts) for e, ts in plan.edges.items()}
     message_s = stretch * rt.message_s
+    wake = rt.wake(plan.devices)
     act = [pricer.info(st.ops).act_per_sample * share[s] for s, st in enumerate(plan.stages)]
     params = [pricer.info(st.ops).param_bytes for st in plan.stages]
 
@@ -118,7 +119,10 @@ def simulate(graph: Graph, costs: Costs, plan: Plan, schedule: Schedule) -> SimR
                         break
                     edge = (a.peer, s) if a.kind == RECV_F else (s, a.peer)
                     start = clock[s]
-                    clock[s] = max(clock[s], arrivals[key]) + edge_msgs.get(edge, 0) * message_s
+                    # a receive that waited ends at the poll after the arrival
+                    late = wake if arrivals[key] > clock[s] else 0.0
+                    clock[s] = (max(clock[s], arrivals[key]) + late
+                                + edge_msgs.get(edge, 0) * message_s)
                     spans.append((s, str(a), start, clock[s]))
                     kinds.append(a.kind.value)
                 elif a.kind in (F, B):
