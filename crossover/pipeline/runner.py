@@ -103,7 +103,9 @@ class StageRunner:
         check_tags(len(self.tensor_ids), schedule.num_micro, tag_upper_bound(comm))
         self.params = {k: p for o in self.ops for k, p in graph.ops[o].params.items()}
         self.inflight = InFlight()  # this rank's sends and receives not yet complete
-        self.spin_s = host_spin_budget(comm.Get_size())  # how its waits poll
+        # how its waits poll: back to back only on cores no other job wants (a job that
+        # shares the devices through slots has neighbours whose ranks need the CPU)
+        self.spin_s = 0.0 if client is not None else host_spin_budget(comm.Get_size())
         # seconds spent in each action kind (and "drain", "allreduce"), over all runs:
         # what the simulator's per-kind figures are checked against
         self.spent: dict[str, float] = {}
