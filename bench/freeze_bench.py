@@ -1,16 +1,20 @@
 """Freezing on the graph pipeline: time to a target accuracy, with and without freezing.
 
     .venv/bin/python bench/freeze_bench.py [--reps 3] [--epochs 20] [--target 0.96]
+    .venv/bin/python bench/freeze_bench.py --workload finetune --epochs 15
 
-Each arm trains examples/pipeline_digits.py (an MLP on scikit-learn's digits, four
-hidden layers of 256, SGD lr 0.05 with momentum, planned from op times measured once
-for all arms) on 2 ranks under mpirun, same seed and data, and records after every
-epoch the training seconds so far and the test accuracy. Arms (run interleaved, rep by
-rep, so drift hits all alike):
+Each arm trains examples/pipeline_digits.py on 2 ranks under mpirun, same seed and
+data, planned from op times measured once for all arms, and records after every epoch
+the training seconds so far and the test accuracy. Workloads: `digits` (default), an MLP
+with four hidden layers of 256 trained from random weights on scikit-learn's digits (SGD
+lr 0.05 with momentum; freezing judged every 15 steps at threshold 0.1); `finetune`, an
+MLP with six hidden layers of 256 pretrained on the digits 0-4 (cached) fine-tuned with
+a new head on the digits 5-9 (lr 0.05; judged every 5 steps at 0.1). Arms (run
+interleaved, rep by rep, so drift hits all alike):
 
     graph             the graph pipeline, no freezing
-    graph_freeze      the same with freezing (--freeze-every 15 --freeze-threshold 0.1:
-                      the default 0.05 freezes nothing here), static partition
+    graph_freeze      the same with freezing (the workload's flags: the default
+                      threshold 0.05 freezes nothing on digits), static partition
     graph_freeze_repartition
                       the same freezing, and after every freeze decision a re-plan
                       with frozen layers at 1/6 of their cost, stages migrating between
@@ -25,13 +29,15 @@ rep, so drift hits all alike):
 full freeze + re-partition + caching arm), `accuracy_loss_points` that arm's final
 accuracy below graph's; `repartition_over_freeze` is graph_freeze /
 graph_freeze_repartition time to the target and `cache_over_freeze` graph_freeze /
-graph_freeze_cache; `epochs_speedup` is graph / graph_freeze_cache for all epochs'
-time, `frozen_epoch_speedup` for the last five (when that arm runs frozen), and the
-`frozen_*_over_freeze` keys compare the last five epochs with static freezing;
+graph_freeze_cache; `fixed_epochs_speedup` is graph / graph_freeze_cache for all
+epochs' time, `frozen_epoch_speedup` for the last five (when that arm runs frozen),
+and the `frozen_*_over_freeze` keys compare the last five epochs with static freezing;
 `spare_device_s` the device-seconds the cache arm's plans left free (a rank that runs
-no stage takes no device slot: with --slots a co-located job gets that time). Written
-to bench/results/freeze.json (medians over reps) with a plot
-of accuracy against training time per arm.
+no stage takes no device slot: with --slots a co-located job gets that time). The
+target accuracy is 0.96 on digits and, on finetune, the lowest of the no-freezing arm's
+last five epochs (median over reps). Written to bench/results/freeze.json (digits) or
+freeze_<workload>.json (medians over reps) with a plot of accuracy against training
+time per arm.
 """
 
 from __future__ import annotations
@@ -51,24 +57,34 @@ from common import RESULTS, write_result  # noqa: E402
 from crossover.launch.local import mpi_env, mpirun  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-MODEL = ["--depth", "4", "--width", "256", "--lr", "0.05"]
-FREEZE = ["--freeze-every", "15", "--freeze-threshold", "0.1"]
-ARMS = {
-    "graph": MODEL,
-    "graph_freeze": MODEL + FREEZE,
-    "graph_freeze_repartition": MODEL + FREEZE + ["--repartition"],
-    "graph_freeze_cache": MODEL + FREEZE + ["--repartition", "--cache"],
-    "sequential": MODEL + ["--partitioner", "sequential"],
+# per workload: the example's model and training flags, and the freezing flags
+WORKLOADS = {
+    "finetune": (["--finetune", "--depth", "6", "--width", "256", "--lr", "0.05"],
+                 ["--freeze-every", "5", "--freeze-threshold", "0.1"]),
+    "digits": (["--depth", "4", "--width", "256", "--lr", "0.05"],
+               ["--freeze-every", "15", "--freeze-threshold", "0.1"]),
+}
+ARMS = {  # arm -> flags after the workload's model flags (FREEZE: its freezing flags)
+    "graph": [],
+    "graph_freeze": ["FREEZE"],
+    "graph_freeze_repartition": ["FREEZE", "--repartition"],
+    "graph_freeze_cache": ["FREEZE", "--repartition", "--cache"],
+    "sequential": ["--partitioner", "sequential"],
 }
 
 
-def run(arm: str, epochs: int, tmp: Path, rep: int) -> list[dict]:
+def arm_flags(workload: str, arm: str) -> list[str]:
+    model, freeze = WORKLOADS[workload]
+    return model + [f for a in ARMS[arm] for f in (freeze if a == "FREEZE" else [a])]
+
+
+def run(workload: str, arm: str, epochs: int, tmp: Path, rep: int) -> list[dict]:
     history = tmp / f"{arm}.{rep}.json"
     cmd = mpirun(2, sys.executable, str(REPO / "examples/pipeline_digits.py"), "--epochs",
                  str(epochs), "--plot", str(tmp / f"{arm}.png"), "--history", str(history),
                  # op times measured by the first run, read by the others: every arm
                  # starts from the same plan
-                 "--profile", str(tmp / "costs.pkl"), *ARMS[arm])
+                 "--profile", str(tmp / "costs.pkl"), *arm_flags(workload, arm))
     res = subprocess.run(cmd, env={**os.environ, **mpi_env(),
                                    "CROSSOVER_ENABLE": "0"},
                          capture_output=True, text=True, timeout=600, cwd=REPO)
@@ -95,17 +111,25 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--epochs", type=int, default=20)
-    ap.add_argument("--target", type=float, default=0.96)
+    ap.add_argument("--workload", default="digits", choices=sorted(WORKLOADS))
+    ap.add_argument("--target", type=float, default=None,
+                    help="test accuracy to time (default: 0.96 on digits; on finetune the "
+                         "lowest of the no-freezing arm's last five epochs, median over "
+                         "reps: what it holds once converged)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="crossover-freeze-"))
     runs: dict[str, list[list[dict]]] = {arm: [] for arm in ARMS}
     for rep in range(args.reps):
         for arm in ARMS:
-            rows = run(arm, args.epochs, tmp, rep)
+            rows = run(args.workload, arm, args.epochs, tmp, rep)
             runs[arm].append(rows)
             print(f"freeze bench: rep {rep + 1}/{args.reps} {arm}: {rows[-1]['seconds']:.1f} s,"
                   f" accuracy {rows[-1]['accuracy']:.3f}, frozen {rows[-1]['frozen']}",
                   flush=True)
+    target = args.target
+    if target is None:
+        target = 0.96 if args.workload == "digits" else statistics.median(
+            min(e["accuracy"] for e in r[-5:]) for r in runs["graph"])
     arms = {}
     for arm, reps in runs.items():
         arms[arm] = {
@@ -114,7 +138,7 @@ def main() -> int:
             # one epoch's test accuracy on 297 images moves by +-1 point: also the mean
             "last5_accuracy": statistics.median(statistics.mean(e["accuracy"] for e in r[-5:])
                                                 for r in reps),
-            "time_to_target_s": median_or_none([time_to(r, args.target) for r in reps]),
+            "time_to_target_s": median_or_none([time_to(r, target) for r in reps]),
             "frozen_at_end": reps[0][-1]["frozen"],
             "repartitions": reps[0][-1].get("repartitions", 0),
             "devices_at_end": reps[0][-1]["devices"],
@@ -125,12 +149,13 @@ def main() -> int:
     base, frz = arms["graph"], arms["graph_freeze"]
     rep, cache = arms["graph_freeze_repartition"], arms["graph_freeze_cache"]
     result = {
-        "target_accuracy": args.target, "reps": args.reps, "epochs": args.epochs,
+        "workload": args.workload, "flags": {a: arm_flags(args.workload, a) for a in ARMS},
+        "target_accuracy": target, "reps": args.reps, "epochs": args.epochs,
         "arms": arms,
         "freeze_static_speedup": ratio(base["time_to_target_s"], frz["time_to_target_s"]),
         "time_to_accuracy_speedup": ratio(base["time_to_target_s"],
                                           cache["time_to_target_s"]),
-        "epochs_speedup": base["seconds"] / cache["seconds"],
+        "fixed_epochs_speedup": base["seconds"] / cache["seconds"],
         # once frozen: the last 5 epochs' time, no freezing / freeze + cache
         "frozen_epoch_speedup": base["last_epochs_s"] / cache["last_epochs_s"],
         "frozen_repartition_over_freeze": frz["last_epochs_s"] / rep["last_epochs_s"],
@@ -146,20 +171,26 @@ def main() -> int:
         "accuracy_loss_points_static": round(
             100 * (base["final_accuracy"] - frz["final_accuracy"]), 2),
     }
-    plot(runs, RESULTS / "freeze.png")
-    out = write_result("freeze", result)
+    name = "freeze" if args.workload == "digits" else f"freeze_{args.workload}"
+    plot(runs, RESULTS / f"{name}.png", TITLES[args.workload])
+    out = write_result(name, result)
     print(json.dumps({k: result[k] for k in ("arms", "freeze_static_speedup",
-                                              "time_to_accuracy_speedup", "epochs_speedup",
+                                              "time_to_accuracy_speedup",
+                                              "fixed_epochs_speedup",
                                               "frozen_epoch_speedup",
                                               "frozen_repartition_over_freeze",
                                               "frozen_cache_over_freeze",
                                               "repartition_over_freeze", "cache_over_freeze",
                                               "accuracy_loss_points")}, indent=1))
-    print(f"freeze bench: wrote {out} and {RESULTS / 'freeze.png'}")
+    print(f"freeze bench: wrote {out} and {RESULTS / (name + '.png')}")
     return 0
 
 
-def plot(runs: dict[str, list[list[dict]]], png: Path) -> None:
+TITLES = {"digits": "digits MLP (4 x 256) from random weights, 2 ranks",
+          "finetune": "MLP (6 x 256) pretrained on digits 0-4, fine-tuned on 5-9, 2 ranks"}
+
+
+def plot(runs: dict[str, list[list[dict]]], png: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -172,7 +203,7 @@ def plot(runs: dict[str, list[list[dict]]], png: Path) -> None:
                 label=arm)
     ax.set_xlabel("training time (s)")
     ax.set_ylabel("test accuracy")
-    ax.set_title("digits MLP (4 x 256) on 2 ranks")
+    ax.set_title(title)
     ax.legend()
     fig.tight_layout()
     fig.savefig(png, dpi=120)

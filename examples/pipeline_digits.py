@@ -1,6 +1,7 @@
 """Train an MLP on scikit-learn's handwritten digits with the graph pipeline.
 
     mpirun -np 2 python examples/pipeline_digits.py [--epochs 20] [--slots]
+    mpirun -np 2 python examples/pipeline_digits.py --finetune --depth 6 [--freeze-every 5]
 
 The model is cut into as many stages as there are ranks (the partitioner plans it);
 each rank trains its stage with SGD, which the trainer builds from a factory (so that,
@@ -8,6 +9,11 @@ with --repartition, it can rebuild it when stages move between ranks). The digit
 (1797 8x8 images) ship inside scikit-learn: nothing is downloaded. Rank 0 shows a
 progress bar, checks test accuracy after every epoch on the gathered model, and writes
 a loss/accuracy plot.
+
+`--finetune` trains the way freezing pays: a body pretrained on the digits 0-4 (built
+once in one process, seeded, and cached in ~/.cache/crossover; about a second) gets a
+new head and is fine-tuned on the digits 5-9, which it has never seen. The body's
+stroke features carry over, so its front layers settle early while the head learns.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import pickle
 import sys
 import time
@@ -57,6 +64,58 @@ def digits(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tor
     return x[:1500], y[:1500], x[1500:], y[1500:]
 
 
+PRETRAIN, FINETUNE = (0, 1, 2, 3, 4), (5, 6, 7, 8, 9)  # digit classes of the two tasks
+PRETRAIN_EPOCHS = 30
+
+
+def digits_of(classes: tuple[int, ...], seed: int = 0
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(train x, train y, test x, test y) of the digits in `classes`: 80% to train on."""
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    keep = torch.isin(torch.tensor(data.target), torch.tensor(classes))
+    x = (torch.tensor(data.data, dtype=torch.float32) / 16.0)[keep]
+    y = torch.tensor(data.target, dtype=torch.long)[keep]
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    x, y = x[order], y[order]
+    cut = len(x) * 4 // 5
+    return x[:cut], y[:cut], x[cut:], y[cut:]
+
+
+def pretrained_body(depth: int, width: int) -> dict[str, torch.Tensor]:
+    """The MLP's weights trained on the digits 0-4 (`PRETRAIN_EPOCHS` epochs of SGD, one
+    process, seeded), from the cache or made and cached now."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "crossover"
+    path = cache / f"digits-mlp-{depth}x{width}-pretrained-0to4-e{PRETRAIN_EPOCHS}.pt"
+    if path.exists():
+        return torch.load(path)
+    torch.manual_seed(1)
+    model = MLP(depth, width)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    xs, ys, _, _ = digits_of(PRETRAIN, seed=1)
+    for epoch in range(PRETRAIN_EPOCHS):
+        order = torch.randperm(len(xs), generator=torch.Generator().manual_seed(epoch))
+        for s in range(0, len(xs) - 49, 50):
+            idx = order[s:s + 50]
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(xs[idx]), ys[idx]).backward()
+            opt.step()
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    torch.save(model.state_dict(), tmp)
+    tmp.replace(path)  # whole or not at all, if two runs make it at once
+    return model.state_dict()
+
+
+def with_new_head(model: MLP, body: dict[str, torch.Tensor]) -> None:
+    """Load the pretrained body into `model`, keeping `model`'s own (fresh) head."""
+    head = len(model.layers) - 1
+    own = model.state_dict()
+    model.load_state_dict({k: (own[k] if k.startswith(f"layers.{head}.") else v)
+                           for k, v in body.items()})
+
+
 def progress(epoch: int, epochs: int, step: int, steps: int, loss: float) -> None:
     done = int(30 * step / steps)
     print(f"\repoch {epoch + 1:>3}/{epochs} [{'#' * done}{'.' * (30 - done)}] "
@@ -89,6 +148,9 @@ def main() -> int:
                     help="plan from measured op times instead of parameter counts, kept "
                          "in PATH: measured on the first run, read on later ones (so that "
                          "runs to compare plan alike)")
+    ap.add_argument("--finetune", action="store_true",
+                    help="fine-tune a body pretrained on the digits 0-4 (cached) with a new "
+                         "head on the digits 5-9")
     ap.add_argument("--plot", default="pipeline_digits.png", help="rank 0 writes it here")
     ap.add_argument("--partitioner", default="graph", choices=["graph", "sequential"])
     ap.add_argument("--history", default=None, help="rank 0 writes per-epoch JSON here "
@@ -97,8 +159,14 @@ def main() -> int:
     torch.set_num_threads(1)
     torch.manual_seed(0)  # the same initial model on every rank
     model = MLP(args.depth, args.width)
-    reference = copy.deepcopy(model)  # rank 0 evaluates the gathered weights in it
     xs, ys, xt, yt = digits()
+    if args.finetune:
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            pretrained_body(args.depth, args.width)  # made once, before the others read it
+        MPI.COMM_WORLD.Barrier()
+        with_new_head(model, pretrained_body(args.depth, args.width))
+        xs, ys, xt, yt = digits_of(FINETUNE)
+    reference = copy.deepcopy(model)  # rank 0 evaluates the gathered weights in it
     costs = None
     if args.profile and MPI.COMM_WORLD.Get_rank() == 0:  # only rank 0 plans
         saved = Path(args.profile)
@@ -163,12 +231,13 @@ def main() -> int:
         if args.history:
             with open(args.history, "w") as f:
                 json.dump(rows, f)
-        plot(history, args.plot)
+        plot(history, args.plot, "MLP fine-tuned on digits 5-9, graph pipeline"
+             if args.finetune else "MLP on digits, graph pipeline")
         print(f"final test accuracy {history[-1][1]:.3f}; plot: {args.plot}", flush=True)
     return 0
 
 
-def plot(history: list[tuple[float, float]], path: str) -> None:
+def plot(history: list[tuple[float, float]], path: str, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -183,7 +252,7 @@ def plot(history: list[tuple[float, float]], path: str) -> None:
     acc.plot(epochs, [h[1] for h in history], color="tab:green", label="test accuracy")
     acc.set_ylabel("test accuracy", color="tab:green")
     acc.set_ylim(0, 1)
-    ax.set_title("MLP on digits, graph pipeline")
+    ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -108,3 +108,30 @@ def test_a_layer_handed_to_another_tracker_mid_interval_reports_the_same_change(
     for t in (new, stay):
         t.accumulate()
     assert new.changes() == stay.changes() == {"A": LayerChange(3.5, 1.5)}
+
+
+def test_tracker_norms_match_the_layer_norm_formula_with_missing_gradients():
+    """A layer's norm is the norm of all its tensors together; a tensor without a
+    gradient adds nothing, and a layer that never had one reports nothing."""
+    torch.manual_seed(0)
+    w, b, v = (torch.nn.Parameter(torch.zeros(s)) for s in ((4, 3), (4,), (5,)))
+    never = torch.nn.Parameter(torch.zeros(2))
+    tracker = GradientTracker({"A": [w, b], "B": [v], "C": [never]})
+    sums = {"A": 0.0, "B": 0.0}
+    means = []
+    for _ in range(2):
+        for step in range(3):
+            w.grad = torch.randn(4, 3)
+            b.grad = torch.randn(4) if step != 1 else None  # a step without b's gradient
+            v.grad = torch.randn(5)
+            sums["A"] += float(torch.cat([w.grad.flatten()] + ([b.grad] if b.grad is not None
+                                                                  else [])).norm())
+            sums["B"] += float(v.grad.norm())
+            tracker.accumulate()
+        means.append({k: s / 3 for k, s in sums.items()})
+        sums = {"A": 0.0, "B": 0.0}
+        got = tracker.changes()
+    assert set(got) == {"A", "B"}
+    for k in ("A", "B"):
+        assert got[k].prev_norm == pytest.approx(means[0][k], rel=1e-6)
+        assert got[k].diff_norm == pytest.approx(abs(means[1][k] - means[0][k]), rel=1e-5)

@@ -136,6 +136,66 @@ def test_the_digits_example_freezes_and_cuts_the_front_off(tmp_path, cluster):
     assert last["accuracy"] > 0.6, last
 
 
+def _digits_example():
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("pipeline_digits",
+                                                  "examples/pipeline_digits.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["pipeline_digits"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_pretrained_body_transfers_to_the_new_digits(tmp_path, monkeypatch):
+    """The fine-tuning workload's premise, in one process: the body pretrained on the
+    digits 0-4 (made here into an empty cache, then read from it) with a new head learns
+    the digits 5-9 faster than the same model from random weights."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    ex = _digits_example()
+    torch.set_num_threads(1)
+    body = ex.pretrained_body(6, 64)
+    assert len(list((tmp_path / "crossover").glob("digits-mlp-6x64-*.pt"))) == 1
+    again = ex.pretrained_body(6, 64)
+    assert all(torch.equal(body[k], again[k]) for k in body)
+    xs, ys, xt, yt = ex.digits_of(ex.FINETUNE)
+    assert set(ys.tolist()) == set(ex.FINETUNE) and len(xs) + len(xt) > 800
+
+    def accuracy_after_two_epochs(pretrained: bool) -> float:
+        torch.manual_seed(0)
+        model = ex.MLP(6, 64)
+        fresh_head = model.layers[-1].weight.detach().clone()
+        if pretrained:
+            ex.with_new_head(model, body)
+            assert torch.equal(model.layers[-1].weight, fresh_head)  # the head stays new
+            assert torch.equal(model.layers[0].weight, body["layers.0.weight"])
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        for epoch in range(2):
+            order = torch.randperm(len(xs), generator=torch.Generator().manual_seed(epoch))
+            for s in range(0, len(xs) - 49, 50):
+                idx = order[s:s + 50]
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(xs[idx]), ys[idx]).backward()
+                opt.step()
+        with torch.no_grad():
+            return float((model(xt).argmax(1) == yt).float().mean())
+
+    tuned, untrained = accuracy_after_two_epochs(True), accuracy_after_two_epochs(False)
+    assert tuned > untrained + 0.2, (tuned, untrained)
+
+
+def test_the_digits_example_fine_tunes(tmp_path, cluster):
+    proc = Proc(mpirun(2, PY, "examples/pipeline_digits.py", "--finetune", "--depth", "6",
+                       "--lr", "0.05", "--epochs", "3", "--plot", str(tmp_path / "f.png")),
+                dict(cluster.env, CROSSOVER_ENABLE="0", XDG_CACHE_HOME=str(tmp_path)),
+                tmp_path / "finetune.log")
+    cluster.procs.append(proc)
+    out = proc.wait(240)
+    assert float(out.split("final test accuracy ")[1].split(";")[0]) > 0.85, out[-2000:]
+    assert list((tmp_path / "crossover").glob("digits-mlp-6x256-pretrained-*.pt"))
+
+
 def test_a_planning_error_on_rank_0_reaches_every_rank(tmp_path, cluster):
     """Rank 0 plans; if it fails (here: inputs named unlike the model's forward), every
     rank raises the reason instead of waiting for a plan that never comes."""
