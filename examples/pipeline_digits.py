@@ -86,10 +86,15 @@ def digits_of(classes: tuple[int, ...], seed: int = 0
 def pretrained_body(depth: int, width: int) -> dict[str, torch.Tensor]:
     """The MLP's weights trained on the digits 0-4 (`PRETRAIN_EPOCHS` epochs of SGD, one
     process, seeded), from the cache or made and cached now."""
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "crossover"
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    cache = (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "crossover"
     path = cache / f"digits-mlp-{depth}x{width}-pretrained-0to4-e{PRETRAIN_EPOCHS}.pt"
-    if path.exists():
-        return torch.load(path)
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except FileNotFoundError:
+        pass
+    except Exception as exc:  # a damaged file (a crash while saving): made again
+        print(f"pretrained body {path} unreadable ({exc}); making it again", flush=True)
     torch.manual_seed(1)
     model = MLP(depth, width)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -101,10 +106,13 @@ def pretrained_body(depth: int, width: int) -> dict[str, torch.Tensor]:
             opt.zero_grad()
             nn.functional.cross_entropy(model(xs[idx]), ys[idx]).backward()
             opt.step()
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    torch.save(model.state_dict(), tmp)
-    tmp.replace(path)  # whole or not at all, if two runs make it at once
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        torch.save(model.state_dict(), tmp)
+        tmp.replace(path)  # whole or not at all, if two runs make it at once
+    except OSError as exc:  # a read-only cache: the body is made again next time
+        print(f"could not cache the pretrained body in {path}: {exc}", flush=True)
     return model.state_dict()
 
 
@@ -161,10 +169,18 @@ def main() -> int:
     model = MLP(args.depth, args.width)
     xs, ys, xt, yt = digits()
     if args.finetune:
+        # rank 0 makes (or reads) the body and hands it to every rank, so that a failure
+        # there reaches all of them instead of leaving them waiting
+        body, error = None, None
         if MPI.COMM_WORLD.Get_rank() == 0:
-            pretrained_body(args.depth, args.width)  # made once, before the others read it
-        MPI.COMM_WORLD.Barrier()
-        with_new_head(model, pretrained_body(args.depth, args.width))
+            try:
+                body = pretrained_body(args.depth, args.width)
+            except Exception as exc:
+                error = f"rank 0 could not make the pretrained body: {exc!r}"
+        body, error = MPI.COMM_WORLD.bcast((body, error), root=0)
+        if error:
+            sys.exit(error)
+        with_new_head(model, body)
         xs, ys, xt, yt = digits_of(FINETUNE)
     reference = copy.deepcopy(model)  # rank 0 evaluates the gathered weights in it
     costs = None

@@ -135,3 +135,28 @@ def test_tracker_norms_match_the_layer_norm_formula_with_missing_gradients():
     for k in ("A", "B"):
         assert got[k].prev_norm == pytest.approx(means[0][k], rel=1e-6)
         assert got[k].diff_norm == pytest.approx(abs(means[1][k] - means[0][k]), rel=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_tracker_norms_hold_in_every_gradient_dtype(dtype):
+    """A float16 norm beyond 65504 must not overflow to inf (then no change could ever
+    be measured), and float64 gradients keep their precision."""
+    a = torch.nn.Parameter(torch.zeros(10_000, dtype=dtype))
+    tracker = GradientTracker({"A": [a]})
+    for scale in (1000.0, 1000.0, 1500.0):  # norms 1e5, 1e5 | 1.5e5
+        a.grad = torch.full((10_000,), scale, dtype=dtype)
+        tracker.accumulate()
+        if scale == 1000.0 and tracker.steps == 2:
+            assert tracker.changes() == {}
+    got = tracker.changes()["A"]
+    assert got.prev_norm == pytest.approx(1e5, rel=1e-3)
+    assert got.relative == pytest.approx(0.5, rel=1e-2)
+
+
+def test_tracker_sums_stay_out_of_autograd():
+    a = torch.nn.Parameter(torch.ones(3))
+    (a * a).sum().backward(create_graph=True)  # a gradient that requires grad
+    tracker = GradientTracker({"A": [a]})
+    tracker.accumulate()
+    assert not tracker._pending.requires_grad
+    a.grad = None  # break the cycle create_graph makes

@@ -27,14 +27,33 @@ def test_spin_budget_table(local_ranks, cores, polls):
 
 
 def test_host_spin_budget_reads_the_launchers_local_size(monkeypatch):
-    monkeypatch.delenv("MPI_LOCALNRANKS", raising=False)
-    monkeypatch.setattr(waits.os, "cpu_count", lambda: 4)
+    for name in waits._LOCAL_SIZE_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(waits, "usable_cores", lambda: 4)
     monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "8")
     assert waits.host_spin_budget(2) == 0.0  # 8 ranks here, 4 cores
-    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "4")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", " 4\n")
     assert waits.host_spin_budget(64) == waits.SPIN_S  # 64 in all, 4 of them here
-    monkeypatch.delenv("OMPI_COMM_WORLD_LOCAL_SIZE")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "\u00b2")  # not a number: next one
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "6")
+    assert waits.host_spin_budget(2) == 0.0
+    for name in waits._LOCAL_SIZE_VARS:
+        monkeypatch.delenv(name, raising=False)
     assert waits.host_spin_budget(5) == 0.0  # unknown: every rank counted as local
+
+
+@pytest.mark.parametrize("files, quota", [
+    ({"cpu.max": "max 100000\n"}, None),
+    ({"cpu.max": "250000 100000\n"}, 2.5),
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+    ({"cpu/cpu.cfs_quota_us": "150000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 1.5),
+    ({}, None),
+])
+def test_a_containers_cpu_quota_caps_the_cores(tmp_path, files, quota):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert waits._cgroup_quota(tmp_path) == quota
 
 
 def test_a_polled_wait_never_sleeps(monkeypatch):

@@ -123,8 +123,9 @@ class GradientTracker:
         self._pending: torch.Tensor | None = None
         self._layers: list[str] = []
         self._seen: set[int] = set()  # layers of `_layers` that had a gradient
-        self._index: tuple[tuple[int, ...], torch.Tensor] | None = None
+        self._index: tuple[tuple[tuple[int, ...], torch.device], torch.Tensor] | None = None
 
+    @torch.no_grad()  # gradients made with create_graph must not tie the sums to a graph
     def accumulate(self) -> None:
         """After a step's backward: add each layer's current gradient norm."""
         self._steps += 1
@@ -137,16 +138,22 @@ class GradientTracker:
         if not grads:
             return
         layers = list(self.params)
-        if layers != self._layers:
+        device = grads[0].device
+        if layers != self._layers or (self._pending is not None
+                                      and self._pending.device != device):
             self._read_back()
             self._layers = layers
-        key = tuple(owners)
+        key = (tuple(owners), device)
         if self._index is None or self._index[0] != key:
-            self._index = (key, torch.tensor(owners, device=grads[0].device))
-        # few calls, whatever the layer count: every tensor's norm in one, then a layer's
-        # norm from its tensors' squares (float32 holds the relative change it feeds)
-        norms = torch.stack(torch._foreach_norm(grads)).float()
-        per_layer = torch.zeros(len(layers), device=norms.device)
+            self._index = (key, torch.tensor(owners, device=device))
+        # few calls, whatever the layer count: every tensor's norm in one (at least in
+        # float32, which float16 gradients would overflow), then a layer's norm from its
+        # tensors' squares; float32 holds the relative change this feeds
+        dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) \
+            else torch.float32
+        norms = torch.stack([n.to(device) for n in
+                             torch._foreach_norm(grads, 2, dtype=dtype)])
+        per_layer = torch.zeros(len(layers), dtype=dtype, device=device)
         per_layer.index_add_(0, self._index[1], norms * norms).sqrt_()
         if self._pending is None:
             self._pending = per_layer

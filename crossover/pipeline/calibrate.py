@@ -38,7 +38,7 @@ from crossover.pipeline.plan import Stage, make_plan
 from crossover.pipeline.profile import Link, Runtime, profile
 from crossover.pipeline.runner import StageRunner, output_shapes
 from crossover.pipeline.schedule import schedule_for
-from crossover.pipeline.waits import SPIN_S, spin_budget, wait_requests
+from crossover.pipeline.waits import SPIN_S, wait_requests
 
 SMALL, LARGE = 64, 1 << 20  # bytes of the two ping-pong sizes
 REPS, WARMUP = 41, 5
@@ -57,7 +57,7 @@ def message_costs(comm: Any, timeout: float = 30.0) -> dict[str, float]:
     peer = 1 - rank
     small = torch.zeros(SMALL // 4)
     large = torch.zeros(LARGE // 4)
-    spin = spin_budget(comm.Get_size(), os.cpu_count() or 1)
+    spin = SPIN_S  # as a runner's waits with a core each (`sleep_wake_s` is the rest)
 
     def post_send() -> float:
         comm.Barrier()
@@ -99,7 +99,8 @@ def message_costs(comm: Any, timeout: float = 30.0) -> dict[str, float]:
         return comm.bcast((time.perf_counter() - t0) / 2, root=0)
 
     def late_delivery(spin_s: float) -> float:
-        # rank 1 waits from before rank 0 sends; both read the host's monotonic clock
+        # rank 1 waits from before rank 0 sends; both read one host's monotonic clock
+        # (the two calibration ranks are launched on one host)
         comm.Barrier()
         if rank == 0:
             time.sleep(LATE)

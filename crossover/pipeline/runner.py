@@ -336,7 +336,7 @@ class StageRunner:
                               f"{self._who()}: the gradient allreduce of {len(grads)} "
                               f"parameters with its replicas on ranks "
                               f"{self.plan.devices_of(self.s)}", self.spin_s)
-            except TimeoutError:
+            except BaseException:  # a timeout, an interrupt, an MPI error while polling
                 abandon(req, flat)  # a collective cannot be cancelled: keep its memory
                 raise
             at = 0

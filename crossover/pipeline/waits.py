@@ -1,10 +1,10 @@
 """How ranks wait on each other without hanging: MPI requests polled with a deadline,
 cancelled when a wait fails, and decisions every rank reaches together.
 
-Every wait in the stage runner and in stage migration goes through `wait_requests`:
-polled, first back to back (yielding the core between polls) where every rank of the
-host has a core of its own, then with `crossover.backoff.Backoff` pauses; no wait is
-unbounded, and a timeout names what was waited for.
+Every wait in the stage runner and in stage migration goes through `wait_requests`,
+polled with `crossover.backoff.Backoff` pauses; no wait is unbounded, and a timeout
+names what was waited for. The runner's own waits first poll back to back (yielding
+the core between polls) where every rank of the host has a core of its own.
 
 A wait that fails must not leave requests behind: a receive still posted would write a
 late message into memory Python has freed, and a communicator freed under it strands it.
@@ -23,6 +23,7 @@ import os
 import pickle
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -57,12 +58,48 @@ def spin_budget(local_ranks: int, cores: int) -> float:
     return SPIN_S if 0 < local_ranks <= cores else 0.0
 
 
+# where launchers tell a process how many ranks share its host: Open MPI, MPICH and
+# Intel MPI, MVAPICH2, torchrun
+_LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
+                    "MV2_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE")
+
+
 def host_spin_budget(world_size: int) -> float:
-    """`spin_budget` for this process: its host's ranks as the MPI launcher tells them
-    (Open MPI, MPICH), else all `world_size` ranks, against the host's cores."""
-    local = (os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")
-             or os.environ.get("MPI_LOCALNRANKS") or "")
-    return spin_budget(int(local) if local.isdigit() else world_size, os.cpu_count() or 1)
+    """`spin_budget` for this process: its host's ranks as the launcher tells them (else
+    all `world_size` ranks) against the CPUs it may run on (`usable_cores`)."""
+    local = world_size
+    for name in _LOCAL_SIZE_VARS:
+        try:
+            local = int(os.environ.get(name, "").strip())
+            break
+        except ValueError:
+            continue
+    return spin_budget(local, usable_cores())
+
+
+def usable_cores() -> int:
+    """CPUs this process may run on: its affinity set, capped by a cgroup CPU quota (a
+    container's `--cpus`), where polling would spend the quota its peers compute with.
+    A rank pinned to one core counts one core: whether its peers share it is unknown,
+    so its waits sleep."""
+    cores = len(os.sched_getaffinity(0))
+    quota = _cgroup_quota()
+    return min(cores, max(1, int(quota))) if quota else cores
+
+
+def _cgroup_quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """The cgroup's CPU quota in CPUs (cgroup v2 `cpu.max`, else v1), None when unset."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()  # "max 100000": none
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota_us = int((root / "cpu" / "cpu.cfs_quota_us").read_text())  # -1: none
+        period_us = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        return quota_us / period_us if quota_us > 0 and period_us > 0 else None
+    except (OSError, ValueError):
+        return None
 
 
 def wait_requests(requests: Sequence[Any], timeout: float, what: str,
