@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 
 import torch
-from mpi4py import MPI
 from torch import nn
 
 from crossover.pipeline.graph import Graph
@@ -131,6 +130,10 @@ def progress(epoch: int, epochs: int, step: int, steps: int, loss: float) -> Non
 
 
 def main() -> int:
+    # imported here: importing the module for its data and model (as the tests do) must
+    # not initialise MPI in that process (an mpirun it starts later would then fail)
+    from mpi4py import MPI
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--epochs", type=int, default=20)
     ap.add_argument("--batch", type=int, default=50)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -138,7 +139,6 @@ def test_the_digits_example_freezes_and_cuts_the_front_off(tmp_path, cluster):
 
 def _digits_example():
     import importlib.util
-    import sys
 
     spec = importlib.util.spec_from_file_location("pipeline_digits",
                                                   "examples/pipeline_digits.py")
@@ -154,6 +154,8 @@ def test_the_pretrained_body_transfers_to_the_new_digits(tmp_path, monkeypatch):
     the digits 5-9 faster than the same model from random weights."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     ex = _digits_example()
+    # MPI initialised in this process would make every later mpirun of the suite fail
+    assert "mpi4py.MPI" not in sys.modules
     torch.set_num_threads(1)
     body = ex.pretrained_body(6, 64)
     assert len(list((tmp_path / "crossover").glob("digits-mlp-6x64-*.pt"))) == 1
