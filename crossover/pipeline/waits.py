@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from crossover.backoff import Backoff, wait_until
+from crossover.client.info import RankInfo
 
 # Requests MPI could not cancel or complete, with their buffers: never collected, so
 # MPI never writes into or reads from freed memory. Only failed waits add to it.
@@ -58,22 +59,12 @@ def spin_budget(local_ranks: int, cores: int) -> float:
     return SPIN_S if 0 < local_ranks <= cores else 0.0
 
 
-# where launchers tell a process how many ranks share its host: Open MPI, MPICH and
-# Intel MPI, MVAPICH2, torchrun
-_LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
-                    "MV2_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE")
-
-
 def host_spin_budget(world_size: int) -> float:
-    """`spin_budget` for this process: its host's ranks as the launcher tells them (else
-    all `world_size` ranks) against the CPUs it may run on (`usable_cores`)."""
-    local = world_size
-    for name in _LOCAL_SIZE_VARS:
-        try:
-            local = int(os.environ.get(name, "").strip())
-            break
-        except ValueError:
-            continue
+    """`spin_budget` for this process: its host's ranks as its launcher tells them
+    (`RankInfo`; else all `world_size` ranks) against the CPUs it may run on
+    (`usable_cores`)."""
+    info = RankInfo.from_env()
+    local = info.local_size if info.size > 1 else world_size
     return spin_budget(local, usable_cores())
 
 
