@@ -391,7 +391,16 @@ def main() -> None:
                          "timing or torch pipelining peer (for a short run on a bigger "
                          "machine)")
     args = ap.parse_args()
-    real_ranks = [int(r) for r in args.real_ranks.split(",") if r]
+    unknown = [m for m in args.models.split(",") if m not in MODELS]
+    if unknown:
+        ap.error(f"--models: unknown {unknown}; use some of {sorted(MODELS)}")
+    try:
+        real_ranks = [int(r) for r in args.real_ranks.split(",") if r]
+    except ValueError:
+        real_ranks = []
+    if any(r < 2 for r in real_ranks) or (args.real_ranks and not real_ranks):
+        ap.error(f"--real-ranks {args.real_ranks!r}: give rank counts of 2 or more, "
+                 f"comma-separated, e.g. 2,4")
     torch.set_num_threads(1)
     repeats, iters, profiles = (3, 3, 1) if args.quick else (7, 5, 3)
     cal = calibration(Path(args.calibration), args.recalibrate)
