@@ -82,9 +82,11 @@ def prefix(framework: str) -> str:
 
 def jobs(names: list[str], framework: str, env: dict[str, str], logs: Path, steps: int,
          extra: list[str] | None = None, first_seed: int = 1) -> list[dict]:
-    """Run the named jobs at once (seeds first_seed, first_seed + 1, ...)."""
+    """Run the named jobs at once (seeds first_seed, first_seed + 1, ...); jobs launched
+    together start their loops at one barrier, so a makespan holds no launch skew."""
     return run_jobs(launch, names, [*WORKLOAD, "--framework", framework, *(extra or [])],
-                    steps, env, logs, timeout_s=600.0, job_env=JOB_ENV, first_seed=first_seed)
+                    steps, env, logs, timeout_s=600.0, job_env=JOB_ENV, first_seed=first_seed,
+                    start_together=len(names) > 1)
 
 
 def measure(daemon: DaemonProcess, framework: str, reps: int, steps: int, tmp: Path) -> dict:
@@ -107,6 +109,12 @@ def measure(daemon: DaemonProcess, framework: str, reps: int, steps: int, tmp: P
               f"{arms['solo_b'][-1]['seconds']:.2f} s, plain together "
               f"{makespan(arms['plain_together'][-1]):.2f} s, crossover "
               f"{makespan(arms['crossover'][-1]):.2f} s", flush=True)
+    return summarize(arms, framework, traces, tmp)
+
+
+def summarize(arms: dict[str, list], framework: str, traces: Path, tmp: Path) -> dict:
+    """Medians, slowdowns and weight equality of the arms' job results (each job's JSON
+    line); the Gantt chart of the crossover run traced into `traces`."""
     med = statistics.median
     solos = [med(r["seconds"] for r in arms[a]) for a in ("solo_a", "solo_b")]
     sequential = med(a["seconds"] + b["seconds"] for a, b in zip(arms["solo_a"],
@@ -183,6 +191,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--check-steps", type=int, default=300)
     parser.add_argument("--skip-sharing", action="store_true", help="the release check only")
+    parser.add_argument("--skip-release", action="store_true", help="the sharing arms only")
     parser.add_argument("--work", type=Path, default=None,
                         help="keep logs, traces and profiles in this new directory "
                              "(default: a temporary one, removed)")
@@ -208,21 +217,23 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="crossover-gpu-") as tmp_s:
         tmp = args.work or Path(tmp_s)
         (tmp / "logs").mkdir(parents=True)
-        # Always antiphase for the release check: a release at every step, the most
-        # releases to check (auto may serve the jobs concurrently, releasing nothing).
-        with DaemonProcess(tmp / "run-check", policy="crossover",
-                           log=tmp / "daemon-check.log") as daemon:
-            check = release_check(daemon, args.framework, args.check_steps, tmp)
-        write_result(f"gpu/{prefix(args.framework)}release", {**versions, "setup": {
-            **setup, "policy": "crossover (always antiphase)", "steps": args.check_steps},
-            **check})
+        if not args.skip_release:
+            # Always antiphase for the release check: a release at every step, the most
+            # releases to check (auto may serve the jobs concurrently, releasing nothing).
+            with DaemonProcess(tmp / "run-check", policy="crossover",
+                               log=tmp / "daemon-check.log") as daemon:
+                check = release_check(daemon, args.framework, args.check_steps, tmp)
+            write_result(f"gpu/{prefix(args.framework)}release", {**versions, "setup": {
+                **setup, "policy": "crossover (always antiphase)", "steps": args.check_steps},
+                **check})
         if not args.skip_sharing:
             with DaemonProcess(tmp / "run", log=tmp / "daemon.log") as daemon:
                 shared = measure(daemon, args.framework, args.reps, args.steps,
                                  tmp / "sharing")
             write_result(f"gpu/{prefix(args.framework)}sharing", {**versions, "setup": {
                 **setup, "policy": "the daemon's default (auto)", "steps": args.steps,
-                "reps": args.reps}, **shared, "wall_s": time.monotonic() - started})
+                "reps": args.reps, "start_together": True}, **shared,
+                "wall_s": time.monotonic() - started})
             print(f"sequential {shared['sequential_s']:.2f} s, plain together "
                   f"{shared['plain_together_s']:.2f} s, crossover "
                   f"{shared['crossover_s']:.2f} s: {shared['crossover_vs_sequential']:.2f}x "
