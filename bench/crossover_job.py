@@ -216,6 +216,9 @@ def main() -> None:
                              "to DIR/<job>.rank<r>.json, phase changes marked "
                              "(bench/gpu_release.py checks them against the holds)")
     add_start_barrier_flags(parser)
+    parser.add_argument("--step-times", action="store_true",
+                        help="add each step's end (wall-clock seconds) to the JSON line "
+                             "(`step_ends`): the step rate in any window")
     parser.add_argument("--skip-device-sync", action="store_true",
                         help="the negative control of that check: release the slot "
                              "without waiting for the GPU to finish")
@@ -271,10 +274,13 @@ def main() -> None:
         profiler.start()
     start_wall, start = time.time(), time.perf_counter()
     cpu0, main0 = time.process_time(), time.thread_time()
+    step_ends = []
     for step in range(args.steps):
         step_compute, step_comm = trainer.step(*batches[step % len(batches)], sync)
         compute += step_compute
         comm += step_comm
+        if args.step_times:
+            step_ends.append(time.time())
     elapsed = time.perf_counter() - start
     cpu, main_cpu = time.process_time() - cpu0, time.thread_time() - main0
     end_wall = start_wall + elapsed
@@ -297,6 +303,7 @@ def main() -> None:
             "compute_s": compute, "comm_s": comm, "cpu_s": cpu,
             "main_thread_cpu_s": main_cpu, "loss": trainer.last_loss,
             "device": str(device), "weights_sha256": weights.hexdigest(),
+            **({"step_ends": step_ends} if args.step_times else {}),
         }), flush=True)
     if args.framework == "ddp":
         dist.barrier()  # no rank tears its process group down while a peer still uses it

@@ -183,10 +183,14 @@ def overlaps(events: Iterable[dict]) -> list[tuple[str, tuple, tuple]]:
     return found
 
 
-def plot_gantt(events: Iterable[dict], png: str | os.PathLike, title: str = "") -> None:
+def plot_gantt(events: Iterable[dict], png: str | os.PathLike, title: str = "",
+               marks: Iterable[tuple[str, float]] = ()) -> None:
     """Draw slot holds per device (one lane each, split into a strip per job so that
     concurrent holds show side by side instead of one painted over the other), coloured
-    by job, and the mode switches the ranks recorded, to a PNG."""
+    by job, and the mode switches the ranks recorded, to a PNG.
+
+    `marks`: (label, wall-clock seconds) of other moments to show (a pipeline's cut,
+    say), as solid lines."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -222,7 +226,12 @@ def plot_gantt(events: Iterable[dict], png: str | os.PathLike, title: str = "") 
             ax.text(x, len(by_dev) - 0.38, ev["name"].removeprefix("mode "), fontsize=7,
                     va="bottom", ha="left", color="dimgrey")
             labelled = x
-    ax.set_ylim(-0.5, len(by_dev) - 0.5 + (0.3 if seen else 0.0))
+    marks = list(marks)
+    for label, at_s in marks:
+        x = (at_s * 1e6 - t0) / 1e3
+        ax.axvline(x, color="black", lw=1.2)
+        ax.text(x, len(by_dev) - 0.38, f" {label}", fontsize=7, va="bottom", ha="left")
+    ax.set_ylim(-0.5, len(by_dev) - 0.5 + (0.3 if seen or marks else 0.0))
     ax.set_yticks(range(len(by_dev)), list(by_dev))
     ax.set_xlabel("time (ms)")
     ax.set_title(title or "device slot holds")

@@ -33,6 +33,7 @@ from torch import nn
 from crossover.pipeline.graph import Graph
 from crossover.pipeline.profile import profile
 from crossover.pipeline.train import PipelineTrainer
+from crossover.testing import add_start_barrier_flags, start_barrier
 
 
 class MLP(nn.Module):
@@ -166,6 +167,7 @@ def main() -> int:
     ap.add_argument("--partitioner", default="graph", choices=["graph", "sequential"])
     ap.add_argument("--history", default=None, help="rank 0 writes per-epoch JSON here "
                     "(seconds of training so far, loss, test accuracy, frozen layers)")
+    add_start_barrier_flags(ap)
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)  # the same initial model on every rank
@@ -208,28 +210,33 @@ def main() -> int:
     if rank == 0:
         print(trainer.plan.describe(), flush=True)
     steps = len(xs) // args.batch
+    start_barrier(args.start_barrier, args.start_jobs, rank, trainer.comm.Get_size())
     history, rows, trained_s, shown = [], [], 0.0, 0
     spare_s = 0.0  # device-seconds of ranks the plan left out (free for other jobs)
     for epoch in range(args.epochs):
         trainer.comm.Barrier()
-        started = time.perf_counter()
+        started, wall_start = time.perf_counter(), time.time()
+        cut_walls = []  # when this epoch's re-partitions took effect (wall clock)
         order = torch.randperm(len(xs), generator=torch.Generator().manual_seed(epoch))
         total = 0.0
         for s in range(steps):
             idx = order[s * args.batch:(s + 1) * args.batch]
             spare = trainer.comm.Get_size() - trainer.plan.devices
-            step_started = time.perf_counter()
+            step_started, parts_before = time.perf_counter(), len(trainer.repartitions)
             # a whole step (the trainer zeroes and steps its optimizer); which data this
             # rank needs can change when the trainer re-partitions
             loss = trainer.step({"pixels": xs[idx]} if trainer.needs_inputs else None,
                                 ys[idx] if trainer.needs_target else None, index=idx)
             total += loss
             spare_s += spare * (time.perf_counter() - step_started)
+            if len(trainer.repartitions) > parts_before:
+                cut_walls.append(time.time())
             if rank == 0:
                 progress(epoch, args.epochs, s + 1, steps, total / (s + 1))
         trainer.release_device()  # evaluation follows: the device's other jobs go on
         trainer.comm.Barrier()
         trained_s += time.perf_counter() - started  # evaluation is not training time
+        wall_end = time.time()
         state = trainer.state_dict()  # collective
         if rank == 0:
             reference.load_state_dict(state)
@@ -240,7 +247,9 @@ def main() -> int:
             rows.append({"epoch": epoch + 1, "seconds": trained_s, "loss": total / steps,
                          "accuracy": acc, "frozen": frozen,
                          "repartitions": len(trainer.repartitions),
-                         "devices": trainer.plan.devices, "spare_device_s": spare_s})
+                         "devices": trainer.plan.devices, "spare_device_s": spare_s,
+                         "wall_start": wall_start, "wall_end": wall_end,
+                         "repartition_walls": cut_walls})
             print(f"  test accuracy {acc:.3f}" + (f"; frozen: {', '.join(frozen)}"
                                                   if frozen else ""), flush=True)
             for step, plan in trainer.repartitions[shown:]:

@@ -165,3 +165,27 @@ def test_start_barrier_waits_for_every_rank_of_every_job(tmp_path: Path) -> None
     with pytest.raises(RuntimeError, match="not all ranks of 3 jobs"):
         start_barrier(tmp_path, 3, 1, 2, job="job.B", timeout_s=0.05)
     start_barrier(None, 3, 0, 2)  # no barrier: nothing to wait for
+
+
+@pytest.mark.parametrize("ends, start, end, expected", [
+    ([0.0, 1.0, 2.0, 3.0, 4.0], 0.5, 3.5, 1.0),  # steps 1..3: 2 intervals in 2 s
+    ([0.0, 0.5, 1.0, 1.5, 2.0, 10.0], 0.0, 2.0, 2.0),  # the step after the window is out
+    ([0.0, 1.0, 2.0], 0.5, 2.5, None),  # two steps: no rate
+    ([], 0.0, 1.0, None),
+])
+def test_neighbour_rate_counts_the_steps_that_ended_in_the_window(
+        ends: list[float], start: float, end: float, expected: float | None) -> None:
+    from freeze_neighbour import rate
+
+    assert rate(ends, start, end) == expected
+
+
+def test_neighbour_windows_run_from_the_first_cut_to_the_last() -> None:
+    from freeze_neighbour import windows
+
+    rows = [{"wall_start": 10.0, "wall_end": 11.0, "repartition_walls": []},
+            {"wall_start": 11.5, "wall_end": 12.5, "repartition_walls": [12.0]},
+            {"wall_start": 13.0, "wall_end": 14.0, "repartition_walls": [13.2, 13.4]}]
+    assert windows(rows) == (10.0, 12.0, 13.4, 14.0)
+    with pytest.raises(RuntimeError, match="never re-partitioned.*--freeze-threshold"):
+        windows([{**r, "repartition_walls": []} for r in rows])

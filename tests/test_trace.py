@@ -115,3 +115,18 @@ def test_merge_with_a_real_horovod_timeline_and_plot(tmp_path):
     subprocess.run([PY, "-m", "crossover", "trace", "plot", str(out), "-o", str(png)],
                    check=True, timeout=120, cwd=REPO)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_gantt_chart_draws_marks_at_their_wall_clock_time(tmp_path, monkeypatch):
+    rec = TraceRecorder("jobA", 0, tmp_path / "a.json")
+    rec.span("hold", 100.0, 101.0, device="vm/cpu0")
+    rec.span("hold", 102.0, 103.0, device="vm/cpu0")
+    drawn = []
+    import matplotlib.axes
+
+    original = matplotlib.axes.Axes.axvline
+    monkeypatch.setattr(matplotlib.axes.Axes, "axvline",
+                        lambda ax, x, **kw: drawn.append(x) or original(ax, x, **kw))
+    trace.plot_gantt(rec.events, tmp_path / "g.png", marks=[("cut", 101.5)])
+    assert drawn == [1500.0]  # ms after the first hold began
+    assert (tmp_path / "g.png").read_bytes()[:4] == b"\x89PNG"
