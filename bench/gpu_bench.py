@@ -190,8 +190,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--check-steps", type=int, default=300)
-    parser.add_argument("--skip-sharing", action="store_true", help="the release check only")
-    parser.add_argument("--skip-release", action="store_true", help="the sharing arms only")
+    skip = parser.add_mutually_exclusive_group()
+    skip.add_argument("--skip-sharing", action="store_true", help="the release check only")
+    skip.add_argument("--skip-release", action="store_true", help="the sharing arms only")
     parser.add_argument("--work", type=Path, default=None,
                         help="keep logs, traces and profiles in this new directory "
                              "(default: a temporary one, removed)")
@@ -224,7 +225,8 @@ def main() -> None:
                                log=tmp / "daemon-check.log") as daemon:
                 check = release_check(daemon, args.framework, args.check_steps, tmp)
             write_result(f"gpu/{prefix(args.framework)}release", {**versions, "setup": {
-                **setup, "policy": "crossover (always antiphase)", "steps": args.check_steps},
+                **setup, "policy": "crossover (always antiphase)", "steps": args.check_steps,
+                "start_together": True},
                 **check})
         if not args.skip_sharing:
             with DaemonProcess(tmp / "run", log=tmp / "daemon.log") as daemon:

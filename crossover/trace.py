@@ -227,10 +227,12 @@ def plot_gantt(events: Iterable[dict], png: str | os.PathLike, title: str = "",
                     va="bottom", ha="left", color="dimgrey")
             labelled = x
     marks = list(marks)
-    for label, at_s in marks:
+    for label, at_s in sorted(marks, key=lambda m: m[1]):
         x = (at_s * 1e6 - t0) / 1e3
         ax.axvline(x, color="black", lw=1.2)
-        ax.text(x, len(by_dev) - 0.38, f" {label}", fontsize=7, va="bottom", ha="left")
+        if x - labelled >= 0.08 * span_ms:  # as for the switches: no overprinting
+            ax.text(x, len(by_dev) - 0.38, f" {label}", fontsize=7, va="bottom", ha="left")
+            labelled = x
     ax.set_ylim(-0.5, len(by_dev) - 0.5 + (0.3 if seen or marks else 0.0))
     ax.set_yticks(range(len(by_dev)), list(by_dev))
     ax.set_xlabel("time (ms)")

@@ -189,3 +189,35 @@ def test_neighbour_windows_run_from_the_first_cut_to_the_last() -> None:
     assert windows(rows) == (10.0, 12.0, 13.4, 14.0)
     with pytest.raises(RuntimeError, match="never re-partitioned.*--freeze-threshold"):
         windows([{**r, "repartition_walls": []} for r in rows])
+
+
+def _steps(start: float, stop: float, per_s: float) -> list[float]:
+    return [start + i / per_s for i in range(1, int((stop - start) * per_s) + 1)]
+
+
+def test_the_neighbour_is_compared_over_the_same_offsets_beside_the_control() -> None:
+    from freeze_neighbour import PipelineRun, compare
+
+    # freeze arm: trains 0-4 s, cuts at 1 s and 1.5 s, exits at 5 s; the neighbour runs
+    # 10 steps/s until the last cut, 20 after it, 40 once the pipeline has exited
+    rows = [{"wall_start": 0.0, "wall_end": 2.0, "repartition_walls": [1.0, 1.5],
+             "accuracy": 0.9, "frozen": ["a"], "devices": 1, "spare_device_s": 2.5},
+            {"wall_start": 2.0, "wall_end": 4.0, "repartition_walls": [],
+             "accuracy": 0.95, "frozen": ["a"], "devices": 1, "spare_device_s": 2.5}]
+    ends = _steps(0, 1.5, 10) + _steps(1.5, 5.0, 20) + _steps(5.0, 14.0, 40)
+    # control: trains 100-112 s at a steady 10 steps/s beside the neighbour
+    ctl_rows = [{"wall_start": 100.0, "wall_end": 112.0, "repartition_walls": [],
+                 "accuracy": 0.97}]
+    r = compare(PipelineRun(rows, 5.0, ends), PipelineRun(ctl_rows, 113.0,
+                                                          _steps(100, 113, 10)))
+    assert r["before"] == pytest.approx(10) and r["after"] == pytest.approx(20)
+    assert r["alone"] == pytest.approx(40)
+    assert r["control_before"] == pytest.approx(10) and r["control_after"] == pytest.approx(10)
+    assert r["control_span"] == pytest.approx(10)
+    # over 12 s: 15 + 70 + 280 steps against 120 beside the control
+    assert 25 < r["over_control_span"] < 35
+    assert (r["cut_after_s"], r["after_window_s"], r["pipeline_s"],
+            r["control_pipeline_s"]) == (1.0, 2.5, 4.0, 12.0)
+    with pytest.raises(RuntimeError, match="raise --neighbour-steps"):
+        compare(PipelineRun(rows, 5.0, ends[:-100]), PipelineRun(ctl_rows, 113.0,
+                                                                 _steps(100, 113, 10)))
