@@ -78,13 +78,19 @@ def arm_flags(workload: str, arm: str) -> list[str]:
     return model + [f for a in ARMS[arm] for f in (freeze if a == "FREEZE" else [a])]
 
 
+def example_cmd(flags: list[str], epochs: int, tmp: Path, name: str, history: Path
+                ) -> list[str]:
+    """examples/pipeline_digits.py on 2 ranks, its plot in `tmp`, its epochs' rows to
+    `history`; op times measured by the first run in `tmp` and read by the others, so
+    every arm starts from the same plan."""
+    return mpirun(2, sys.executable, str(REPO / "examples/pipeline_digits.py"), "--epochs",
+                  str(epochs), "--plot", str(tmp / f"{name}.png"), "--history", str(history),
+                  "--profile", str(tmp / "costs.pkl"), *flags)
+
+
 def run(workload: str, arm: str, epochs: int, tmp: Path, rep: int) -> list[dict]:
     history = tmp / f"{arm}.{rep}.json"
-    cmd = mpirun(2, sys.executable, str(REPO / "examples/pipeline_digits.py"), "--epochs",
-                 str(epochs), "--plot", str(tmp / f"{arm}.png"), "--history", str(history),
-                 # op times measured by the first run, read by the others: every arm
-                 # starts from the same plan
-                 "--profile", str(tmp / "costs.pkl"), *arm_flags(workload, arm))
+    cmd = example_cmd(arm_flags(workload, arm), epochs, tmp, arm, history)
     res = subprocess.run(cmd, env={**os.environ, **mpi_env(),
                                    "CROSSOVER_ENABLE": "0"},
                          capture_output=True, text=True, timeout=600, cwd=REPO)

@@ -39,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, write_result  # noqa: E402
-from freeze_bench import WORKLOADS, arm_flags  # noqa: E402
+from freeze_bench import WORKLOADS, arm_flags, example_cmd  # noqa: E402
 from jobs import JOB, ONE_HOST_ENV  # noqa: E402
 
 from crossover import trace  # noqa: E402
@@ -127,11 +127,9 @@ def run_pair(arm: str, flags: list[str], epochs: int, steps: int, daemon: Daemon
     barrier = ["--start-barrier", str(tmp / f"start-{name}"), "--start-jobs", "2"]
     env = {"CROSSOVER_RUNTIME_DIR": str(daemon.runtime_dir),
            "CROSSOVER_TRACE": str(tmp / f"trace-{name}"), "PYTHONPATH": str(REPO)}
-    pipeline = Job(f"pipeline-{name}", mpirun(
-        2, sys.executable, str(REPO / "examples/pipeline_digits.py"), "--slots",
-        "--epochs", str(epochs), "--plot", str(tmp / f"{name}.png"), "--history",
-        str(history), "--profile", str(tmp / "costs.pkl"), *barrier, *flags),
-        {**ONE_HOST_ENV, **env, "CROSSOVER_JOB": "pipeline"})
+    pipeline = Job(f"pipeline-{name}",
+                   example_cmd(["--slots", *barrier, *flags], epochs, tmp, name, history),
+                   {**ONE_HOST_ENV, **env, "CROSSOVER_JOB": "pipeline"})
     neighbour = Job(f"neighbour-{name}", mpirun(2, sys.executable, str(JOB), *NEIGHBOUR,
                                                 "--steps", str(steps), *barrier),
                     {**ONE_HOST_ENV, **env, "CROSSOVER_JOB": "neighbour"})

@@ -226,14 +226,16 @@ def plot_gantt(events: Iterable[dict], png: str | os.PathLike, title: str = "",
             ax.text(x, len(by_dev) - 0.38, ev["name"].removeprefix("mode "), fontsize=7,
                     va="bottom", ha="left", color="dimgrey")
             labelled = x
-    marks = list(marks)
-    for label, at_s in sorted(marks, key=lambda m: m[1]):
+    # Marks: a row of labels above the switches', spaced the same way.
+    marks = sorted(marks, key=lambda m: m[1])
+    labelled = -span_ms
+    for label, at_s in marks:
         x = (at_s * 1e6 - t0) / 1e3
         ax.axvline(x, color="black", lw=1.2)
-        if x - labelled >= 0.08 * span_ms:  # as for the switches: no overprinting
-            ax.text(x, len(by_dev) - 0.38, f" {label}", fontsize=7, va="bottom", ha="left")
+        if x - labelled >= 0.04 * span_ms:
+            ax.text(x, len(by_dev) - 0.12, f" {label}", fontsize=7, va="bottom", ha="left")
             labelled = x
-    ax.set_ylim(-0.5, len(by_dev) - 0.5 + (0.3 if seen or marks else 0.0))
+    ax.set_ylim(-0.5, len(by_dev) - 0.5 + (0.6 if marks else 0.3 if seen else 0.0))
     ax.set_yticks(range(len(by_dev)), list(by_dev))
     ax.set_xlabel("time (ms)")
     ax.set_title(title or "device slot holds")

@@ -179,14 +179,8 @@ def test_the_pretrained_body_transfers_to_the_new_digits(tmp_path, monkeypatch):
             assert torch.equal(model.layers[0].weight, body["layers.0.weight"])
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         for epoch in range(2):
-            order = torch.randperm(len(xs), generator=torch.Generator().manual_seed(epoch))
-            for s in range(0, len(xs) - 49, 50):
-                idx = order[s:s + 50]
-                opt.zero_grad()
-                torch.nn.functional.cross_entropy(model(xs[idx]), ys[idx]).backward()
-                opt.step()
-        with torch.no_grad():
-            return float((model(xt).argmax(1) == yt).float().mean())
+            ex.train_epoch(model, opt, xs, ys, seed=epoch)
+        return ex.accuracy(model, xt, yt)
 
     tuned, untrained = accuracy_after_two_epochs(True), accuracy_after_two_epochs(False)
     assert tuned > untrained + 0.2, (tuned, untrained)
