@@ -189,6 +189,9 @@ for model in (own, unused, scripts):
     model(torch.randn(3, 4)).sum().backward()
 print(json.dumps([[len(m._comm_hooks), m._crossover_hooks.counted is not None]
                   for m in (own, unused, scripts)]))
+# torch's gloo group left to exit-time destructors aborts the process now and then
+# ("terminate called without an active exception", 2 in 80 plain runs, no crossover)
+dist.destroy_process_group()
 """
 
 
