@@ -160,6 +160,11 @@ def main() -> int:
     ap.add_argument("--freeze-threshold", type=float, default=0.05,
                     help="a layer is stable while its mean gradient moves less than this "
                          "(relative) from one N-step interval to the next")
+    ap.add_argument("--freeze-sample-every", type=int, default=None, metavar="K",
+                    help="an interval's mean gradient norms come from every K-th step and "
+                         "its last (default: every step of intervals under 32 steps, up "
+                         "to every 8th of 128 or more; each read is a pass over the "
+                         "gradients)")
     ap.add_argument("--repartition", action="store_true",
                     help="after every freeze decision, re-plan with the frozen layers' "
                          "lower cost and move stages between ranks (needs --freeze-every)")
@@ -215,6 +220,7 @@ def main() -> int:
                               num_micro=args.micro, example={"pixels": xs[:args.batch]},
                               slots=args.slots, freeze_every=args.freeze_every,
                               freeze_threshold=args.freeze_threshold,
+                              freeze_sample_every=args.freeze_sample_every,
                               partitioner=args.partitioner, costs=costs,
                               optimizer=lambda ps: torch.optim.SGD(ps, lr=args.lr,
                                                                    momentum=0.9),

@@ -7,7 +7,14 @@ import math
 import pytest
 import torch
 
-from crossover.freeze import FreezeCriterion, FreezeDecision, GradientTracker, LayerChange
+from crossover.freeze import (
+    FreezeCriterion,
+    FreezeDecision,
+    GradientTracker,
+    LayerChange,
+    default_sample_every,
+    reads_gradients,
+)
 
 LAYERS = ["l0", "l1", "l2", "l3"]
 
@@ -69,6 +76,35 @@ def test_a_zero_gradient_is_never_stable():
 def test_bad_settings_are_named(kw, words):
     with pytest.raises(ValueError, match=words):
         FreezeCriterion(LAYERS, **kw)
+
+
+@pytest.mark.parametrize("every, sample_every, read", [
+    (15, 8, [8, 15, 23, 30]),   # every 8th of each interval and its last; counts restart
+    (5, 8, [5, 10, 15, 20, 25, 30]),  # a short interval: its last step only
+    (16, 8, [8, 16, 24]),
+    (4, 1, list(range(1, 31))),  # 1: every step
+    (6, 2, [2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30]),
+    (7, 3, [3, 6, 7, 10, 13, 14, 17, 20, 21, 24, 27, 28]),
+])
+def test_reads_gradients_samples_each_interval_alike(every, sample_every, read):
+    assert [s for s in range(1, 31) if reads_gradients(s, every, sample_every)] == read
+
+
+@pytest.mark.parametrize("every, sample_every", [
+    (1, 1), (15, 1), (31, 1), (32, 2), (64, 4), (127, 7), (128, 8), (1000, 8)])
+def test_short_intervals_read_every_step_and_long_ones_every_8th(every, sample_every):
+    assert default_sample_every(every) == sample_every
+    reads = sum(reads_gradients(s, every, sample_every) for s in range(1, every + 1))
+    assert reads >= min(every, 16)  # enough for a steady interval mean
+
+
+@pytest.mark.parametrize("every, sample_every, words", [
+    (0, 8, "freeze_every=0: give 1 or more steps"),
+    (5, 0, "freeze_sample_every=0: give 1 or more steps"),
+])
+def test_bad_sampling_is_named(every, sample_every, words):
+    with pytest.raises(ValueError, match=words):
+        reads_gradients(1, every, sample_every)
 
 
 def test_tracker_compares_interval_mean_norms():

@@ -304,3 +304,41 @@ def test_training_with_freezing_equals_one_process_with_the_same_freezes(
     losses, module = one_process_with_freezing("chain", 16, log)
     assert runs[0]["losses"] == pytest.approx(losses, rel=1e-12)
     assert_close(torch.load(out.with_suffix(".pt")), module)
+
+
+SAMPLED_READS = """
+import json, sys
+import torch
+from crossover.freeze import GradientTracker
+from crossover.pipeline.models import build
+from crossover.pipeline.train import PipelineTrainer
+
+reads = []
+accumulate = GradientTracker.accumulate
+def counted(self):
+    reads.append(t.steps)
+    accumulate(self)
+GradientTracker.accumulate = counted
+spec = build("chain", torch.float64, small=True)
+x, y = spec.make_batch(8, 7)
+sample = None if sys.argv[2] == "default" else int(sys.argv[2])
+t = PipelineTrainer(spec.module, spec.loss, batch=8, num_micro=4, example=x,
+                    freeze_every=6, freeze_threshold=1e-12, freeze_sample_every=sample)
+for _ in range(12):
+    t.step(x if t.needs_inputs else None, y if t.needs_target else None)
+json.dump(reads, open(f"{sys.argv[1]}.rank{t.comm.Get_rank()}.json", "w"))
+"""
+
+
+@pytest.mark.parametrize("sample, reads", [("3", [3, 6, 9, 12]), ("4", [4, 6, 10, 12]),
+                                           ("default", list(range(1, 13)))])
+def test_the_tracker_reads_the_sampled_steps_on_every_rank(tmp_path, cluster, sample, reads):
+    script = tmp_path / "reads.py"
+    script.write_text(SAMPLED_READS)
+    out = tmp_path / "reads"
+    proc = Proc(mpirun(2, PY, str(script), str(out), sample),
+                dict(cluster.env, CROSSOVER_ENABLE="0"), tmp_path / "reads.log")
+    cluster.procs.append(proc)
+    proc.wait(120)
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"reads.rank{rank}.json").read_text()) == reads

@@ -1,7 +1,14 @@
 """Freezing-aware training: which layers to freeze and when (`criterion`), and moving
 a stage's parameters and optimizer state to new ranks after a re-plan (`migrate`)."""
 
-from crossover.freeze.criterion import FreezeCriterion, FreezeDecision, GradientTracker, LayerChange
+from crossover.freeze.criterion import (
+    FreezeCriterion,
+    FreezeDecision,
+    GradientTracker,
+    LayerChange,
+    default_sample_every,
+    reads_gradients,
+)
 from crossover.freeze.migrate import (
     Move,
     load_optimizer_state,
@@ -12,4 +19,6 @@ from crossover.freeze.migrate import (
 )
 
 __all__ = ["FreezeCriterion", "FreezeDecision", "GradientTracker", "LayerChange", "Move",
-           "load_optimizer_state", "migrate", "optimizer_state", "plan_moves", "state_hash"]
+           "default_sample_every",
+           "load_optimizer_state", "migrate", "optimizer_state", "plan_moves", "reads_gradients",
+           "state_hash"]

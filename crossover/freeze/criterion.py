@@ -104,6 +104,36 @@ class FreezeCriterion:
                               f"evaluations (at most {worst:.3g})")
 
 
+# an interval's mean norm from at least this many steps' reads: fewer make the mean
+# noisier than the thresholds the criterion is used with
+STEADY_READS = 16
+MAX_SAMPLE_EVERY = 8  # a read every 8th step keeps the tracker near 1% of a step
+
+
+def default_sample_every(every: int) -> int:
+    """How often the tracker reads gradients by default in `every`-step intervals: every
+    step of intervals under 32 steps, every 8th of intervals of 128 or more."""
+    return max(1, min(MAX_SAMPLE_EVERY, every // STEADY_READS))
+
+
+def reads_gradients(step: int, every: int, sample_every: int) -> bool:
+    """Whether the tracker reads step `step`'s gradients (steps count from 1): every
+    `sample_every`-th step of each `every`-step interval, and always the interval's last,
+    so every interval has at least one read.
+
+    Reading is one pass over every trained gradient, 2-8% of a step of the digits MLP on
+    one thread (bench/tracker_cost.py); sampling spreads that over the steps between.
+
+    Raises:
+        ValueError: `every` or `sample_every` under 1, naming it.
+    """
+    for name, value in (("freeze_every", every), ("freeze_sample_every", sample_every)):
+        if value < 1:
+            raise ValueError(f"{name}={value}: give 1 or more steps")
+    position = (step - 1) % every + 1
+    return position % sample_every == 0 or position == every
+
+
 class GradientTracker:
     """One rank's view: sums its layers' gradient norms over an interval and reports how
     much the interval's mean norm moved from the previous interval's.

@@ -39,7 +39,14 @@ import torch
 from torch import nn
 
 from crossover import session
-from crossover.freeze import FreezeCriterion, FreezeDecision, GradientTracker, LayerChange
+from crossover.freeze import (
+    FreezeCriterion,
+    FreezeDecision,
+    GradientTracker,
+    LayerChange,
+    default_sample_every,
+    reads_gradients,
+)
 from crossover.freeze.cache import FrozenPrefix
 from crossover.freeze.migrate import State, optimizer_state
 from crossover.freeze.repartition import Repartitioning
@@ -81,7 +88,11 @@ class PipelineTrainer(Repartitioning):
         replicas: data-parallel replicas per stage (the plan then has len(replicas)
             stages over their sum of ranks); default one rank per stage.
         freeze_every: evaluate the freezing criterion every this many steps (None: never
-            freeze); freeze_threshold, freeze_patience: see `FreezeCriterion`. Frozen
+            freeze); freeze_threshold, freeze_patience: see `FreezeCriterion`;
+            freeze_sample_every: the interval's mean gradient norms come from every
+            this many steps and the interval's last (`reads_gradients`; a read costs
+            2-8% of a CPU step of a small MLP); default `default_sample_every`: every
+            step of intervals under 32 steps, up to every 8th of 128 or more. Frozen
             layers get no gradient, so the optimizer leaves them alone; decisions are
             the same on every rank (`freeze_log`).
         timeout: longest wait for any message between stages, seconds.
@@ -123,6 +134,7 @@ class PipelineTrainer(Repartitioning):
                  leaf_modules: Sequence[type[nn.Module]] = (),
                  replicas: Sequence[int] | None = None, freeze_every: int | None = None,
                  freeze_threshold: float = 0.05, freeze_patience: int = 2,
+                 freeze_sample_every: int | None = None,
                  optimizer: OptimizerFactory | None = None, repartition: bool = False,
                  frozen_cost: float = 1 / 6, cache_frozen: bool = False,
                  scheduler: SchedulerFactory | None = None) -> None:
@@ -147,14 +159,15 @@ class PipelineTrainer(Repartitioning):
         self.client = session.init() if slots else None
         self.replica_comms = replica_comms(plan, comm)
         self.freeze_every = freeze_every
+        self.freeze_sample_every = default_sample_every(freeze_every or 1) \
+            if freeze_sample_every is None else freeze_sample_every
         self.freeze_log: list[FreezeDecision] = []
         self.repartitions: list[tuple[int, str]] = []  # (after step, new plan)
         self.steps = 0
         # front to back: the graph's ops are in topological order
         layers = [n for n, op in self.graph.ops.items() if op.params]
         if freeze_every is not None:
-            if freeze_every < 1:
-                raise ValueError(f"freeze_every={freeze_every}: give 1 or more steps")
+            reads_gradients(1, freeze_every, self.freeze_sample_every)  # checks both
             self.criterion = FreezeCriterion(layers, freeze_threshold, freeze_patience)
         self._build(plan)
 
@@ -295,9 +308,11 @@ class PipelineTrainer(Repartitioning):
         return self.comm.allreduce(loss)
 
     def _maybe_freeze(self) -> FreezeDecision | None:
-        """After a step's backward: track gradients; at an interval's end, decide from
-        every stage's figures (gathered, so every rank decides alike) and freeze."""
-        self.tracker.accumulate()
+        """After a step's backward: track gradients (on sampled steps); at an interval's
+        end, decide from every stage's figures (gathered, so every rank decides alike)
+        and freeze."""
+        if reads_gradients(self.steps, self.freeze_every, self.freeze_sample_every):
+            self.tracker.accumulate()
         if self.steps % self.freeze_every:
             return None
         local = self.tracker.changes()
