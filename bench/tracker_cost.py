@@ -12,8 +12,9 @@ median step without the tracker. The trainer reads only some steps' gradients
 (`reads_gradients`: every `--sample-every`-th step of a `--freeze-every`-step interval
 and its last; by default the trainer's default for 128-step intervals, every 8th), and a
 read costs the same on whichever step: `sampled_share` = `share` x reads per interval /
-interval. (Timing whole intervals with and without the sampled tracker instead moved by
-+-10% between repetitions on a 2-core VM, too much to see 1%.)
+interval, an estimate that leaves out the once-an-interval read-back. (Timing whole
+intervals with and without the sampled tracker instead was too noisy on a 2-core VM
+to see 1%: sums of steps keep every outlier a median drops.)
 Then the same in the graph pipeline (`--pairs`): examples/pipeline_digits.py on 2 ranks
 for 5 epochs, with freezing judged every 128 steps at a threshold nothing meets (the
 sampled tracker and the criterion's exchange, no freezing) against without, in

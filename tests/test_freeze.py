@@ -146,6 +146,25 @@ def test_a_layer_handed_to_another_tracker_mid_interval_reports_the_same_change(
     assert new.changes() == stay.changes() == {"A": LayerChange(3.5, 1.5)}
 
 
+def test_a_read_without_a_layers_gradient_does_not_count_as_a_zero_norm():
+    """A layer whose parameters got no gradient on some reads (a branch not taken) is
+    averaged over the reads that had one, also across a hand-over."""
+    a, b = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))
+    tracker = GradientTracker({"A": [a], "B": [b]})
+    for gb in (2.0, None, 2.0):  # interval 1: B's norm 2 on two of three reads
+        a.grad, b.grad = torch.ones(1), None if gb is None else torch.tensor([gb])
+        tracker.accumulate()
+    tracker.changes()
+    a.grad, b.grad = torch.ones(1), None  # interval 2 starts without B's gradient...
+    tracker.accumulate()
+    new = GradientTracker({"A": [a], "B": [b]})
+    new.adopt(tracker.export(), tracker.steps)  # ...then B's owner changes
+    b.grad = torch.tensor([3.0])
+    new.accumulate()
+    got = new.changes()
+    assert got["B"] == LayerChange(1.0, 2.0) and got["A"] == LayerChange(0.0, 1.0)
+
+
 def test_tracker_norms_match_the_layer_norm_formula_with_missing_gradients():
     """A layer's norm is the norm of all its tensors together; a tensor without a
     gradient adds nothing, and a layer that never had one reports nothing."""

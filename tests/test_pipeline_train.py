@@ -342,3 +342,20 @@ def test_the_tracker_reads_the_sampled_steps_on_every_rank(tmp_path, cluster, sa
     proc.wait(120)
     for rank in (0, 1):
         assert json.loads((tmp_path / f"reads.rank{rank}.json").read_text()) == reads
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"freeze_every": 0}, "freeze_every=0: give 1 or more steps"),
+    ({"freeze_every": 10, "freeze_sample_every": 0}, "freeze_sample_every=0: give 1"),
+    ({"freeze_every": 10, "freeze_sample_every": True}, "freeze_sample_every=True: give"),
+    ({"freeze_every": 10, "freeze_sample_every": 2.5}, "freeze_sample_every=2.5: give"),
+    ({"freeze_sample_every": 4}, "freeze_sample_every=4 samples .* pass freeze_every too"),
+    ({"freeze_every": 5, "freeze_sample_every": 8},
+     "freeze_sample_every=8 exceeds freeze_every=5: .* give at most 5"),
+])
+def test_bad_freezing_intervals_are_named_before_planning(kw, words):
+    from crossover.pipeline.train import PipelineTrainer
+
+    with pytest.raises(ValueError, match=words):
+        PipelineTrainer(torch.nn.Linear(2, 2), torch.nn.functional.mse_loss, batch=4,
+                        comm="unused", **kw)

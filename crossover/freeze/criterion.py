@@ -1,9 +1,10 @@
 """When a layer has stopped learning: the freezing criterion (FreezePipe, AutoFreeze).
 
-Every `interval` steps each layer's gradient norm, averaged over the interval's steps,
-is compared with the previous interval's: the relative change `|n_k - n_(k-1)| /
-n_(k-1)` (AutoFreeze's and PipeTransformer's measure). A layer whose change stays under
-`threshold` for `patience` evaluations in a row is stable. (The change of the mean
+Every `interval` steps each layer's gradient norm, averaged over the interval's steps
+that the tracker read (`reads_gradients`), is compared with the previous interval's:
+the relative change `|n_k - n_(k-1)| / n_(k-1)` (AutoFreeze's and PipeTransformer's
+measure). A layer whose change stays under `threshold` for `patience` evaluations in a
+row is stable. (The change of the mean
 gradient vector, FreezePipe's wording, never settles under minibatch noise: as the
 mean gradient shrinks toward zero its relative change grows; on the digits example it
 froze nothing at any threshold up to 0.6.)
@@ -104,8 +105,9 @@ class FreezeCriterion:
                               f"evaluations (at most {worst:.3g})")
 
 
-# an interval's mean norm from at least this many steps' reads: fewer make the mean
-# noisier than the thresholds the criterion is used with
+# an interval's mean norm from at least this many reads where sampling: as many as the
+# 15-step intervals the freezing benchmarks judge from (the criterion's thresholds were
+# chosen there); how far fewer reads move its decisions is not measured
 STEADY_READS = 16
 MAX_SAMPLE_EVERY = 8  # a read every 8th step keeps the tracker near 1% of a step
 
@@ -121,8 +123,9 @@ def reads_gradients(step: int, every: int, sample_every: int) -> bool:
     `sample_every`-th step of each `every`-step interval, and always the interval's last,
     so every interval has at least one read.
 
-    Reading is one pass over every trained gradient, 2-8% of a step of the digits MLP on
-    one thread (bench/tracker_cost.py); sampling spreads that over the steps between.
+    Reading is one pass over every trained gradient, 4-10% of a CPU step of the digits
+    MLP on one thread (bench/tracker_cost.py); sampling spreads that over the steps
+    between.
 
     Raises:
         ValueError: `every` or `sample_every` under 1, naming it.
@@ -152,7 +155,11 @@ class GradientTracker:
         # parameter cost 2-7 % of a step on the digits example)
         self._pending: torch.Tensor | None = None
         self._layers: list[str] = []
-        self._seen: set[int] = set()  # layers of `_layers` that had a gradient
+        # per layer of `_layers`: reads in `_pending` where it had a gradient; a layer's
+        # mean divides by its own reads, so a read without its gradient counts for
+        # nothing instead of as a zero norm
+        self._seen: dict[int, int] = {}
+        self._reads: dict[str, int] = {}  # the same, read back, this interval
         self._index: tuple[tuple[tuple[int, ...], torch.device], torch.Tensor] | None = None
 
     @torch.no_grad()  # gradients made with create_graph must not tie the sums to a graph
@@ -189,16 +196,18 @@ class GradientTracker:
             self._pending = per_layer
         else:
             self._pending.add_(per_layer)
-        self._seen.update(owners)
+        for i in set(owners):
+            self._seen[i] = self._seen.get(i, 0) + 1
 
     def _read_back(self) -> None:
         """Move the pending sums into `_sum` (one host sync)."""
         if self._pending is not None:
             totals = self._pending.tolist()
-            for i in sorted(self._seen):  # a layer with no gradient yet reports nothing
+            for i, reads in sorted(self._seen.items()):  # no gradient yet: nothing
                 name = self._layers[i]
                 self._sum[name] = self._sum.get(name, 0.0) + totals[i]
-        self._pending, self._seen = None, set()
+                self._reads[name] = self._reads.get(name, 0) + reads
+        self._pending, self._seen = None, {}
 
     def changes(self) -> dict[str, LayerChange]:
         """Close the interval: each layer's change against the previous interval (a
@@ -206,47 +215,49 @@ class GradientTracker:
         self._read_back()
         out = {}
         for name, total in self._sum.items():
-            mean = total / max(self._steps, 1)
+            mean = total / self._reads[name]
             prev = self._prev.get(name)
             if prev is not None:
                 out[name] = LayerChange(abs(mean - prev), prev)
             self._prev[name] = mean
-        self._sum, self._steps = {}, 0
+        self._sum, self._reads, self._steps = {}, {}, 0
         return out
 
     def forget(self, layers: Sequence[str]) -> None:
         """Stop tracking frozen layers."""
         self._read_back()
         for name in layers:
-            self._prev.pop(name, None)
-            self.params.pop(name, None)
+            for figures in (self._prev, self._sum, self._reads, self.params):
+                figures.pop(name, None)
 
-    def export(self) -> dict[str, tuple[float | None, float | None]]:
-        """Each tracked layer's figures so far: (this interval's sum of norms, the
-        previous interval's mean), what a new owner needs to go on judging the layer
-        after a re-partition without losing an interval."""
+    def export(self) -> dict[str, tuple[float | None, int, float | None]]:
+        """Each tracked layer's figures so far: (this interval's sum of norms, the reads
+        it came from, the previous interval's mean), what a new owner needs to go on
+        judging the layer after a re-partition without losing an interval."""
         self._read_back()
-        return {n: (self._sum.get(n), self._prev.get(n)) for n in self.params}
+        return {n: (self._sum.get(n), self._reads.get(n, 0), self._prev.get(n))
+                for n in self.params}
 
-    def adopt(self, figures: Mapping[str, tuple[float | None, float | None]],
+    def adopt(self, figures: Mapping[str, tuple[float | None, int, float | None]],
               steps: int) -> None:
         """Take over figures from layers' previous owners (`export` on those ranks).
 
         Args:
-            figures: layer -> (interval sum, previous mean); layers this tracker does
-                not track are ignored.
-            steps: steps into the current interval (the same on every rank).
+            figures: layer -> (interval sum, its reads, previous mean); layers this
+                tracker does not track are ignored.
+            steps: reads so far in the current interval (the previous owner's
+                `steps`, the same on every rank), not steps: with sampling they differ.
         """
         self._read_back()
         self._steps = steps
-        for name, (total, prev) in figures.items():
+        for name, (total, reads, prev) in figures.items():
             if name in self.params:
                 if total is not None:
-                    self._sum[name] = total
+                    self._sum[name], self._reads[name] = total, reads
                 if prev is not None:
                     self._prev[name] = prev
 
     @property
     def steps(self) -> int:
-        """Steps accumulated in the current interval."""
+        """Reads (`accumulate` calls) in the current interval."""
         return self._steps

@@ -32,6 +32,7 @@ layers freeze (`repartition`, or `repartition=True` after every freeze decision)
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -91,8 +92,9 @@ class PipelineTrainer(Repartitioning):
             freeze); freeze_threshold, freeze_patience: see `FreezeCriterion`;
             freeze_sample_every: the interval's mean gradient norms come from every
             this many steps and the interval's last (`reads_gradients`; a read costs
-            2-8% of a CPU step of a small MLP); default `default_sample_every`: every
-            step of intervals under 32 steps, up to every 8th of 128 or more. Frozen
+            4-10% of a CPU step of a small MLP); default `default_sample_every`: every
+            step of intervals under 32 steps, up to every 8th of 128 or more (at least
+            16 reads an interval). Frozen
             layers get no gradient, so the optimizer leaves them alone; decisions are
             the same on every rank (`freeze_log`).
         timeout: longest wait for any message between stages, seconds.
@@ -143,7 +145,7 @@ class PipelineTrainer(Repartitioning):
 
             comm = MPI.COMM_WORLD
         _check_settings(model, batch, num_micro, optimizer, scheduler, freeze_every,
-                        repartition, cache_frozen)
+                        freeze_sample_every, repartition, cache_frozen)
         self.model, self.loss_fn, self.comm = model, loss_fn, comm
         self.batch, self.num_micro, self.timeout = batch, num_micro, timeout
         self.partitioner, self.schedule, self.costs = partitioner, schedule, costs
@@ -159,15 +161,15 @@ class PipelineTrainer(Repartitioning):
         self.client = session.init() if slots else None
         self.replica_comms = replica_comms(plan, comm)
         self.freeze_every = freeze_every
-        self.freeze_sample_every = default_sample_every(freeze_every or 1) \
-            if freeze_sample_every is None else freeze_sample_every
+        self.freeze_sample_every = default_sample_every(freeze_every) \
+            if freeze_every is not None and freeze_sample_every is None \
+            else freeze_sample_every
         self.freeze_log: list[FreezeDecision] = []
         self.repartitions: list[tuple[int, str]] = []  # (after step, new plan)
         self.steps = 0
         # front to back: the graph's ops are in topological order
         layers = [n for n, op in self.graph.ops.items() if op.params]
         if freeze_every is not None:
-            reads_gradients(1, freeze_every, self.freeze_sample_every)  # checks both
             self.criterion = FreezeCriterion(layers, freeze_threshold, freeze_patience)
         self._build(plan)
 
@@ -370,10 +372,24 @@ class PipelineTrainer(Repartitioning):
 
 def _check_settings(model: nn.Module, batch: int, num_micro: int,
                     optimizer: OptimizerFactory | None, scheduler: SchedulerFactory | None,
-                    freeze_every: int | None, repartition: bool, cache_frozen: bool) -> None:
+                    freeze_every: int | None, freeze_sample_every: int | None,
+                    repartition: bool, cache_frozen: bool) -> None:
     """Raise ValueError, naming the fix, for settings that cannot work together."""
     if batch % num_micro:
         raise ValueError(f"{num_micro} micro-batches do not divide the batch of {batch}")
+    for name, value in (("freeze_every", freeze_every),
+                        ("freeze_sample_every", freeze_sample_every)):
+        if value is not None and (not isinstance(value, numbers.Integral)
+                                  or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{name}={value!r}: give 1 or more steps")
+    if freeze_sample_every is not None:
+        if freeze_every is None:
+            raise ValueError(f"freeze_sample_every={freeze_sample_every} samples the "
+                             f"freezing criterion's intervals: pass freeze_every too")
+        if freeze_sample_every > freeze_every:
+            raise ValueError(f"freeze_sample_every={freeze_sample_every} exceeds "
+                             f"freeze_every={freeze_every}: every interval would read one "
+                             f"step; give at most {freeze_every}")
     if repartition and (optimizer is None or freeze_every is None):
         raise ValueError("repartition=True needs optimizer=<factory> (the trainer "
                          "rebuilds the optimizer over each new stage) and freeze_every")
