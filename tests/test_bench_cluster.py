@@ -188,16 +188,22 @@ def test_crossover_torchrun_across_hosts_with_a_daemon_world_started_by_hand(tmp
         return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
 
-    def checksum(proc: subprocess.Popen) -> str:
+    def checksum(proc: subprocess.Popen, reference: bool = False) -> str:
         out, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, f"{out[-2000:]}\n{err[-3000:]}"
+        found = re.findall(r"weights checksum (\S+)", out)
+        # A reference run (plain torchrun, no crossover) is only read for its result:
+        # torch's gloo teardown over the shaped link aborts a rank now and then after
+        # the script has finished (SIGABRT after destroy_process_group), crossover or
+        # not. Runs under crossover must exit cleanly.
+        if not (reference and len(found) == 1):
+            assert proc.returncode == 0, f"{out[-2000:]}\n{err[-3000:]}"
         assert "uncoordinated" not in err, err[-3000:]
-        (found,) = re.findall(r"weights checksum (\S+)", out)
+        (found,) = found
         return found
 
     traces = tmp_path / "traces"
     with EmulatedCluster(mbit=1000) as cluster:
-        solo = {seed: checksum(launch(cluster, seed, [])) for seed in (1, 2)}
+        solo = {seed: checksum(launch(cluster, seed, []), reference=True) for seed in (1, 2)}
         daemons = Daemons(cluster, tmp_path / "run", "crossover", tmp_path / "daemons.log")
         env["CROSSOVER_TRACE"] = str(traces)  # (--crossover-trace: each node would merge)
         try:
