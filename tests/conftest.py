@@ -52,12 +52,21 @@ def mpirun(np: int, *cmd: str) -> list[str]:
     return ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(np), *cmd]
 
 
-class Proc:
-    """A started process tree with its output in a file."""
+# what torch prints when a std::thread of its gloo process group is torn down unjoined
+# at exit: now and then after the script has finished, crossover or not (seen in plain
+# torchrun runs of examples/ddp_mlp.py and a one-rank script without destroy)
+TORCH_EXIT_ABORT = "terminate called without an active exception"
 
-    def __init__(self, cmd: list[str], env: dict[str, str], log: Path) -> None:
+
+class Proc:
+    """A started process tree with its output in a file. A `reference` run (the job
+    without crossover, read only for its result) may end in torch's exit abort."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], log: Path,
+                 reference: bool = False) -> None:
         self.log = log
         self.cmd = cmd
+        self.reference = reference
         self._out = open(log, "w")  # noqa: SIM115 - closed in wait/kill
         self.popen = subprocess.Popen(cmd, env=env, stdout=self._out, stderr=subprocess.STDOUT,
                                       cwd=REPO, start_new_session=True)
@@ -73,6 +82,8 @@ class Proc:
             self.kill()
             pytest.fail(f"{self.cmd} still running after {timeout} s:\n{self.output()[-3000:]}")
         self._out.close()
+        if rc != 0 and self.reference and TORCH_EXIT_ABORT in self.output():
+            return self.output()  # the caller reads the result, which must be complete
         assert rc == 0, f"{self.cmd} exited {rc}:\n{self.output()[-3000:]}"
         return self.output()
 

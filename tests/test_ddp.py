@@ -19,6 +19,7 @@ from crossover.probe import daemon_status
 from tests.conftest import (
     PY,
     REPO,
+    TORCH_EXIT_ABORT,
     Cluster,
     Proc,
     assert_ran_together,
@@ -50,7 +51,7 @@ def ddp_job(c: Cluster, name: str, seed: int, extra: tuple[str, ...] = (),
     out = c.tmp / f"{name}.pt"
     cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            script, "--seed", str(seed), "--steps", str(STEPS), "--out", str(out), *extra]
-    proc = Proc(cmd, env, c.tmp / f"{name}.log")
+    proc = Proc(cmd, env, c.tmp / f"{name}.log", reference=not crossover)
     proc.weights = out
     c.procs.append(proc)
     return proc
@@ -348,3 +349,19 @@ def test_a_stopped_crossover_torchrun_leaves_no_rank(runtime):
             proc.kill()
         for left in processes_running(marker):
             left.kill()
+
+
+@pytest.mark.parametrize("reference, output, passes", [
+    (True, TORCH_EXIT_ABORT, True),  # a reference run is read for its result only
+    (False, TORCH_EXIT_ABORT, False),  # a run under crossover must exit cleanly
+    (True, "Segmentation fault", False),  # any other failure fails the reference too
+])
+def test_only_torchs_exit_abort_of_a_reference_run_passes(tmp_path: Path, reference: bool,
+                                                           output: str, passes: bool):
+    proc = Proc(["sh", "-c", f"echo '{output}'; exit 134"], dict(os.environ),
+                tmp_path / "p.log", reference=reference)
+    if passes:
+        assert output in proc.wait(30)
+    else:
+        with pytest.raises(AssertionError, match="exited 134"):
+            proc.wait(30)
