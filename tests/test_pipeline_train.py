@@ -153,25 +153,37 @@ def _digits_example():
     return mod
 
 
-def test_the_pretrained_body_transfers_to_the_new_digits(tmp_path, monkeypatch):
-    """The fine-tuning workload's premise, in one process: the body pretrained on the
-    digits 0-4 (made here into an empty cache, then read from it) with a new head learns
-    the digits 5-9 faster than the same model from random weights."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+@pytest.fixture(scope="module")
+def body_cache(tmp_path_factory):
+    """One cache for the fine-tuning tests: the body (about 40 s to make) is made by
+    whichever runs first and read by the other."""
+    return tmp_path_factory.mktemp("xdg-cache")
+
+
+def test_the_pretrained_body_transfers_to_the_new_digits(body_cache, monkeypatch):
+    """The fine-tuning workload's premise, in one process: the body pretrained on drawn
+    stroke glyphs (made here into an empty cache, then read from it) with a new head
+    learns the digits 5-9 faster than the same model from random weights."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(body_cache))
     ex = _digits_example()
     # MPI initialised in this process would make every later mpirun of the suite fail
     assert "mpi4py.MPI" not in sys.modules
     torch.set_num_threads(1)
-    body = ex.pretrained_body(6, 64)
-    assert len(list((tmp_path / "crossover").glob("digits-mlp-6x64-*.pt"))) == 1
-    again = ex.pretrained_body(6, 64)
+    body = ex.pretrained_body(6, 256)  # narrower, deep bodies do not learn 1000 glyphs
+    assert len(list((body_cache / "crossover").glob("strokes-mlp-6x256-*.pt"))) == 1
+    again = ex.pretrained_body(6, 256)
     assert all(torch.equal(body[k], again[k]) for k in body)
+    assert "layers.12.weight" not in body  # the glyphs' head is not part of the body
+    glyphs, classes = ex.stroke_glyphs(50, 2)
+    assert glyphs.shape == (100, 64) and 0 <= glyphs.min() and glyphs.max() <= 1
+    assert torch.equal(classes[:50], classes[50:]) and torch.equal(glyphs,
+                                                                   ex.stroke_glyphs(50, 2)[0])
     xs, ys, xt, yt = ex.digits_of(ex.FINETUNE)
     assert set(ys.tolist()) == set(ex.FINETUNE) and len(xs) + len(xt) > 800
 
     def accuracy_after_two_epochs(pretrained: bool) -> float:
         torch.manual_seed(0)
-        model = ex.MLP(6, 64)
+        model = ex.MLP(6, 256)
         fresh_head = model.layers[-1].weight.detach().clone()
         if pretrained:
             ex.with_new_head(model, body)
@@ -186,15 +198,15 @@ def test_the_pretrained_body_transfers_to_the_new_digits(tmp_path, monkeypatch):
     assert tuned > untrained + 0.2, (tuned, untrained)
 
 
-def test_the_digits_example_fine_tunes(tmp_path, cluster):
+def test_the_digits_example_fine_tunes(tmp_path, body_cache, cluster):
     proc = Proc(mpirun(2, PY, "examples/pipeline_digits.py", "--finetune", "--depth", "6",
                        "--lr", "0.05", "--epochs", "3", "--plot", str(tmp_path / "f.png")),
-                dict(cluster.env, CROSSOVER_ENABLE="0", XDG_CACHE_HOME=str(tmp_path)),
+                dict(cluster.env, CROSSOVER_ENABLE="0", XDG_CACHE_HOME=str(body_cache)),
                 tmp_path / "finetune.log")
     cluster.procs.append(proc)
     out = proc.wait(240)
     assert float(out.split("final test accuracy ")[1].split(";")[0]) > 0.85, out[-2000:]
-    assert list((tmp_path / "crossover").glob("digits-mlp-6x256-pretrained-*.pt"))
+    assert list((body_cache / "crossover").glob("strokes-mlp-6x256-pretrained-*.pt"))
 
 
 def test_a_planning_error_on_rank_0_reaches_every_rank(tmp_path, cluster):
