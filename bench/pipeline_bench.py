@@ -51,6 +51,7 @@ import torch_pipelining_peer as peer  # noqa: E402
 from crossover.pipeline import (  # noqa: E402
     Costs,
     Graph,
+    calibrate,
     graph_partition,
     plan_for,
     profile,
@@ -173,8 +174,11 @@ def run_ours_full(name: str, stages: list[list[str]], kind: str, schedule: str, 
 
 def calibration(path: Path, fresh: bool) -> dict:
     """The runner's costs on this machine (`crossover.pipeline.calibrate` on 2 ranks),
-    cached in `path` and measured again when missing or `fresh`."""
-    if fresh or not path.exists():
+    cached in `path` and measured again when missing, `fresh`, or measured elsewhere."""
+    why = "asked" if fresh else "none cached" if not path.exists() else \
+        calibrate.stale(json.loads(path.read_text()))
+    if why:
+        print(f"pipeline bench: calibrating the runner ({why}) into {path}", flush=True)
         cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", "2", sys.executable,
                "-m", "crossover.pipeline.calibrate", "--out", str(path)]
         subprocess.run(cmd, cwd=REPO, env=mpi_env(), timeout=300, check=True,

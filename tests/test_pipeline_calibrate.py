@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from crossover.pipeline import Graph, sequential_partition
-from crossover.pipeline.calibrate import load
+from crossover.pipeline.calibrate import load, machine, stale
 from crossover.pipeline.models import build
 from crossover.pipeline.pricing import evaluate
 from crossover.pipeline.profile import Link, OpCost, Runtime, _scaled_to_whole, profile
@@ -35,6 +35,28 @@ def test_calibration_measures_messages_actions_and_the_wire(tmp_path, cluster):
     assert msgs["late_polled_s"] > 0 and msgs["late_slept_s"] > 0
     assert runtime.sleep_wake_s == max(msgs["late_slept_s"] - msgs["late_polled_s"], 0.0)
     assert len(got["action_s_per_rank"]) == 2
+    assert stale(got) is None  # made here, now: what this machine's runs are priced with
+
+
+HERE = {"host": "node7", "cores": 16, "torch": "2.13.0+cpu"}
+
+
+@pytest.mark.parametrize("cached, why", [
+    (HERE, None),
+    ({**HERE, "ranks": 2, "runtime": {}}, None),  # other figures do not matter
+    ({**HERE, "host": "node8"}, "host 'node8' where this machine has 'node7'"),
+    ({**HERE, "cores": 2}, "cores 2 where this machine has 16"),
+    ({**HERE, "torch": "2.11.0+cu130"},
+     "torch '2.11.0+cu130' where this machine has '2.13.0+cpu'"),
+    ({"cores": 16, "torch": "2.13.0+cpu"}, "host None where this machine has 'node7'"),
+])
+def test_a_cached_calibration_is_measured_again_where_it_was_not_made(cached, why):
+    assert stale(cached, HERE) == why
+
+
+def test_this_machine_is_named_by_host_cores_and_torch():
+    here = machine()
+    assert set(here) == {"host", "cores", "torch"} and here["torch"] == torch.__version__
 
 
 def test_calibration_on_one_rank_says_how_to_run_it(tmp_path, cluster):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import sys
 import time
@@ -192,7 +193,24 @@ def measure(comm: Any) -> dict[str, Any]:
                       sleep_wake_s=max(msgs["late_slept_s"] - msgs["late_polled_s"], 0.0))
     return {"runtime": asdict(runtime), "link": {"latency": latency, "bandwidth": bandwidth},
             "messages": msgs, "action_s_per_rank": actions,
-            "ranks": comm.Get_size(), "cores": os.cpu_count(), "torch": torch.__version__}
+            "ranks": comm.Get_size(), **machine()}
+
+
+def machine() -> dict[str, Any]:
+    """What calibrated figures belong to: this host, its cores, the torch that ran."""
+    return {"host": platform.node(), "cores": os.cpu_count(), "torch": torch.__version__}
+
+
+def stale(figures: dict[str, Any], here: dict[str, Any] | None = None) -> str | None:
+    """Why cached `figures` do not describe this machine (`here`, by default
+    `machine()`), or None: measured on another host (a home directory shared between
+    hosts), with another core count, or under another torch (its kernels and Python
+    overhead set `action_s`). Files from before a key was recorded count as stale."""
+    here = machine() if here is None else here
+    for key, now in here.items():
+        if figures.get(key) != now:
+            return f"{key} {figures.get(key)!r} where this machine has {now!r}"
+    return None
 
 
 def load(path: str) -> tuple[Runtime, Link]:
