@@ -8,8 +8,10 @@ data, planned from op times measured once for all arms, and records after every 
 the training seconds so far and the test accuracy. Workloads: `digits` (default), an MLP
 with four hidden layers of 256 trained from random weights on scikit-learn's digits (SGD
 lr 0.05 with momentum; freezing judged every 15 steps at threshold 0.1); `finetune`, an
-MLP with six hidden layers of 256 pretrained on the digits 0-4 (cached) fine-tuned with
-a new head on the digits 5-9 (lr 0.05; judged every 5 steps at 0.1). Arms (run
+MLP with six hidden layers of 256 pretrained on drawn stroke glyphs (cached) fine-tuned
+with a new head on the digits 5-9 (lr 0.05; judged every 5 steps at 0.1);
+`finetune-wide`, the same with layers of 1024, where a step's arithmetic outweighs the
+pipeline's own costs (its body takes some minutes to pretrain, once). Arms (run
 interleaved, rep by rep, so drift hits all alike):
 
     graph             the graph pipeline, no freezing
@@ -34,10 +36,10 @@ epochs' time, `frozen_epoch_speedup` for the last five (when that arm runs froze
 and the `frozen_*_over_freeze` keys compare the last five epochs with static freezing;
 `spare_device_s` the device-seconds the cache arm's plans left free (a rank that runs
 no stage takes no device slot: with --slots a co-located job gets that time). The
-target accuracy is 0.96 on digits and, on finetune, the lowest of the no-freezing arm's
-last five epochs (median over reps). Written to bench/results/freeze.json (digits) or
-freeze_<workload>.json (medians over reps) with a plot of accuracy against training
-time per arm.
+target accuracy is 0.96 on digits and, on the fine-tuning workloads, the lowest of the
+no-freezing arm's last five epochs (median over reps). Written to
+bench/results/freeze.json (digits) or freeze_<workload>.json (medians over reps) with a
+plot of accuracy against training time per arm.
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ REPO = Path(__file__).resolve().parents[1]
 WORKLOADS = {
     "finetune": (["--finetune", "--depth", "6", "--width", "256", "--lr", "0.05"],
                  ["--freeze-every", "5", "--freeze-threshold", "0.1"]),
+    "finetune-wide": (["--finetune", "--depth", "6", "--width", "1024", "--lr", "0.05"],
+                      ["--freeze-every", "5", "--freeze-threshold", "0.1"]),
     "digits": (["--depth", "4", "--width", "256", "--lr", "0.05"],
                ["--freeze-every", "15", "--freeze-threshold", "0.1"]),
 }
@@ -73,8 +77,13 @@ ARMS = {  # arm -> flags after the workload's model flags (FREEZE: its freezing 
 }
 
 
-def arm_flags(workload: str, arm: str) -> list[str]:
+def arm_flags(workload: str, arm: str, threshold: float | None = None) -> list[str]:
+    """The example's flags for `arm` on `workload` (`threshold`: the criterion's, instead
+    of the workload's)."""
     model, freeze = WORKLOADS[workload]
+    if threshold is not None:
+        at = freeze.index("--freeze-threshold")
+        freeze = [*freeze[:at + 1], str(threshold), *freeze[at + 2:]]
     return model + [f for a in ARMS[arm] for f in (freeze if a == "FREEZE" else [a])]
 
 
@@ -88,9 +97,10 @@ def example_cmd(flags: list[str], epochs: int, tmp: Path, name: str, history: Pa
                   "--profile", str(tmp / "costs.pkl"), *flags)
 
 
-def run(workload: str, arm: str, epochs: int, tmp: Path, rep: int) -> list[dict]:
+def run(workload: str, arm: str, epochs: int, tmp: Path, rep: int,
+        threshold: float | None = None) -> list[dict]:
     history = tmp / f"{arm}.{rep}.json"
-    cmd = example_cmd(arm_flags(workload, arm), epochs, tmp, arm, history)
+    cmd = example_cmd(arm_flags(workload, arm, threshold), epochs, tmp, arm, history)
     res = subprocess.run(cmd, env={**os.environ, **mpi_env(),
                                    "CROSSOVER_ENABLE": "0"},
                          capture_output=True, text=True, timeout=600, cwd=REPO)
@@ -122,12 +132,14 @@ def main() -> int:
                     help="test accuracy to time (default: 0.96 on digits; on finetune the "
                          "lowest of the no-freezing arm's last five epochs, median over "
                          "reps: what it holds once converged)")
+    ap.add_argument("--freeze-threshold", type=float, default=None,
+                    help="the criterion's threshold (default: the workload's)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="crossover-freeze-"))
     runs: dict[str, list[list[dict]]] = {arm: [] for arm in ARMS}
     for rep in range(args.reps):
         for arm in ARMS:
-            rows = run(args.workload, arm, args.epochs, tmp, rep)
+            rows = run(args.workload, arm, args.epochs, tmp, rep, args.freeze_threshold)
             runs[arm].append(rows)
             print(f"freeze bench: rep {rep + 1}/{args.reps} {arm}: {rows[-1]['seconds']:.1f} s,"
                   f" accuracy {rows[-1]['accuracy']:.3f}, frozen {rows[-1]['frozen']}",
@@ -155,7 +167,8 @@ def main() -> int:
     base, frz = arms["graph"], arms["graph_freeze"]
     rep, cache = arms["graph_freeze_repartition"], arms["graph_freeze_cache"]
     result = {
-        "workload": args.workload, "flags": {a: arm_flags(args.workload, a) for a in ARMS},
+        "workload": args.workload, "flags": {a: arm_flags(args.workload, a, args.freeze_threshold)
+                                              for a in ARMS},
         "target_accuracy": target, "reps": args.reps, "epochs": args.epochs,
         "arms": arms,
         "freeze_static_speedup": ratio(base["time_to_target_s"], frz["time_to_target_s"]),
@@ -177,7 +190,10 @@ def main() -> int:
         "accuracy_loss_points_static": round(
             100 * (base["final_accuracy"] - frz["final_accuracy"]), 2),
     }
-    name = "freeze" if args.workload == "digits" else f"freeze_{args.workload}"
+    name = "freeze" if args.workload == "digits" else \
+        f"freeze_{args.workload.replace('-', '_')}"
+    if args.freeze_threshold is not None:  # beside the workload's own figures
+        name += f"_t{args.freeze_threshold:g}"
     plot(runs, RESULTS / f"{name}.png", TITLES[args.workload])
     out = write_result(name, result)
     print(json.dumps({k: result[k] for k in ("arms", "freeze_static_speedup",
@@ -193,7 +209,8 @@ def main() -> int:
 
 
 TITLES = {"digits": "digits MLP (4 x 256) from random weights, 2 ranks",
-          "finetune": "MLP (6 x 256) pretrained on digits 0-4, fine-tuned on 5-9, 2 ranks"}
+          "finetune": "6 x 256 MLP, stroke glyphs to digits 5-9, 2 ranks",
+          "finetune-wide": "6 x 1024 MLP, stroke glyphs to digits 5-9, 2 ranks"}
 
 
 def plot(runs: dict[str, list[list[dict]]], png: Path, title: str) -> None:

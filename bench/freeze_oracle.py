@@ -1,10 +1,10 @@
 """What freezing could gain on the fine-tuning workload: accuracy when the front freezes early.
 
-    .venv/bin/python bench/freeze_oracle.py [--epochs 15] [--orders 3]   # about a minute
+    .venv/bin/python bench/freeze_oracle.py [--epochs 15] [--orders 3]   # about two minutes
 
 In one process, one thread: the model, data and optimizer of
 `examples/pipeline_digits.py --finetune` (an MLP with six hidden layers of 256,
-pretrained on the digits 0-4, a new head, fine-tuned on the digits 5-9; SGD 0.05 with
+pretrained on drawn stroke glyphs, a new head, fine-tuned on the digits 5-9; SGD 0.05 with
 momentum, batch 50), with the first k hidden layers frozen from the start of epoch e,
 for every k and e in the table; each cell is the mean test accuracy of the last five
 epochs, averaged over `--orders` data orders. Any freezing criterion on this workload
