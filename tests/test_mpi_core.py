@@ -21,8 +21,9 @@ pytestmark = pytest.mark.mpi
 STEPS = 150
 LONG_STEPS = 2500  # outlasts a daemon restart (seconds)
 # Two probe windows and a decision while both jobs run: STEPS (about 1 s together) once
-# ended before the third decision.
-MODE_STEPS = 3 * STEPS
+# ended before the third decision, and 3 x STEPS once before the first antiphase window
+# (a job slow to start on a loaded host).
+MODE_STEPS = 6 * STEPS
 SEEDS = {"A": 1, "B": 2}
 
 
