@@ -129,7 +129,7 @@ def main() -> int:
     ap.add_argument("--epochs", type=int, default=20)
     ap.add_argument("--workload", default="digits", choices=sorted(WORKLOADS))
     ap.add_argument("--target", type=float, default=None,
-                    help="test accuracy to time (default: 0.96 on digits; on finetune the "
+                    help="test accuracy to time (default: 0.96 on digits; fine-tuning: the "
                          "lowest of the no-freezing arm's last five epochs, median over "
                          "reps: what it holds once converged)")
     ap.add_argument("--freeze-threshold", type=float, default=None,
