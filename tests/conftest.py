@@ -116,6 +116,22 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.05) -> No
         time.sleep(interval)
 
 
+def held(runtime: Path, job: str):
+    """True once the daemon's status shows `job` has held every device (it trains); false
+    while no daemon answers yet."""
+    from crossover.probe import daemon_status
+
+    def check() -> bool:
+        try:
+            nodes = daemon_status(runtime)
+        except ConnectionError:
+            return False
+        devices = [d for node in nodes.values() for d in node["devices"].values()]
+        return bool(devices) and all(d["usage"].get(job, {}).get("hold_pct", 0) > 0
+                                     for d in devices)
+    return check
+
+
 class Cluster:
     """A runtime directory with a daemon (optionally N fake nodes) and jobs in it."""
 

@@ -13,7 +13,7 @@ import pytest
 from crossover import trace
 from crossover.launch import jobspec
 from crossover.launch.cli import main
-from tests.conftest import PY, REPO, assert_ran_together, wait_for
+from tests.conftest import PY, REPO, assert_ran_together, held, wait_for
 
 SCRIPT = str(REPO / "examples/horovod_torch_synthetic.py")
 DDP_SCRIPT = str(REPO / "examples/ddp_tutorial.py")
@@ -33,22 +33,33 @@ def run(args: list[str], timeout: float = 240, **kw) -> subprocess.CompletedProc
 
 @pytest.mark.mpi
 def test_two_unmodified_scripts_run_under_crossover(runtime, tmp_path):
-    # The unmodified script has no start barrier: the first job trains about ten times
-    # as long as the second, so the second's loop falls inside it (checked below).
-    steps = {1: "600", 2: "60"}
-    solo = {seed: checksum(run(["-np", "2", "-H", "localhost:2", PY, SCRIPT, "--seed",
-                                str(seed), "--steps", steps[seed]]).stdout) for seed in (1, 2)}
+    # The unmodified script has no start barrier, so the second job is launched once the
+    # first holds the devices (it trains), and the first trains long enough (about 20 s
+    # alone) to outlast the second's start-up (about 10 s) and its loop. Started together,
+    # a first job of 600 steps once finished before the second's loop began.
+    steps = {1: "2500", 2: "60"}
+    solo_runs = {seed: subprocess.Popen(
+        CROSSOVERRUN + ["-np", "2", "-H", "localhost:2", PY, SCRIPT, "--seed", str(seed),
+                        "--steps", steps[seed]],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO) for seed in (1, 2)}
+    solo = {seed: checksum(p.communicate(timeout=240)[0]) for seed, p in solo_runs.items()}
     assert not (runtime / "daemon.pid").exists(), "without --crossover no daemon starts"
     traces = tmp_path / "traces"
     # Always antiphase, so that the trace must show no overlapping holds (the default
     # policy, auto, may serve the device concurrently: tests/test_mpi_core.py).
     common = ["--crossover", "--crossover-policy", "crossover", "--crossover-trace",
               str(traces), "--crossover-idle-shutdown", "180"]
-    # Start one job first so that the daemon it starts is reused by the second.
+    # The first job starts the daemon; the second must find and reuse it.
     first = subprocess.Popen(CROSSOVERRUN + common + ["--crossover-job", "one", "-np", "2",
                              "-H", "localhost:2", PY, SCRIPT, "--seed", "1", "--steps",
                              steps[1]],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        wait_for(held(runtime, "one"), 120, "job one to hold every device")
+    except BaseException:
+        first.kill()
+        print(first.communicate()[1][-3000:])
+        raise
     second = run(common + ["--crossover-job", "two", "-np", "2", "-H", "localhost:2", PY,
                            SCRIPT, "--seed", "2", "--steps", steps[2]])
     out1, err1 = first.communicate(timeout=240)
@@ -64,8 +75,7 @@ def test_two_unmodified_scripts_run_under_crossover(runtime, tmp_path):
     assert_ran_together(events)
     assert trace.overlaps(events) == []
     assert "built no Horovod DistributedOptimizer" not in err1
-    # one daemon served both: whichever crossoverrun took the launch lock first started
-    # it, and the other found it
+    # one daemon served both: the first started it, and the second found it
     starts = [err for err in (err1, second.stderr) if "started a crossover daemon" in err]
     assert len(starts) == 1, (err1[-2000:], second.stderr[-2000:])
     log = (runtime / "daemon.log").read_text()

@@ -23,10 +23,10 @@ from tests.conftest import (
     Cluster,
     Proc,
     assert_ran_together,
+    held,
     same_weights,
     wait_for,
 )
-from tests.test_mpi_core import held
 
 pytestmark = pytest.mark.mpi  # real processes
 
@@ -286,7 +286,7 @@ def test_a_killed_ddp_job_frees_its_slots_and_the_other_finishes(tmp_path: Path)
             doomed = ddp_job(c, "A", 1, ("--steps", "100000"))
             wait_for(registered(c, "A"), 120, "job A to register")
             survivor = ddp_job(c, "B", 2, long)
-            wait_for(held(c, "B"), 120, "job B to hold a device")
+            wait_for(held(c.runtime, "B"), 120, "job B to hold a device")
             doomed.kill(signal.SIGKILL)
             # freed when A's sockets closed (at once), not when its 30 s lease ran out
             wait_for(lambda: "job A rank 0 left node" in (tmp_path / "daemon.log").read_text(),

@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from crossover import trace
-from tests.conftest import Cluster, Proc, assert_ran_together, same_weights, wait_for
+from tests.conftest import Cluster, Proc, assert_ran_together, held, same_weights, wait_for
 
 pytestmark = pytest.mark.mpi
 
@@ -56,18 +56,6 @@ def registered(c: Cluster, job: str, ranks: int = 2):
     log = c.tmp / "daemon.log"
     pattern = rf"job {job} rank \d+ on node"
     return lambda: log.exists() and len(re.findall(pattern, log.read_text())) >= ranks
-
-
-def held(c: Cluster, job: str):
-    """True once the daemon's status shows `job` has held every device (it trains)."""
-    from crossover.probe import daemon_status
-
-    def check() -> bool:
-        devices = [d for node in daemon_status(c.runtime).values()
-                   for d in node["devices"].values()]
-        return bool(devices) and all(d["usage"].get(job, {}).get("hold_pct", 0) > 0
-                                     for d in devices)
-    return check
 
 
 def test_two_jobs_share_devices_without_overlap_and_keep_their_math(cluster: Cluster, solo):
@@ -178,7 +166,7 @@ def test_killed_job_frees_its_slots_and_the_other_finishes(cluster: Cluster, sol
         doomed = cluster.job("A", 1, 100_000)
         wait_for(registered(cluster, "A"), 60, "job A to register")
         survivor = cluster.job("B", 2, STEPS)
-        wait_for(held(cluster, "B"), 60, "job B to hold a device")
+        wait_for(held(cluster.runtime, "B"), 60, "job B to hold a device")
         doomed.kill(signal.SIGKILL)
         # freed when A's sockets closed (at once), not when its 30 s lease ran out
         wait_for(lambda: "job A rank 0 left node" in (cluster.tmp / "daemon.log").read_text(),
