@@ -7,7 +7,8 @@ Each workload of bench/freeze_oracle.py trains in one process with nothing froze
 layer (the norm `GradientTracker` sums) and every epoch's test accuracy. The shipped
 `FreezeCriterion` is then fed the recorded norms exactly as a run would feed it (interval
 means over the sampled steps, `reads_gradients`), for every threshold, interval and
-patience of the sweep, on four signals (`interval_changes`):
+patience of the sweep, with and without a loss gate (`LOSS_GATES`), on four signals
+(`interval_changes`):
 
 - `norm`: a layer's gradient norm, as the trainer uses it;
 - `share`: a layer's gradient norm over the head's, which removes the fall every layer
@@ -18,12 +19,12 @@ patience of the sweep, on four signals (`interval_changes`):
 
 For each setting it reports, per order, the epoch in which the whole body (every hidden
 layer) has frozen and what bench/freeze_oracle.py's table for that workload says freezing
-the whole body from the next epoch costs (run the oracle first, with the whole body among
-its `--layers`); then the settings that cost at most 0.3 points on every workload trained
-from scratch, earliest on the fine-tuning bodies first. A replay is exact
-until the first layer freezes; after that the real run's gradients would differ (a
-frozen front changes nothing in front of it, but the layers behind it see the same
-inputs, so the difference is small), which is why only the first decisions are reported.
+the whole body from the start of that epoch costs (run the oracle first, with the whole
+body among its `--layers`); then the settings that cost at most 0.3 points on every
+workload trained from random weights, earliest on the fine-tuning bodies first. A replay
+is exact until the first layer freezes; after that a real run's remaining layers would
+see slightly different gradients, which is why only the whole body's freezing epoch is
+reported.
 Writes bench/results/freeze_replay.json.
 """
 
@@ -51,6 +52,10 @@ SIGNALS = {"norm": (0.05, 0.1, 0.15, 0.2, 0.3), "share": (0.05, 0.1, 0.15, 0.2, 
            "drift": (0.02, 0.05, 0.1, 0.2), "drift_weight": (0.005, 0.01, 0.02, 0.04)}
 INTERVALS = (5, 14, 28)  # steps; 14 is one epoch of the fine-tuning digits at batch 50
 PATIENCES = (1, 2, 3)
+# no gate, or no layer counts as stable until an interval's mean training loss is at
+# most this share of the first interval's: a body still learning its features (from
+# random weights) should not freeze, and a pretrained one has them when the new head fits
+LOSS_GATES = (None, 0.2, 0.1, 0.05)
 SAFE_POINTS = 0.3  # what the issue allows freezing to cost in final accuracy
 
 
@@ -96,7 +101,7 @@ def record(workload: str, order: int, epochs: int) -> dict:
                     last[every] = now
         accuracy.append(digits.accuracy(model, xt, yt))
     per_epoch = len(norms) // epochs
-    return {"norms": norms, "drift": drift, "accuracy": accuracy,
+    return {"norms": norms, "drift": drift, "accuracy": accuracy, "losses": losses,
             "train_loss": [statistics.mean(losses[e * per_epoch:(e + 1) * per_epoch])
                            for e in range(epochs)], "steps_per_epoch": per_epoch}
 
@@ -132,16 +137,29 @@ def interval_changes(run: dict, signal: str, every: int, sample_every: int = 1
     return out
 
 
+def gate_step(losses: list[float], every: int, ratio: float | None) -> int:
+    """The end of the first `every`-step interval whose mean training loss is at most
+    `ratio` times the first interval's (0 without a gate; past the run if never)."""
+    if ratio is None:
+        return 0
+    first = statistics.mean(losses[:every])
+    for end in range(every, len(losses) + 1, every):
+        if statistics.mean(losses[end - every:end]) <= ratio * first:
+            return end
+    return len(losses) + 1
+
+
 def replay(changes: list[tuple[int, list[LayerChange | None]]], threshold: float,
-           patience: int) -> list[tuple[int, tuple[str, ...]]]:
+           patience: int, from_step: int = 0) -> list[tuple[int, tuple[str, ...]]]:
     """The (step, layers) decisions `FreezeCriterion` makes on recorded changes (the last
-    layer is the head, which never freezes)."""
+    layer is the head, which never freezes); evaluations before `from_step` find no
+    layer stable (a loss gate)."""
     names = [f"L{i}" for i in range(len(changes[0][1]) - 1)] + ["head"]
     crit = FreezeCriterion(names, threshold=threshold, patience=patience, keep_last=1)
     decisions = []
     for step, layers in changes:
         seen = {n: ch for n, ch in zip(names, layers, strict=True)
-                if ch is not None and n not in crit.frozen}
+                if ch is not None and n not in crit.frozen and step >= from_step}
         decision = crit.evaluate(step, seen)
         if decision:
             decisions.append((step, decision.layers))
@@ -170,30 +188,31 @@ def oracle_loss(workload: str) -> dict[int, float]:
 
 
 def cost(losses: dict[int, float], frozen_in: float | None) -> float | None:
-    """What the oracle says freezing the body during epoch `frozen_in` costs (from the
-    next epoch on): 0 when it never froze; past the table, the table's last epoch's
-    (None where the table has nothing to say)."""
+    """What the oracle says freezing the body at epoch `frozen_in` costs: the cell for
+    frozen from the start of the epoch it froze in (an upper bound, give or take the
+    noise; frozen at an epoch's end: from the next); 0 when it never froze; past the
+    table, the table's last epoch's (None where the table has nothing to say)."""
     if frozen_in is None:
         return 0.0
     if not losses:
         return None
-    start = math.ceil(frozen_in) + 1
+    start = math.floor(frozen_in) + 1
     return losses.get(start, losses[max(losses)] if start > max(losses) else None)
 
 
 def summary(results: dict) -> list[dict]:
     """Every setting that costs at most `SAFE_POINTS` on every workload trained from
-    scratch, by the median epoch in which it froze the fine-tuning bodies (earliest
+    random weights, by the median epoch in which it froze the fine-tuning bodies (earliest
     first; never counts as the last epoch)."""
-    scratch = [w for w in results if not oracle.WORKLOADS[w][2]]
+    untrained = [w for w in results if not oracle.WORKLOADS[w][2]]
     tuned = [w for w in results if oracle.WORKLOADS[w][2]]
     out = []
     for i, row in enumerate(results[next(iter(results))]["settings"]):
         rows = {w: results[w]["settings"][i] for w in results}
-        worst = [c for w in scratch for c in rows[w]["oracle_loss_points"]]
+        worst = [c for w in untrained for c in rows[w]["oracle_loss_points"]]
         if any(c is None or c > SAFE_POINTS for c in worst):
             continue
-        entry = {k: row[k] for k in ("signal", "threshold", "every", "patience")}
+        entry = {k: row[k] for k in ("signal", "threshold", "every", "patience", "loss_gate")}
         for w in tuned:
             frozen = [e if e is not None else results[w]["epochs"]
                       for e in rows[w]["body_frozen_in_epoch"]]
@@ -224,12 +243,15 @@ def main() -> int:
         rows = []
         for signal, every in itertools.product(SIGNALS, INTERVALS):
             changes = [interval_changes(r, signal, every) for r in runs]
-            for threshold, patience in itertools.product(SIGNALS[signal], PATIENCES):
-                epochs = [body_frozen_epoch(replay(ch, threshold, patience), hidden,
-                                            r["steps_per_epoch"])
+            for threshold, patience, gate in itertools.product(SIGNALS[signal], PATIENCES,
+                                                               LOSS_GATES):
+                epochs = [body_frozen_epoch(replay(ch, threshold, patience,
+                                                   gate_step(r["losses"], every, gate)),
+                                            hidden, r["steps_per_epoch"])
                           for ch, r in zip(changes, runs, strict=True)]
                 rows.append({"signal": signal, "threshold": threshold, "every": every,
-                             "patience": patience, "body_frozen_in_epoch": epochs,
+                             "patience": patience, "loss_gate": gate,
+                             "body_frozen_in_epoch": epochs,
                              "oracle_loss_points": [cost(losses, e) for e in epochs]})
         final = [100 * statistics.mean(r["accuracy"][-5:]) for r in runs]
         results[workload] = {"no_freezing_accuracy": round(statistics.mean(final), 2),
@@ -241,13 +263,13 @@ def main() -> int:
                                             zip(*(r["train_loss"] for r in runs), strict=True)],
                              "steps_per_epoch": runs[0]["steps_per_epoch"], "settings": rows}
     safe = summary(results)
-    print(f"freeze replay: {len(safe)} settings cost at most {SAFE_POINTS} points from "
-          f"scratch; the earliest on the fine-tuning bodies:")
+    print(f"freeze replay: {len(safe)} settings cost at most {SAFE_POINTS} points trained "
+          f"from random weights; the earliest on the fine-tuning bodies:")
     for entry in safe[:8]:
         print("  " + json.dumps(entry), flush=True)
     out = write_result("freeze_replay", {"epochs": args.epochs, "orders": args.orders,
                                          "safe_points": SAFE_POINTS,
-                                         "safe_from_scratch": safe, "workloads": results})
+                                         "safe_from_random_weights": safe, "workloads": results})
     print(f"freeze replay: wrote {out}")
     return 0
 

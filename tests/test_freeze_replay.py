@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from freeze_replay import body_frozen_epoch, cost, interval_changes, replay  # noqa: E402
+from freeze_replay import (  # noqa: E402
+    body_frozen_epoch,
+    cost,
+    gate_step,
+    interval_changes,
+    replay,
+)
 
 # three hidden layers and a head, ten steps an epoch
 STEADY = [[1.0, 2.0, 3.0, 4.0]] * 60
@@ -60,10 +66,19 @@ def test_body_frozen_epoch(decisions, expected):
 
 @pytest.mark.parametrize("frozen_in, expected", [
     (None, 0.0),  # never froze: nothing lost
-    (2.5, 0.7),  # frozen during epoch 3: the oracle's cell for frozen from epoch 4
-    (3.0, 0.7),  # by the end of epoch 3, the same
-    (1.0, None),  # before the table: nothing known
+    (2.5, 1.4),  # frozen during epoch 3: the cell for frozen from its start
+    (3.0, 0.7),  # frozen at the end of epoch 3: the cell for frozen from epoch 4
+    (1.5, None),  # before the table: nothing known
     (9.2, 0.1),  # past the table: its last epoch's
 ])
 def test_cost_reads_the_oracle_cell_for_the_next_epoch(frozen_in, expected):
     assert cost({3: 1.4, 4: 0.7, 5: 0.1}, frozen_in) == expected
+
+
+def test_a_loss_gate_holds_freezing_back_until_the_loss_has_fallen():
+    losses = [2.0] * 10 + [1.0] * 5 + [0.3] * 5 + [0.1] * 40  # intervals of five steps
+    assert gate_step(losses, 5, None) == 0
+    assert gate_step(losses, 5, 0.2) == 20  # 0.3 <= 0.2 * 2.0 first at steps 16-20
+    assert gate_step(losses, 5, 0.01) == 61  # never
+    changes = interval_changes({"norms": STEADY}, "norm", every=5)
+    assert replay(changes, 0.1, patience=2, from_step=20) == [(25, ("L0", "L1", "L2"))]
