@@ -77,14 +77,21 @@ ARMS = {  # arm -> flags after the workload's model flags (FREEZE: its freezing 
 }
 
 
-def arm_flags(workload: str, arm: str, threshold: float | None = None) -> list[str]:
-    """The example's flags for `arm` on `workload` (`threshold`: the criterion's, instead
-    of the workload's)."""
+def arm_flags(workload: str, arm: str, criterion: dict[str, object] | None = None
+              ) -> list[str]:
+    """The example's flags for `arm` on `workload`; `criterion`: freezing flags (such as
+    "--freeze-threshold") -> values instead of the workload's (None: the workload's)."""
     model, freeze = WORKLOADS[workload]
-    if threshold is not None:
-        at = freeze.index("--freeze-threshold")
-        freeze = [*freeze[:at + 1], str(threshold), *freeze[at + 2:]]
+    settings = dict(zip(freeze[::2], freeze[1::2], strict=True))
+    settings.update({k: str(v) for k, v in (criterion or {}).items() if v is not None})
+    freeze = [f for pair in settings.items() for f in pair]
     return model + [f for a in ARMS[arm] for f in (freeze if a == "FREEZE" else [a])]
+
+
+def criterion_flags(args: argparse.Namespace) -> dict[str, object]:
+    """The freezing flags given on the command line (None: the workload's)."""
+    return {"--freeze-threshold": args.freeze_threshold, "--freeze-every": args.freeze_every,
+            "--freeze-signal": args.freeze_signal, "--freeze-loss-gate": args.freeze_loss_gate}
 
 
 def example_cmd(flags: list[str], epochs: int, tmp: Path, name: str, history: Path
@@ -98,9 +105,9 @@ def example_cmd(flags: list[str], epochs: int, tmp: Path, name: str, history: Pa
 
 
 def run(workload: str, arm: str, epochs: int, tmp: Path, rep: int,
-        threshold: float | None = None) -> list[dict]:
+        criterion: dict[str, object] | None = None) -> list[dict]:
     history = tmp / f"{arm}.{rep}.json"
-    cmd = example_cmd(arm_flags(workload, arm, threshold), epochs, tmp, arm, history)
+    cmd = example_cmd(arm_flags(workload, arm, criterion), epochs, tmp, arm, history)
     res = subprocess.run(cmd, env={**os.environ, **mpi_env(),
                                    "CROSSOVER_ENABLE": "0"},
                          capture_output=True, text=True, timeout=600, cwd=REPO)
@@ -134,12 +141,20 @@ def main() -> int:
                          "reps: what it holds once converged)")
     ap.add_argument("--freeze-threshold", type=float, default=None,
                     help="the criterion's threshold (default: the workload's)")
+    ap.add_argument("--freeze-every", type=int, default=None, metavar="N",
+                    help="steps between the criterion's evaluations (default: the "
+                         "workload's)")
+    ap.add_argument("--freeze-signal", choices=("gradient", "weight-drift"), default=None,
+                    help="what the criterion judges a layer by (default: gradient)")
+    ap.add_argument("--freeze-loss-gate", type=float, default=None, metavar="G",
+                    help="the criterion's loss gate (default: none)")
     args = ap.parse_args()
+    criterion = criterion_flags(args)
     tmp = Path(tempfile.mkdtemp(prefix="crossover-freeze-"))
     runs: dict[str, list[list[dict]]] = {arm: [] for arm in ARMS}
     for rep in range(args.reps):
         for arm in ARMS:
-            rows = run(args.workload, arm, args.epochs, tmp, rep, args.freeze_threshold)
+            rows = run(args.workload, arm, args.epochs, tmp, rep, criterion)
             runs[arm].append(rows)
             print(f"freeze bench: rep {rep + 1}/{args.reps} {arm}: {rows[-1]['seconds']:.1f} s,"
                   f" accuracy {rows[-1]['accuracy']:.3f}, frozen {rows[-1]['frozen']}",
@@ -167,7 +182,7 @@ def main() -> int:
     base, frz = arms["graph"], arms["graph_freeze"]
     rep, cache = arms["graph_freeze_repartition"], arms["graph_freeze_cache"]
     result = {
-        "workload": args.workload, "flags": {a: arm_flags(args.workload, a, args.freeze_threshold)
+        "workload": args.workload, "flags": {a: arm_flags(args.workload, a, criterion)
                                               for a in ARMS},
         "target_accuracy": target, "reps": args.reps, "epochs": args.epochs,
         "arms": arms,
@@ -192,8 +207,11 @@ def main() -> int:
     }
     name = "freeze" if args.workload == "digits" else \
         f"freeze_{args.workload.replace('-', '_')}"
-    if args.freeze_threshold is not None:  # beside the workload's own figures
-        name += f"_t{args.freeze_threshold:g}"
+    # beside the workload's own figures: freeze_finetune_wide_t0.04_weight-drift_every14_gate0.2
+    for flag, tag in (("--freeze-threshold", "t"), ("--freeze-signal", ""),
+                      ("--freeze-every", "every"), ("--freeze-loss-gate", "gate")):
+        if criterion[flag] is not None:
+            name += f"_{tag}{criterion[flag]:g}" if tag else f"_{criterion[flag]}"
     plot(runs, RESULTS / f"{name}.png", TITLES[args.workload])
     out = write_result(name, result)
     print(json.dumps({k: result[k] for k in ("arms", "freeze_static_speedup",

@@ -173,7 +173,8 @@ def main() -> int:
                                ("--neighbour-steps", args.neighbour_steps, 10)):
         if value < least:
             ap.error(f"{flag} {value}: give {least} or more")
-    freeze = arm_flags(args.workload, "graph_freeze_cache", args.freeze_threshold)
+    freeze = arm_flags(args.workload, "graph_freeze_cache",
+                       {"--freeze-threshold": args.freeze_threshold})
     flags = {"freeze": freeze, "no_freeze": arm_flags(args.workload, "graph")}
     with tempfile.TemporaryDirectory(prefix="crossover-neighbour-") as tmp_s:
         tmp = args.work or Path(tmp_s)

@@ -192,7 +192,14 @@ def main() -> int:
                          "every N steps (default: no freezing)")
     ap.add_argument("--freeze-threshold", type=float, default=0.05,
                     help="a layer is stable while its mean gradient moves less than this "
-                         "(relative) from one N-step interval to the next")
+                         "(relative) from one N-step interval to the next, or with "
+                         "--freeze-signal weight-drift, its weights move less than this "
+                         "share of their norm in an interval")
+    ap.add_argument("--freeze-signal", choices=("gradient", "weight-drift"),
+                    default="gradient", help="what a layer is judged by (default gradient)")
+    ap.add_argument("--freeze-loss-gate", type=float, default=None, metavar="G",
+                    help="no layer freezes before an interval's mean training loss is at "
+                         "most G times the first interval's (default: no gate)")
     ap.add_argument("--freeze-sample-every", type=int, default=None, metavar="K",
                     help="an interval's mean gradient norms come from every K-th step and "
                          "its last (default: every step of intervals under 32 steps, up "
@@ -254,6 +261,8 @@ def main() -> int:
                               slots=args.slots, freeze_every=args.freeze_every,
                               freeze_threshold=args.freeze_threshold,
                               freeze_sample_every=args.freeze_sample_every,
+                              freeze_signal=args.freeze_signal,
+                              freeze_loss_gate=args.freeze_loss_gate,
                               partitioner=args.partitioner, costs=costs,
                               optimizer=lambda ps: torch.optim.SGD(ps, lr=args.lr,
                                                                    momentum=0.9),

@@ -68,10 +68,35 @@ def test_a_zero_gradient_is_never_stable():
     assert LayerChange(0.0, 0.0).relative == math.inf
 
 
+@pytest.mark.parametrize("losses, expected", [
+    # stable from the start, but nothing freezes until the loss is at most 0.2 of the
+    # first interval's (1.0 -> 0.2 at the 3rd evaluation); patience counts from there
+    ([1.0, 0.5, 0.2, 0.2], [None, None, None, ("l0", "l1", "l2")]),
+    # once open the gate stays open, whatever the loss does after
+    ([1.0, 0.1, 0.9, 0.9], [None, None, ("l0", "l1", "l2"), None]),
+    # never low enough: nothing freezes
+    ([1.0, 0.8, 0.6, 0.4], [None, None, None, None]),
+])
+def test_a_loss_gate_holds_freezing_back_until_the_loss_has_fallen(losses, expected):
+    crit = FreezeCriterion(LAYERS, threshold=0.05, patience=2, loss_gate=0.2)
+    got = []
+    for step, loss in enumerate(losses):
+        d = crit.evaluate(step, changes(0.01, 0.01, 0.01, 0.01), loss)
+        got.append(d.layers if d else None)
+    assert got == expected
+
+
+def test_a_loss_gate_without_a_loss_is_named():
+    with pytest.raises(ValueError, match="loss gate needs each interval's training loss"):
+        FreezeCriterion(LAYERS, loss_gate=0.2).evaluate(0, changes(0.01))
+
+
 @pytest.mark.parametrize("kw, words", [
     ({"threshold": 0}, "threshold 0"),
     ({"patience": 0}, "patience 0"),
     ({"keep_last": -1}, "keep_last -1"),
+    ({"loss_gate": 0.0}, r"loss gate 0.0: give a share of the first loss in \(0, 1\]"),
+    ({"loss_gate": 1.5}, "loss gate 1.5"),
 ])
 def test_bad_settings_are_named(kw, words):
     with pytest.raises(ValueError, match=words):

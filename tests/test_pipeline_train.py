@@ -238,12 +238,14 @@ from crossover.pipeline.models import build
 from crossover.pipeline.train import PipelineTrainer
 
 name, steps, out, replicas = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+signal, gate = (sys.argv[5], float(sys.argv[6])) if len(sys.argv) > 5 else ("gradient", None)
 torch.set_num_threads(1)
 spec = build(name, torch.float64, small=True)
 x, y = spec.make_batch(8, 7)  # one batch again and again: gradients settle
 t = PipelineTrainer(spec.module, spec.loss, batch=8, num_micro=4, example=x,
                     replicas=[int(r) for r in replicas.split(",")] if replicas else None,
-                    freeze_every=2, freeze_threshold=0.3, freeze_patience=1)
+                    freeze_every=2, freeze_threshold=0.3, freeze_patience=1,
+                    freeze_signal=signal, freeze_loss_gate=gate)
 opt = torch.optim.SGD(t.parameters(), lr=0.05, momentum=0.9)
 losses = []
 for _ in range(steps):
@@ -293,16 +295,20 @@ def one_process_with_freezing(name: str, steps: int, log: list, optimizer=sgd,
     return losses, spec.module
 
 
-@pytest.mark.parametrize("np_, replicas", [(2, ""), (3, "2,1")])
+@pytest.mark.parametrize("np_, replicas, signal", [
+    (2, "", ()), (3, "2,1", ()),
+    # the weights' drift, held back by a loss gate (checked below)
+    (2, "", ("weight-drift", "0.9")),
+])
 def test_training_with_freezing_equals_one_process_with_the_same_freezes(
-        tmp_path, cluster, np_, replicas):
+        tmp_path, cluster, np_, replicas, signal):
     """Freezing decisions are the same on every rank (with stage 0 on 2 replicas, its
     ranks see different halves of each micro-batch), and the pipelined run equals one
     process that freezes the same layers after the same steps, to 1e-12."""
     script = tmp_path / "freeze.py"
     script.write_text(FREEZE_JOB)
     out = tmp_path / "f"
-    proc = Proc(mpirun(np_, PY, str(script), "chain", "16", str(out), replicas),
+    proc = Proc(mpirun(np_, PY, str(script), "chain", "16", str(out), replicas, *signal),
                 dict(cluster.env, CROSSOVER_ENABLE="0"), tmp_path / "freeze.log")
     cluster.procs.append(proc)
     proc.wait(180)
@@ -316,6 +322,10 @@ def test_training_with_freezing_equals_one_process_with_the_same_freezes(
     losses, module = one_process_with_freezing("chain", 16, log)
     assert runs[0]["losses"] == pytest.approx(losses, rel=1e-12)
     assert_close(torch.load(out.with_suffix(".pt")), module)
+    if signal:  # nothing froze before an interval's mean loss fell to 0.9 of the first's
+        means = [sum(runs[0]["losses"][i:i + 2]) / 2 for i in range(0, 16, 2)]
+        opened = next(2 * k + 1 for k, m in enumerate(means) if m <= 0.9 * means[0])
+        assert log[0][0] >= opened > 1, (log, means)
 
 
 SAMPLED_READS = """

@@ -9,6 +9,7 @@ from crossover.freeze.criterion import (
     default_sample_every,
     reads_gradients,
 )
+from crossover.freeze.drift import DriftTracker
 from crossover.freeze.migrate import (
     Move,
     load_optimizer_state,
@@ -18,7 +19,6 @@ from crossover.freeze.migrate import (
     state_hash,
 )
 
-__all__ = ["FreezeCriterion", "FreezeDecision", "GradientTracker", "LayerChange", "Move",
-           "default_sample_every",
-           "load_optimizer_state", "migrate", "optimizer_state", "plan_moves", "reads_gradients",
-           "state_hash"]
+__all__ = ["DriftTracker", "FreezeCriterion", "FreezeDecision", "GradientTracker",
+           "LayerChange", "Move", "default_sample_every", "load_optimizer_state", "migrate",
+           "optimizer_state", "plan_moves", "reads_gradients", "state_hash"]

@@ -58,6 +58,11 @@ class FreezeCriterion:
         threshold: a layer is stable while its relative gradient change is below this.
         patience: evaluations in a row a layer must be stable before it freezes.
         keep_last: layers at the back that never freeze (the head keeps adapting).
+        loss_gate: no layer counts as stable until an evaluation's training loss is at
+            most this share of the first evaluation's (then the gate stays open): a body
+            still learning its features should not freeze, and a pretrained one has
+            them once the new head fits. None: no gate.
+        measure: what the changes measure, for the decisions' reasons.
 
     Raises:
         ValueError: a setting out of range, naming it.
@@ -67,8 +72,12 @@ class FreezeCriterion:
     threshold: float = 0.05
     patience: int = 2
     keep_last: int = 1
+    loss_gate: float | None = None
+    measure: str = "gradient change"
     frozen: list[str] = field(default_factory=list)
     _stable: dict[str, int] = field(default_factory=dict)
+    _first_loss: float | None = None
+    _gate_open: bool = False
 
     def __post_init__(self) -> None:
         if not self.threshold > 0:
@@ -77,15 +86,31 @@ class FreezeCriterion:
             raise ValueError(f"freeze patience {self.patience!r}: give 1 or more evaluations")
         if self.keep_last < 0:
             raise ValueError(f"keep_last {self.keep_last!r}: give 0 or more layers")
+        if self.loss_gate is not None and not 0 < self.loss_gate <= 1:
+            raise ValueError(f"freeze loss gate {self.loss_gate!r}: give a share of the "
+                             f"first loss in (0, 1], or none")
 
-    def evaluate(self, step: int, changes: Mapping[str, LayerChange]) -> FreezeDecision | None:
+    def evaluate(self, step: int, changes: Mapping[str, LayerChange],
+                 loss: float | None = None) -> FreezeDecision | None:
         """One evaluation: the layers to freeze now, or None.
 
         Args:
             step: the training step just finished.
             changes: the interval's change for every trainable layer not yet frozen
                 (a missing layer counts as unstable).
+            loss: the interval's mean training loss (needed with `loss_gate`).
+
+        Raises:
+            ValueError: a loss gate and no loss.
         """
+        if self.loss_gate is not None and not self._gate_open:
+            if loss is None:
+                raise ValueError("the freeze loss gate needs each interval's training loss")
+            if self._first_loss is None:
+                self._first_loss = loss
+            self._gate_open = loss <= self.loss_gate * self._first_loss
+            if not self._gate_open:
+                changes = {}  # every layer counts as unstable until the loss has fallen
         for name in self.layers:
             ch = changes.get(name)
             stable = ch is not None and ch.relative < self.threshold
@@ -101,7 +126,7 @@ class FreezeCriterion:
         self.frozen += newly
         worst = max(changes[n].relative for n in newly)
         return FreezeDecision(step, tuple(newly),
-                              f"gradient change under {self.threshold:g} for {self.patience} "
+                              f"{self.measure} under {self.threshold:g} for {self.patience} "
                               f"evaluations (at most {worst:.3g})")
 
 

@@ -25,6 +25,7 @@ import torch
 
 from crossover.freeze.cache import FrozenPrefix
 from crossover.freeze.criterion import GradientTracker
+from crossover.freeze.drift import DriftTracker
 from crossover.freeze.migrate import load_optimizer_state, migrate, optimizer_state
 from crossover.pipeline.graph import Graph
 from crossover.pipeline.partition import parameter_costs, plan_for
@@ -56,7 +57,7 @@ class Host(Protocol):
     frozen_cost: float
     cache_frozen: bool
     freeze_every: int | None
-    tracker: GradientTracker
+    tracker: GradientTracker | DriftTracker
     steps: int
     repartitions: list[tuple[int, str]]
 

@@ -41,6 +41,7 @@ from torch import nn
 
 from crossover import session
 from crossover.freeze import (
+    DriftTracker,
     FreezeCriterion,
     FreezeDecision,
     GradientTracker,
@@ -66,6 +67,9 @@ from crossover.pipeline.schedule import schedule_for
 from crossover.pipeline.waits import from_rank_0
 from crossover.protocol import Phase
 
+#: freeze_signal -> the tracker that turns a rank's layers into `LayerChange`s
+TRACKERS: dict[str, type[GradientTracker] | type[DriftTracker]] = {
+    "gradient": GradientTracker, "weight-drift": DriftTracker}
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
 
@@ -94,7 +98,11 @@ class PipelineTrainer(Repartitioning):
             this many steps and the interval's last (`reads_gradients`; a read costs
             4-10% of a CPU step of a small MLP); default `default_sample_every`: every
             step of intervals under 32 steps, up to every 8th of 128 or more (at least
-            16 reads an interval). Frozen
+            16 reads an interval). freeze_signal: what the criterion judges a layer
+            by: "gradient" (the relative change of its mean gradient norm) or
+            "weight-drift" (its weights' move over the interval against their norm,
+            `DriftTracker`; for fine-tuning, with a loss gate); freeze_loss_gate: see
+            `FreezeCriterion`. Frozen
             layers get no gradient, so the optimizer leaves them alone; decisions are
             the same on every rank (`freeze_log`).
         timeout: longest wait for any message between stages, seconds.
@@ -136,7 +144,8 @@ class PipelineTrainer(Repartitioning):
                  leaf_modules: Sequence[type[nn.Module]] = (),
                  replicas: Sequence[int] | None = None, freeze_every: int | None = None,
                  freeze_threshold: float = 0.05, freeze_patience: int = 2,
-                 freeze_sample_every: int | None = None,
+                 freeze_sample_every: int | None = None, freeze_signal: str = "gradient",
+                 freeze_loss_gate: float | None = None,
                  optimizer: OptimizerFactory | None = None, repartition: bool = False,
                  frozen_cost: float = 1 / 6, cache_frozen: bool = False,
                  scheduler: SchedulerFactory | None = None) -> None:
@@ -155,6 +164,15 @@ class PipelineTrainer(Repartitioning):
         self.prefix: FrozenPrefix | None = None  # the frozen front cut off (cache_frozen)
         self.replicas = list(replicas) if replicas else None
         self.graph = Graph.from_fx(model, leaf_modules=tuple(leaf_modules))
+        if freeze_signal not in TRACKERS:
+            raise ValueError(f"freeze_signal={freeze_signal!r}: give one of "
+                             f"{', '.join(TRACKERS)}")
+        self.tracker_type = TRACKERS[freeze_signal]
+        if freeze_every is not None:  # front to back: the graph's ops are in topological order
+            self.criterion = FreezeCriterion(
+                [n for n, op in self.graph.ops.items() if op.params], freeze_threshold,
+                freeze_patience, loss_gate=freeze_loss_gate,
+                measure="gradient change" if freeze_signal == "gradient" else "weight drift")
         plan, self.shapes = from_rank_0(
             comm, "planning", lambda: self._plan(example, num_micro, partitioner, costs))
         check_ranks(plan, comm.Get_size())
@@ -167,10 +185,7 @@ class PipelineTrainer(Repartitioning):
         self.freeze_log: list[FreezeDecision] = []
         self.repartitions: list[tuple[int, str]] = []  # (after step, new plan)
         self.steps = 0
-        # front to back: the graph's ops are in topological order
-        layers = [n for n, op in self.graph.ops.items() if op.params]
-        if freeze_every is not None:
-            self.criterion = FreezeCriterion(layers, freeze_threshold, freeze_patience)
+        self._interval_loss = 0.0  # this interval's summed training loss (a loss gate)
         self._build(plan)
 
     def _build(self, plan: Plan) -> None:
@@ -195,9 +210,9 @@ class PipelineTrainer(Repartitioning):
                                       spare=self.cache_frozen)
         if self.freeze_every is not None:
             frozen = set(self.criterion.frozen)
-            self.tracker = GradientTracker({o: list(graph.ops[o].params.values())
-                                            for o in ops if graph.ops[o].params
-                                            and o not in frozen})
+            self.tracker = self.tracker_type({o: list(graph.ops[o].params.values())
+                                              for o in ops if graph.ops[o].params
+                                              and o not in frozen})
         # frozen parameters get no optimizer (and so no optimizer state)
         trainable = [p for p in self.parameters() if p.requires_grad]
         self.optimizer: torch.optim.Optimizer | None = \
@@ -300,28 +315,31 @@ class PipelineTrainer(Repartitioning):
             loss = self.runner.run(feeds, lambda m: target[m * m_rows:(m + 1) * m_rows],
                                    self.loss_fn)
         self.steps += 1
-        decision = self._maybe_freeze() if self.freeze_every is not None else None
+        total = self.comm.allreduce(loss)
+        decision = self._maybe_freeze(total) if self.freeze_every is not None else None
         if self.optimizer is not None:
             self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
         if decision is not None and self.auto_repartition:
             self.repartition()
-        return self.comm.allreduce(loss)
+        return total
 
-    def _maybe_freeze(self) -> FreezeDecision | None:
-        """After a step's backward: track gradients (on sampled steps); at an interval's
-        end, decide from every stage's figures (gathered, so every rank decides alike)
-        and freeze."""
+    def _maybe_freeze(self, loss: float) -> FreezeDecision | None:
+        """After a step's backward (`loss`: the step's, every rank's summed): track
+        gradients (on sampled steps); at an interval's end, decide from every stage's
+        figures (gathered, so every rank decides alike) and freeze."""
         if reads_gradients(self.steps, self.freeze_every, self.freeze_sample_every):
             self.tracker.accumulate()
+        self._interval_loss += loss
         if self.steps % self.freeze_every:
             return None
+        mean_loss, self._interval_loss = self._interval_loss / self.freeze_every, 0.0
         local = self.tracker.changes()
         merged: dict[str, LayerChange] = {}
         for part in self.comm.allgather(local if self.replica == 0 else {}):
             merged.update(part)  # a stage's replicas hold the same (summed) gradients
-        decision = self.criterion.evaluate(self.steps - 1, merged)
+        decision = self.criterion.evaluate(self.steps - 1, merged, mean_loss)
         if decision is None:
             return None
         for name in decision.layers:
