@@ -9,9 +9,10 @@ move does (bench/freeze_replay.py). It is not safe alone on a body trained from 
 weights, whose early moves are small against its initial norm: pair it with the
 criterion's loss gate.
 
-It costs a copy of the tracked weights once an interval and nothing per step. A
-re-partition builds a new tracker mid-interval, whose first interval would be short and
-its move small: every layer then reports nothing until a whole interval has passed.
+It keeps a copy of the tracked weights (taken again once an interval) and costs nothing
+per step. A re-partition builds a new tracker mid-interval, whose first interval would
+be short and its move small: every layer then reports nothing until a whole interval
+has passed.
 """
 
 from __future__ import annotations
