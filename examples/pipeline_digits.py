@@ -188,8 +188,8 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument("--slots", action="store_true", help="share devices via the daemon")
     ap.add_argument("--freeze-every", type=int, default=None, metavar="N",
-                    help="freeze front layers whose gradients stopped changing, judged "
-                         "every N steps (default: no freezing)")
+                    help="freeze front layers that stopped learning (--freeze-signal), "
+                         "judged every N steps (default: no freezing)")
     ap.add_argument("--freeze-threshold", type=float, default=0.05,
                     help="a layer is stable while its mean gradient moves less than this "
                          "(relative) from one N-step interval to the next, or with "

@@ -18,6 +18,9 @@ def layers() -> dict[str, list[torch.nn.Parameter]]:
 def test_drift_is_the_interval_move_over_the_weight_norm():
     params = layers()
     tracker = DriftTracker(params)
+    # the first interval reports nothing: its copy predates the first update, and it
+    # ends before its last (so with one-step intervals it would measure no move at all)
+    assert tracker.changes() == {}
     with torch.no_grad():
         params["a"][0].copy_(torch.tensor([3.0, 4.0]) * 1.2)  # moved by 1 (norm 6 now)
     tracker.accumulate()
@@ -31,18 +34,28 @@ def test_drift_is_the_interval_move_over_the_weight_norm():
     assert tracker.changes()["b"].relative == pytest.approx(1.0 / 11.0)
 
 
-def test_a_tracker_built_after_a_repartition_skips_its_partial_interval():
+def test_after_a_repartition_only_the_layers_that_stayed_go_on():
     params = layers()
-    tracker = DriftTracker(params)
-    tracker.adopt(tracker.export(), steps=3)  # built mid-interval: 3 steps already run
-    assert tracker.steps == 3 and tracker.export() == {}
+    before = DriftTracker({"a": params["a"]})  # this rank held "a" only
+    before.changes()  # past the first interval: whole intervals from here
     with torch.no_grad():
-        params["a"][0].mul_(1.001)  # a short interval's small move
-    assert tracker.changes() == {}, "a partial interval must not look stable"
-    assert set(tracker.changes()) == {"a", "b"}  # whole intervals from then on
+        params["a"][0].copy_(torch.tensor([3.0, 4.0]) * 1.2)  # moved by 1 this interval
+    # mid-interval, "a" stays on this rank and "b" arrives from another
+    after = DriftTracker({"a": params["a"], "b": params["b"]})
+    after.adopt(before.export(), steps=3)
+    assert after.steps == 3 and before.export() == {}
+    after.continue_from(DriftTracker({"a": params["a"]}))  # a copy taken mid-interval
+    assert after.changes() == {}, "copies from mid-interval must not report"
+    after = DriftTracker(params)
+    after.adopt({}, steps=3)
+    after.continue_from(before)  # "a"'s copy from the interval's start
+    got = after.changes()
+    assert set(got) == {"a"} and got["a"].relative == pytest.approx(1.0 / 6.0)
+    assert set(after.changes()) == {"a", "b"}  # whole intervals from then on
 
 
 def test_forgotten_layers_are_not_reported():
     tracker = DriftTracker(layers())
+    tracker.changes()
     tracker.forget(["a"])
     assert set(tracker.changes()) == {"b"}

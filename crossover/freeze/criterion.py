@@ -7,7 +7,9 @@ measure). A layer whose change stays under `threshold` for `patience` evaluation
 row is stable. (The change of the mean
 gradient vector, FreezePipe's wording, never settles under minibatch noise: as the
 mean gradient shrinks toward zero its relative change grows; on the digits example it
-froze nothing at any threshold up to 0.6.)
+froze nothing at any threshold up to 0.6.) `crossover/freeze/drift.py` measures a
+layer by its weights' move instead (for fine-tuning), and a loss gate holds every layer
+back until the training loss has fallen.
 Layers freeze front first: the longest run of stable layers right after the frozen
 prefix freezes, and a stable layer behind an unstable one waits, so backward can always
 stop at the end of the frozen prefix (PipeTransformer's rule).
@@ -21,6 +23,7 @@ numbers per layer and interval; those numbers are gathered to every rank, and th
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -55,13 +58,16 @@ class FreezeCriterion:
 
     Args:
         layers: every trainable layer, front to back (the graph's topological order).
-        threshold: a layer is stable while its relative gradient change is below this.
+        threshold: a layer is stable while its change (`LayerChange.relative`: of its
+            gradient norm from `GradientTracker`, of its weights from `DriftTracker`) is
+            below this.
         patience: evaluations in a row a layer must be stable before it freezes.
         keep_last: layers at the back that never freeze (the head keeps adapting).
         loss_gate: no layer counts as stable until an evaluation's training loss is at
             most this share of the first evaluation's (then the gate stays open): a body
             still learning its features should not freeze, and a pretrained one has
-            them once the new head fits. None: no gate.
+            them once the new head fits. None: no gate. (A first loss of 0 opens it at
+            once; a NaN loss keeps it shut.)
         measure: what the changes measure, for the decisions' reasons.
 
     Raises:
@@ -86,7 +92,9 @@ class FreezeCriterion:
             raise ValueError(f"freeze patience {self.patience!r}: give 1 or more evaluations")
         if self.keep_last < 0:
             raise ValueError(f"keep_last {self.keep_last!r}: give 0 or more layers")
-        if self.loss_gate is not None and not 0 < self.loss_gate <= 1:
+        if self.loss_gate is not None and (not isinstance(self.loss_gate, numbers.Real)
+                                           or isinstance(self.loss_gate, bool)
+                                           or not 0 < self.loss_gate <= 1):
             raise ValueError(f"freeze loss gate {self.loss_gate!r}: give a share of the "
                              f"first loss in (0, 1], or none")
 

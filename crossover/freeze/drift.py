@@ -10,9 +10,11 @@ weights, whose early moves are small against its initial norm: pair it with the
 criterion's loss gate.
 
 It keeps a copy of the tracked weights (taken again once an interval) and costs nothing
-per step. A re-partition builds a new tracker mid-interval, whose first interval would
-be short and its move small: every layer then reports nothing until a whole interval
-has passed.
+per step. A layer whose copy does not date from its interval's start reports nothing
+for that interval, so that a short interval's small move never looks stable: the first
+interval (the copy is taken before the first update, the interval ends before its last)
+and, after a re-partition, the interval in which a layer came to this rank. A layer that
+stayed on its rank goes on from its copy (`continue_from`).
 """
 
 from __future__ import annotations
@@ -37,12 +39,12 @@ class DriftTracker:
     def __init__(self, params: Mapping[str, Sequence[torch.nn.Parameter]]) -> None:
         self.params = {k: list(v) for k, v in params.items()}
         self._start = {k: self._weights(k) for k in self.params}
-        self._partial: set[str] = set()  # snapshots taken mid-interval
+        self._partial = set(self.params)  # copies that do not date from the interval's start
         self._steps = 0
 
     @torch.no_grad()
     def _weights(self, layer: str) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1) for p in self.params[layer]]).clone()
+        return torch.cat([p.detach().reshape(-1) for p in self.params[layer]])  # a copy
 
     def accumulate(self) -> None:
         """After a step's backward: nothing to read (the move is taken once an interval)."""
@@ -52,16 +54,18 @@ class DriftTracker:
     def changes(self) -> dict[str, LayerChange]:
         """Close the interval: each layer's move over it against its weights' norm (a
         layer whose snapshot is younger than the interval reports nothing)."""
-        out = {}
+        reported, norms = [], []
         for name in self.params:
             now = self._weights(name)
             if name not in self._partial:
-                out[name] = LayerChange(float((now - self._start[name]).norm()),
-                                        float(now.norm()))
+                reported.append(name)
+                norms += [(now - self._start[name]).norm(), now.norm()]
             self._start[name] = now
+        figures = torch.stack(norms).tolist() if norms else []  # one host sync
         self._partial.clear()
         self._steps = 0
-        return out
+        return {name: LayerChange(figures[2 * i], figures[2 * i + 1])
+                for i, name in enumerate(reported)}
 
     def forget(self, layers: Sequence[str]) -> None:
         """Stop tracking frozen layers."""
@@ -74,12 +78,21 @@ class DriftTracker:
         return {}
 
     def adopt(self, figures: Mapping, steps: int) -> None:
-        """After a re-partition (this tracker built mid-interval): every layer reports
-        nothing at the end of this interval, whose start it did not see."""
+        """After a re-partition (this tracker built then): every layer reports nothing at
+        the end of this interval, whose start it did not see, unless `continue_from`
+        gives it the copy from the interval's start."""
         self._steps = steps
         self._partial = set(self.params)
 
+    def continue_from(self, previous: DriftTracker) -> None:
+        """Go on from `previous` (this rank's tracker before a re-partition) for the
+        layers that stayed on this rank: their copies date from the interval's start."""
+        for name in self.params.keys() & previous._start.keys():
+            self._start[name] = previous._start[name]
+            if name not in previous._partial:
+                self._partial.discard(name)
+
     @property
     def steps(self) -> int:
-        """Steps in the current interval."""
+        """Reads (`accumulate` calls) in the current interval."""
         return self._steps

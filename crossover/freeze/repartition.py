@@ -132,6 +132,7 @@ class Repartitioning:
             for part in self.comm.allgather(mine):
                 figures.update(part)
             steps = self.tracker.steps
+            before = self.tracker
         kept = migrate(tensors, state, owners(self.graph, self.plan, self.prefix),
                        owners(self.graph, planned, prefix), self.comm, self.timeout)
         for p in params.values():
@@ -151,6 +152,8 @@ class Repartitioning:
                 self.scheduler.load_state_dict(scheduler)
         if self.freeze_every is not None:
             self.tracker.adopt(figures, steps)
+            if isinstance(self.tracker, DriftTracker):  # weight copies stay on their rank
+                self.tracker.continue_from(before)
         self.repartitions.append((self.steps, planned.describe()))
         return True
 

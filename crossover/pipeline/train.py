@@ -155,6 +155,7 @@ class PipelineTrainer(Repartitioning):
             comm = MPI.COMM_WORLD
         _check_settings(model, batch, num_micro, optimizer, scheduler, freeze_every,
                         freeze_sample_every, repartition, cache_frozen)
+        _check_freeze_signal(freeze_every, freeze_signal, freeze_loss_gate)
         self.model, self.loss_fn, self.comm = model, loss_fn, comm
         self.batch, self.num_micro, self.timeout = batch, num_micro, timeout
         self.partitioner, self.schedule, self.costs = partitioner, schedule, costs
@@ -164,9 +165,6 @@ class PipelineTrainer(Repartitioning):
         self.prefix: FrozenPrefix | None = None  # the frozen front cut off (cache_frozen)
         self.replicas = list(replicas) if replicas else None
         self.graph = Graph.from_fx(model, leaf_modules=tuple(leaf_modules))
-        if freeze_signal not in TRACKERS:
-            raise ValueError(f"freeze_signal={freeze_signal!r}: give one of "
-                             f"{', '.join(TRACKERS)}")
         self.tracker_type = TRACKERS[freeze_signal]
         if freeze_every is not None:  # front to back: the graph's ops are in topological order
             self.criterion = FreezeCriterion(
@@ -185,7 +183,7 @@ class PipelineTrainer(Repartitioning):
         self.freeze_log: list[FreezeDecision] = []
         self.repartitions: list[tuple[int, str]] = []  # (after step, new plan)
         self.steps = 0
-        self._interval_loss = 0.0  # this interval's summed training loss (a loss gate)
+        self._interval_loss = 0.0  # this rank's part of the interval's loss (a loss gate)
         self._build(plan)
 
     def _build(self, plan: Plan) -> None:
@@ -210,9 +208,10 @@ class PipelineTrainer(Repartitioning):
                                       spare=self.cache_frozen)
         if self.freeze_every is not None:
             frozen = set(self.criterion.frozen)
+            # only a stage's first replica reports (its replicas hold the same figures)
             self.tracker = self.tracker_type({o: list(graph.ops[o].params.values())
                                               for o in ops if graph.ops[o].params
-                                              and o not in frozen})
+                                              and o not in frozen and self.replica == 0})
         # frozen parameters get no optimizer (and so no optimizer state)
         trainable = [p for p in self.parameters() if p.requires_grad]
         self.optimizer: torch.optim.Optimizer | None = \
@@ -315,31 +314,34 @@ class PipelineTrainer(Repartitioning):
             loss = self.runner.run(feeds, lambda m: target[m * m_rows:(m + 1) * m_rows],
                                    self.loss_fn)
         self.steps += 1
-        total = self.comm.allreduce(loss)
-        decision = self._maybe_freeze(total) if self.freeze_every is not None else None
+        decision = self._maybe_freeze(loss) if self.freeze_every is not None else None
         if self.optimizer is not None:
             self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
         if decision is not None and self.auto_repartition:
             self.repartition()
-        return total
+        return self.comm.allreduce(loss)
 
     def _maybe_freeze(self, loss: float) -> FreezeDecision | None:
-        """After a step's backward (`loss`: the step's, every rank's summed): track
-        gradients (on sampled steps); at an interval's end, decide from every stage's
-        figures (gathered, so every rank decides alike) and freeze."""
+        """After a step's backward (`loss`: this rank's part of it): track gradients (on
+        sampled steps); at an interval's end, decide from every stage's figures and the
+        interval's loss (gathered, so every rank decides alike) and freeze."""
         if reads_gradients(self.steps, self.freeze_every, self.freeze_sample_every):
             self.tracker.accumulate()
         self._interval_loss += loss
         if self.steps % self.freeze_every:
             return None
-        mean_loss, self._interval_loss = self._interval_loss / self.freeze_every, 0.0
         local = self.tracker.changes()
         merged: dict[str, LayerChange] = {}
-        for part in self.comm.allgather(local if self.replica == 0 else {}):
+        summed = 0.0  # every rank's loss over the interval: the steps' returned totals
+        for part, part_loss in self.comm.allgather(
+                (local if self.replica == 0 else {}, self._interval_loss)):
             merged.update(part)  # a stage's replicas hold the same (summed) gradients
-        decision = self.criterion.evaluate(self.steps - 1, merged, mean_loss)
+            summed += part_loss
+        self._interval_loss = 0.0
+        decision = self.criterion.evaluate(self.steps - 1, merged,
+                                           summed / self.freeze_every)
         if decision is None:
             return None
         for name in decision.layers:
@@ -386,6 +388,18 @@ class PipelineTrainer(Repartitioning):
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Restore the whole model (as `state_dict` or the unpipelined model gave it)."""
         self.model.load_state_dict(state)
+
+
+def _check_freeze_signal(freeze_every: int | None, freeze_signal: str,
+                         freeze_loss_gate: float | None) -> None:
+    """Raise ValueError, naming the fix, for a freezing signal or gate that cannot work."""
+    if freeze_signal not in TRACKERS:
+        raise ValueError(f"freeze_signal={freeze_signal!r}: give one of {', '.join(TRACKERS)}")
+    for name, value, default in (("freeze_signal", freeze_signal, "gradient"),
+                                 ("freeze_loss_gate", freeze_loss_gate, None)):
+        if freeze_every is None and value != default:
+            raise ValueError(f"{name}={value!r} sets the freezing criterion: pass "
+                             f"freeze_every too")
 
 
 def _check_settings(model: nn.Module, batch: int, num_micro: int,
