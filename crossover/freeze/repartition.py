@@ -95,7 +95,9 @@ class Repartitioning:
         stage, and the factories build a new optimizer (and scheduler) over the stage's
         trainable parameters with the moved state, the hyperparameters and the
         schedule in force. Gradient-tracker figures move with their layers, so
-        freezing loses no interval. Collective: every rank calls it, between steps.
+        freezing loses no interval; weight-drift copies stay on their rank, so a layer
+        that moves skips the interval it moved in. Collective: every rank calls it,
+        between steps.
 
         Args:
             plan: the new plan (default: re-planned by the trainer's partitioner).
