@@ -147,7 +147,7 @@ def test_a_ddp_job_under_torchrun_across_the_hosts_shares_them_with_a_horovod_jo
     with EmulatedCluster(mbit=1000) as cluster:
         def solo(name: str, workload: list[str], seed: int) -> dict:
             return run_jobs(cluster, [name], workload, 20, plain, tmp_path, 180,
-                            first_seed=seed)[0]
+                            first_seed=seed, reference=True)[0]
 
         horovod_a, ddp_a, ddp_b = (solo("hvdA", HOROVOD_JOB, 1), solo("ddpA", DDP_JOB, 1),
                                    solo("ddpB", DDP_JOB, 2))

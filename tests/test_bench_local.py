@@ -31,8 +31,10 @@ def launch(argv: list[str]) -> list[str]:
 @pytest.mark.timeout(300)
 def test_local_gloo_jobs_train_the_same_weights_alone_and_under_crossover(tmp_path):
     plain = {"CROSSOVER_ENABLE": "0"}
-    solo_a = run_jobs(launch, ["soloA"], WORKLOAD, 4, plain, tmp_path, 120, first_seed=1)[0]
-    solo_b = run_jobs(launch, ["soloB"], WORKLOAD, 4, plain, tmp_path, 120, first_seed=2)[0]
+    solo_a = run_jobs(launch, ["soloA"], WORKLOAD, 4, plain, tmp_path, 120, first_seed=1,
+                      reference=True)[0]
+    solo_b = run_jobs(launch, ["soloB"], WORKLOAD, 4, plain, tmp_path, 120, first_seed=2,
+                      reference=True)[0]
     assert solo_a["weights_sha256"] != solo_b["weights_sha256"]  # the digest sees the seed
     traces = tmp_path / "traces"
     # Always antiphase: the no-overlap check below is its property. Under the default

@@ -12,6 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from common import arm_order, stop_all  # noqa: E402
+from jobs import TORCH_EXIT_ABORT, result_line  # noqa: E402
 
 from crossover.launch.local import DaemonProcess  # noqa: E402
 
@@ -221,3 +222,19 @@ def test_the_neighbour_is_compared_over_the_same_offsets_beside_the_control() ->
     with pytest.raises(RuntimeError, match="raise --neighbour-steps"):
         compare(PipelineRun(rows, 5.0, ends[:-100]), PipelineRun(ctl_rows, 113.0,
                                                                  _steps(100, 113, 10)))
+
+
+RESULT = '{"model": "mlp", "seconds": 1.0}'
+
+
+@pytest.mark.parametrize("output, rc, reference, done", [
+    (f"warming up\n{RESULT}\n", 0, False, True),
+    ("warming up\n", 0, False, False),  # no result: failed whatever the exit code
+    (f"{RESULT}\n{TORCH_EXIT_ABORT}\n", 1, False, False),  # a measured job must exit 0
+    (f"{RESULT}\n{TORCH_EXIT_ABORT}\n", 1, True, True),  # a reference run's result stands
+    (f"{TORCH_EXIT_ABORT}\n{RESULT}\n", 1, True, False),  # aborted before it finished
+    (f"{RESULT}\nTraceback\n", 1, True, False),  # another failure after the result
+])
+def test_a_reference_job_counts_as_done_when_torch_aborts_after_its_result(
+        output, rc, reference, done):
+    assert result_line(output, rc, reference) == (RESULT if done else None)

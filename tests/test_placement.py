@@ -76,7 +76,7 @@ STEPS = [300, 600]  # about 2-3 s alone for jA; jB trains on alone once jA is do
 def test_two_cpu_jobs_on_one_host_get_cores_of_their_own_and_train_as_alone(tmp_path):
     plain = {"CROSSOVER_ENABLE": "0"}
     solo = [run_jobs(one_host_launch, [f"solo{x}"], WORKLOAD, STEPS[i], plain, tmp_path, 120,
-                     job_env=ONE_HOST_ENV, first_seed=i + 1)[0]
+                     job_env=ONE_HOST_ENV, first_seed=i + 1, reference=True)[0]
             for i, x in enumerate("AB")]
     traces = tmp_path / "traces"
     with DaemonProcess(tmp_path / "run", policy="auto", log=tmp_path / "daemon.log") as d:
