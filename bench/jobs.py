@@ -46,11 +46,11 @@ def job_workloads(wl: str, n_jobs: int) -> list[list[str]]:
 #: The jobs' transport: "gloo" (waits in the kernel) or "mpi" (Open MPI TCP, polls).
 TRANSPORT = os.environ.get("CROSSOVER_BENCH_TRANSPORT", "gloo")
 
-#: Horovod's background cycle: its default 1 ms polling competes for the host's only core.
 # what torch prints when a std::thread of its gloo process group is torn down unjoined
 # at exit, now and then, after the job has finished and even with its process group
 # destroyed (tests/conftest.py tolerates it in reference runs alike)
 TORCH_EXIT_ABORT = "terminate called without an active exception"
+#: Horovod's background cycle: its default 1 ms polling competes for the host's only core.
 JOB_ENV = {"HOROVOD_CYCLE_TIME": "5", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 #: One host (as `make demo`): MPI ranks yield when they wait (see examples/demo.py).
 ONE_HOST_ENV = {**JOB_ENV, "OMPI_MCA_mpi_yield_when_idle": "1"}

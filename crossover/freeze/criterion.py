@@ -290,6 +290,10 @@ class GradientTracker:
                 if prev is not None:
                     self._prev[name] = prev
 
+    def continue_from(self, previous: GradientTracker) -> None:
+        """Nothing to take from this rank's tracker before a re-partition: the figures
+        moved with their layers (`export`, `adopt`)."""
+
     @property
     def steps(self) -> int:
         """Reads (`accumulate` calls) in the current interval."""

@@ -154,8 +154,7 @@ class Repartitioning:
                 self.scheduler.load_state_dict(scheduler)
         if self.freeze_every is not None:
             self.tracker.adopt(figures, steps)
-            if isinstance(self.tracker, DriftTracker):  # weight copies stay on their rank
-                self.tracker.continue_from(before)
+            self.tracker.continue_from(before)  # what stays on this rank (weight copies)
         self.repartitions.append((self.steps, planned.describe()))
         return True
 
