@@ -3,19 +3,24 @@ each action kind, and the partitioners pricing those costs alike."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
+import time
 
 import pytest
 import torch
 
 from crossover.pipeline import Graph, sequential_partition
-from crossover.pipeline.calibrate import load, machine, stale
+from crossover.pipeline.calibrate import PROBES, load, machine, stale
 from crossover.pipeline.models import build
 from crossover.pipeline.pricing import evaluate
-from crossover.pipeline.profile import Link, OpCost, Runtime, _scaled_to_whole, profile
+from crossover.pipeline.profile import Link, OpCost, Runtime, _scaled_to_whole, _whole, profile
 from tests.conftest import PY, REPO, Proc, mpirun
 from tests.test_pipeline_partition import model_costs
+
+# the module (the package's `profile` is its function)
+profile_module = importlib.import_module("crossover.pipeline.profile")
 
 
 @pytest.mark.mpi
@@ -34,21 +39,33 @@ def test_calibration_measures_messages_actions_and_the_wire(tmp_path, cluster):
     # a receive whose message came 2 ms late was timed polled and sleeping
     assert msgs["late_polled_s"] > 0 and msgs["late_slept_s"] > 0
     assert runtime.sleep_wake_s == max(msgs["late_slept_s"] - msgs["late_polled_s"], 0.0)
+    # each side's cost in a run is the runner's own send and receive, both sides alike;
+    # the wire is what a one-way message takes beyond the bare MPI calls
+    assert msgs["runner_send_s"] > 0 and msgs["runner_receive_s"] > 0
+    assert runtime.message_s == pytest.approx((msgs["runner_send_s"]
+                                               + msgs["runner_receive_s"]) / 2)
+    assert link.latency == pytest.approx(
+        max(msgs["one_way_small_s"] - msgs["send_s"] - msgs["receive_s"], 0.0))
+    assert runtime.shared_slowdown >= 1.0
     assert len(got["action_s_per_rank"]) == 2
     assert stale(got) is None  # made here, now: what this machine's runs are priced with
 
 
 HERE = {"host": "node7", "cores": 16, "torch": "2.13.0+cpu"}
+CACHED = {**HERE, "probes": PROBES}
 
 
 @pytest.mark.parametrize("cached, why", [
-    (HERE, None),
-    ({**HERE, "ranks": 2, "runtime": {}}, None),  # other figures do not matter
-    ({**HERE, "host": "node8"}, "host 'node8' where this machine has 'node7'"),
-    ({**HERE, "cores": 2}, "cores 2 where this machine has 16"),
-    ({**HERE, "torch": "2.11.0+cu130"},
+    (CACHED, None),
+    ({**CACHED, "ranks": 2, "runtime": {}}, None),  # other figures do not matter
+    ({**CACHED, "host": "node8"}, "host 'node8' where this machine has 'node7'"),
+    ({**CACHED, "cores": 2}, "cores 2 where this machine has 16"),
+    ({**CACHED, "torch": "2.11.0+cu130"},
      "torch '2.11.0+cu130' where this machine has '2.13.0+cpu'"),
-    ({"cores": 16, "torch": "2.13.0+cpu"}, "host None where this machine has 'node7'"),
+    ({"cores": 16, "torch": "2.13.0+cpu", "probes": PROBES},
+     "host None where this machine has 'node7'"),
+    (HERE, f"probes version None, where this one is {PROBES}"),
+    ({**HERE, "probes": PROBES - 1}, f"probes version {PROBES - 1}, where this one is {PROBES}"),
 ])
 def test_a_cached_calibration_is_measured_again_where_it_was_not_made(cached, why):
     assert stale(cached, HERE) == why
@@ -97,6 +114,43 @@ def test_the_chain_search_prices_the_runtime_as_the_pricer_does(name):
     plan = sequential_partition(g, costs, 4, 256)
     bn, cr = evaluate(g, costs, plan)
     assert plan.estimate == pytest.approx(cr + (plan.num_micro - 1) * bn, rel=1e-9)
+
+
+def test_the_whole_model_is_timed_long_enough_each_backward_after_the_next_forward(
+        monkeypatch):
+    """The sums that set every op's level: warm-up runs first, then timed runs until
+    both `repeats` and `WHOLE_MIN_S` are reached; each backward runs after the next
+    micro-batch's forward, as a pipeline stage runs it (never right after its own)."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4)
+    events = []
+
+    class Logged(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            events.append("B")
+            return g
+
+    def node(x):
+        events.append("F")
+        return Logged.apply(lin(x))
+
+    graph = Graph.from_modules(["x"], [("a", node, ["x"])], root=lin)
+    monkeypatch.setattr(profile_module, "WHOLE_MIN_S", 0.0)
+    fwd, bwd = _whole(graph, {"x": torch.randn(2, 4)}, repeats=5)
+    runs = profile_module.WHOLE_WARMUP + 5
+    assert "".join(events) == "F" + "FB" * (runs - 1)  # the last forward needs no backward
+    assert fwd > 0 and bwd > 0
+    events.clear()
+    monkeypatch.setattr(profile_module, "WHOLE_MIN_S", 0.05)
+    monkeypatch.setattr(profile_module, "WHOLE_MAX_RUNS", 10**6)
+    t0 = time.perf_counter()
+    _whole(graph, {"x": torch.randn(2, 4)}, repeats=1)
+    assert time.perf_counter() - t0 >= 0.05 and events.count("F") > runs
 
 
 def test_op_costs_are_scaled_to_the_whole_model():

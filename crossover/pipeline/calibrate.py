@@ -43,7 +43,19 @@ from crossover.pipeline.waits import SPIN_S, wait_requests
 
 SMALL, LARGE = 64, 1 << 20  # bytes of the two ping-pong sizes
 REPS, WARMUP = 41, 5
+# Raised when what the probes measure changes, so that cached figures are made again
+# (2: messages through the runner's own path, the sharing probe sustained and pinned).
+PROBES = 2
+PHASE_S = 0.5  # seconds of each sharing probe phase
 LATE = 2e-3  # seconds a waiting receive's message comes after the receive was posted
+
+
+def _busy(seconds: float) -> None:
+    """Wait on the CPU, as a rank that computes until its receive: after a sleep, a
+    VM's idle core took 20-60 us to complete a message that had already arrived."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 def _median_after_warmup(fn, reps: int = REPS) -> float:
@@ -80,7 +92,7 @@ def message_costs(comm: Any, timeout: float = 30.0) -> dict[str, float]:
         comm.Barrier()
         dt = 0.0
         if rank == 1:
-            time.sleep(1e-3)  # the message is surely here
+            _busy(1e-3)  # the message is surely here
             t0 = time.perf_counter()
             wait_requests([comm.Irecv(small.numpy(), source=peer, tag=2)], timeout,
                           "calibration receive", spin)
@@ -123,29 +135,73 @@ def message_costs(comm: Any, timeout: float = 30.0) -> dict[str, float]:
             "late_slept_s": _median_after_warmup(lambda: late_delivery(0.0))}
 
 
-def shared_slowdown(comm: Any) -> float:
-    """Ranks 0 and 1: a small MLP's forward and backward timed on rank 0 alone (rank 1
-    asleep), then on both at once; their ratio on rank 0."""
+def shared_slowdown(comm: Any, rounds: int = 3) -> float:
+    """Ranks 0 and 1: a small MLP's forward and backward run for `PHASE_S` on rank 0
+    alone (rank 1 asleep), then on both at once, each rank on a core of its own; the
+    median over `rounds` of rank 0's time per call together over alone.
+
+    Phases are sustained because bursts of a few milliseconds read 1.0 to 1.96 on an
+    idle 2-core VM that runs two such loops for seconds at 1.00."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
     x = torch.randn(64, 256)
 
-    def work() -> float:
-        t0 = time.perf_counter()
-        model(x).sum().backward()
-        return time.perf_counter() - t0
+    def per_call() -> float:
+        calls, t0 = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - t0) < PHASE_S:
+            model(x).sum().backward()
+            calls += 1
+        return elapsed / calls
 
-    for _ in range(WARMUP):
-        work()
-    comm.Barrier()
-    alone = 0.0
-    if comm.Get_rank() == 0:
-        alone = _median_after_warmup(work)
-    else:
-        time.sleep(3.0)  # longer than rank 0's timings: it runs alone
-    comm.Barrier()
-    both = _median_after_warmup(work)
-    return comm.bcast(both / alone if alone > 0 else 1.0, root=0)
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) > 1:
+        os.sched_setaffinity(0, {allowed[comm.Get_rank() % len(allowed)]})
+    ratios = []
+    try:
+        per_call()  # warm-up
+        for _ in range(rounds):
+            comm.Barrier()
+            alone = per_call() if comm.Get_rank() == 0 else time.sleep(PHASE_S + 0.1)
+            comm.Barrier()
+            both = per_call()
+            if comm.Get_rank() == 0:
+                ratios.append(both / alone)
+    finally:
+        os.sched_setaffinity(0, allowed)
+    return comm.bcast(statistics.median(ratios) if ratios else None, root=0)
+
+
+def runner_messages(comm: Any, width: int = 8, micro: int = 1) -> dict[str, float]:
+    """Ranks 0 and 1: what one tensor costs the stage runner's own send (rank 0) and
+    its receive of a message that has already arrived (rank 1), through `StageRunner`'s
+    send and receive paths on a two-stage plan of a tiny model. Beyond the MPI calls
+    that `message_costs` times, these pay the buffers, tags and request bookkeeping: on
+    a 2-core VM a send of the runner took about 30 us where a bare `Isend` took 2."""
+    torch.manual_seed(0)
+    root = nn.Sequential(nn.Linear(width, width), nn.Linear(width, width))
+    graph = Graph.from_modules(["x"], [("a", root[0], ["x"]), ("b", root[1], ["a"])],
+                               root=root)
+    plan = make_plan(graph, [Stage(("x", "a")), Stage(("b",))], 2, REPS + WARMUP)
+    shapes = output_shapes(graph, {"x": torch.randn(micro, width)})
+    rank = comm.Get_rank()
+    runner = StageRunner(graph, plan, schedule_for(plan), rank, comm, shapes, None, 30.0)
+    runner.spin_s = SPIN_S  # as with a core per rank, as `message_costs`
+    tensor = torch.randn(micro, width)
+    times = []
+    for m in range(REPS + WARMUP):
+        comm.Barrier()
+        if rank == 1:
+            _busy(1e-3)  # the message is surely here
+        t0 = time.perf_counter()
+        if rank == 0:
+            runner._send(tensor, 1, "a", m, False)
+        else:
+            runner._recv("a", 0, m, False)
+        times.append(time.perf_counter() - t0)
+    runner.inflight.wait(30.0, SPIN_S)
+    mine = statistics.median(times[WARMUP:])
+    send, receive = comm.bcast(mine, root=0), comm.bcast(mine, root=1)
+    return {"runner_send_s": send, "runner_receive_s": receive}
 
 
 def action_cost(micro: int = 16, width: int = 8) -> dict[str, float]:
@@ -182,18 +238,21 @@ def measure(comm: Any) -> dict[str, Any]:
     torch.set_num_threads(1)
     pair = comm.Split(0 if comm.Get_rank() < 2 else 1, comm.Get_rank())
     msgs = comm.bcast(message_costs(pair) if comm.Get_rank() < 2 else None, root=0)
+    msgs.update(comm.bcast(runner_messages(pair) if comm.Get_rank() < 2 else None, root=0))
     slowdown = comm.bcast(shared_slowdown(pair) if comm.Get_rank() < 2 else None, root=0)
     actions = comm.allgather(action_cost()["action_s"])
-    message_s = (msgs["send_s"] + msgs["receive_s"]) / 2
     small, large = msgs["one_way_small_s"], msgs["one_way_large_s"]
-    latency = max(small - 2 * message_s, 0.0)
+    # the wire: a one-way time less both sides' bare MPI calls; each side's cost in a
+    # run: the runner's own path, both sides alike (their mean)
+    latency = max(small - msgs["send_s"] - msgs["receive_s"], 0.0)
+    message_s = (msgs["runner_send_s"] + msgs["runner_receive_s"]) / 2
     bandwidth = (LARGE - SMALL) / max(large - small, 1e-9)
     runtime = Runtime(action_s=statistics.median(actions), message_s=message_s,
                       cores=os.cpu_count() or 1, shared_slowdown=max(slowdown, 1.0),
                       sleep_wake_s=max(msgs["late_slept_s"] - msgs["late_polled_s"], 0.0))
     return {"runtime": asdict(runtime), "link": {"latency": latency, "bandwidth": bandwidth},
             "messages": msgs, "action_s_per_rank": actions,
-            "ranks": comm.Get_size(), **machine()}
+            "ranks": comm.Get_size(), "probes": PROBES, **machine()}
 
 
 def machine() -> dict[str, Any]:
@@ -205,7 +264,10 @@ def stale(figures: dict[str, Any], here: dict[str, Any] | None = None) -> str | 
     """Why cached `figures` do not describe this machine (`here`, by default
     `machine()`), or None: measured on another host (a home directory shared between
     hosts), with another core count, or under another torch (its kernels and Python
-    overhead set `action_s`). Files from before a key was recorded count as stale."""
+    overhead set `action_s`), or by another version of these probes (`PROBES`). Files
+    from before a key was recorded count as stale."""
+    if figures.get("probes") != PROBES:
+        return f"probes version {figures.get('probes')!r}, where this one is {PROBES}"
     here = machine() if here is None else here
     for key, now in here.items():
         if figures.get(key) != now:
