@@ -3,20 +3,23 @@ behind `profile.Runtime` and the transport `Link` that real runs are simulated w
 
     mpirun -np 2 python -m crossover.pipeline.calibrate --out runtime.json
 
-Three probes, medians after a warm-up (a few seconds):
+Four probes, medians after a warm-up (about ten seconds):
 
 - messages (2 ranks): tensors exchanged with mpi4py `Isend`/`Irecv` on their own memory
   and completed by `waits.wait_requests`, as the runner does (polling back to back, as
-  with a core per rank). Posting a send, and completing a receive whose message has
-  already arrived, give each side's `message_s`; ping-pong one-way times at two sizes,
-  less both sides, give the wire's latency and bandwidth. A receive that waits 2 ms for
-  its message, once polled back to back and once sleeping between polls (as when the
-  ranks outnumber the cores), gives `sleep_wake_s`: what the sleeping wait overshoots.
+  with a core per rank). Posting a bare send, and completing a receive whose message
+  has already arrived; ping-pong one-way times at two sizes, less those two, give the
+  wire's latency and bandwidth. A receive that waits 2 ms for its message, once polled
+  back to back and once sleeping between polls (as when the ranks outnumber the
+  cores), gives `sleep_wake_s`: what the sleeping wait overshoots.
+- the runner's messages (2 ranks): one tensor through `StageRunner`'s own send and
+  receive paths (buffers, tags, request bookkeeping); their mean is each side's
+  `message_s`.
 - actions (every rank on its own): `StageRunner` runs a one-stage plan of a tiny model on
   `COMM_SELF`; what an iteration takes beyond its ops' profiled time, per forward or
   backward action, is `action_s`.
-- sharing (2 ranks): a small MLP's forward and backward on one rank alone, then on two
-  at once: `shared_slowdown`.
+- sharing (2 ranks, each on a core of its own): a small MLP's forward and backward for
+  half a second on one rank alone, then on two at once: `shared_slowdown`.
 """
 
 from __future__ import annotations
