@@ -67,6 +67,7 @@ from crossover.pipeline.models import (  # noqa: E402
     TwoTowerTransformer,
     build,
 )
+from crossover.pipeline.plan import Plan  # noqa: E402
 from crossover.pipeline.profile import Link, Runtime  # noqa: E402
 
 LINK = Link(bandwidth=2e9, latency=30e-6)
@@ -79,8 +80,9 @@ REAL_BATCH, REAL_MICRO = 64, 8
 PEER_WARMUP, PEER_ITERS = 2, 20
 # A real run's first iterations pay its start-up (allocator, caches, lazy init): with one
 # warm-up and five timed iterations the chain measured 30-40% above the same run's
-# steady state, so the benchmark's real rows time 30 iterations after 10.
-REAL_WARMUP, REAL_ITERS = 10, 30
+# steady state. So each plan warms up for 10 iterations, then both plans of a row run in
+# 8 alternating blocks of 4 (32 timed iterations each) in one launch.
+REAL_WARMUP, REAL_BLOCKS, REAL_BLOCK_ITERS = 10, 8, 4
 TIMED = ("fwd", "fwd_per_sample", "bwd", "bwd_per_sample")
 
 
@@ -137,43 +139,36 @@ def mpi_env() -> dict[str, str]:
                 PYTHONWARNINGS="ignore")
 
 
-def run_ours(name: str, stages: list[list[str]], kind: str, schedule: str, iters: int,
-             warmup: int = 1, timeout: float = 300.0) -> list[float]:
-    """Our runner under mpirun (one rank per stage): the timed iterations' seconds."""
-    return run_ours_full(name, stages, kind, schedule, iters, warmup, timeout)["times"]
-
-
-def run_ours_full(name: str, stages: list[list[str]], kind: str, schedule: str, iters: int,
-                  warmup: int = 1, timeout: float = 300.0) -> dict:
-    """Our runner under mpirun (one rank per stage): the timed iterations' seconds and,
-    per stage, the median seconds per iteration in each action kind.
+def launch(ranks: int, args: list[str], what: str, timeout: float) -> Any:
+    """`mpirun -np ranks python ARGS --out FILE` here: the JSON rank 0 wrote.
 
     Raises:
-        RuntimeError: non-zero exit or timeout, with the output's tail.
+        RuntimeError: non-zero exit or timeout (naming `what`), with the output's tail.
     """
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "t.json"
-        cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(len(stages)),
-               sys.executable, "-m", "crossover.pipeline", "--model", name,
-               "--dtype", "float32", "--batch", str(REAL_BATCH), "--micro", str(REAL_MICRO),
-               "--partitioner", kind, "--schedule", schedule, "--iters", str(warmup + iters),
-               "--plan", json.dumps(stages), "--out", str(out)]
+        cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(ranks),
+               sys.executable, *args, "--out", str(out)]
         try:
             proc = subprocess.run(cmd, cwd=REPO, env=mpi_env(), timeout=timeout,
                                   capture_output=True, text=True)
         except subprocess.TimeoutExpired as exc:
-            raise RuntimeError(f"{name} {kind} {schedule}: runner timed out after "
-                               f"{timeout} s") from exc
+            raise RuntimeError(f"{what}: timed out after {timeout} s") from exc
         if proc.returncode != 0 or not out.exists():
-            raise RuntimeError(f"{name} {kind} {schedule}: runner exited {proc.returncode}:\n"
+            raise RuntimeError(f"{what}: exited {proc.returncode}:\n"
                                f"{(proc.stdout + proc.stderr)[-3000:]}")
-        got = json.loads(out.read_text())
-    per_stage: dict[int, dict[str, float]] = {}
-    for its, stage in zip(got["spent"], got["stage_of_rank"], strict=True):
-        timed = its[warmup:]  # the first ones warm up
-        per_stage[stage] = {k: statistics.median(it.get(k, 0.0) for it in timed)
-                            for k in sorted({k for it in timed for k in it})}
-    return {"times": got["times"][warmup:], "spent": per_stage}
+        return json.loads(out.read_text())
+
+
+def run_ours(name: str, stages: list[list[str]], kind: str, schedule: str, iters: int,
+             warmup: int = 1, timeout: float = 300.0) -> list[float]:
+    """Our runner under mpirun (one rank per stage): the timed iterations' seconds."""
+    got = launch(len(stages), ["-m", "crossover.pipeline", "--model", name, "--dtype",
+                               "float32", "--batch", str(REAL_BATCH), "--micro",
+                               str(REAL_MICRO), "--partitioner", kind, "--schedule", schedule,
+                               "--iters", str(warmup + iters), "--plan", json.dumps(stages)],
+                 f"{name} {kind} {schedule} runner", timeout)
+    return got["times"][warmup:]
 
 
 def calibration(path: Path, fresh: bool) -> dict:
@@ -204,23 +199,47 @@ def kind_errors(measured: dict[int, dict[str, float]], simulated: dict[int, dict
     return out
 
 
-def real(name: str, g: Graph, costs: Costs, ranks: int, iters: int, pairs: int) -> dict:
-    """Both partitioners' plans run for real, `pairs` times each in alternation (paired
-    runs share the machine's state); the simulator's prediction beside the medians."""
+def run_pair(name: str, plans: dict[str, Plan], first: str, timeout: float = 600.0
+             ) -> dict[str, dict]:
+    """Both plans in one launch (`bench/pipeline_pairs.py`), in alternating blocks of
+    iterations starting with `first`: per plan, the timed iterations' seconds and, per
+    stage, the median seconds per iteration in each action kind."""
+    order = [first, *[k for k in plans if k != first]]
+    spec = {k: {"kind": plans[k].kind, "stages": [list(s.ops) for s in plans[k].stages]}
+            for k in order}
+    got = launch(plans[first].devices,
+                 [str(REPO / "bench/pipeline_pairs.py"), "--model", name, "--batch",
+                  str(REAL_BATCH), "--micro", str(REAL_MICRO), "--warmup", str(REAL_WARMUP),
+                  "--blocks", str(REAL_BLOCKS), "--block-iters", str(REAL_BLOCK_ITERS),
+                  "--plans", json.dumps(spec)], f"{name} {order} pair", timeout)
+    return {k: {"times": v["times"], "spent": per_stage_spent(v["spent"], v["stage_of_rank"])}
+            for k, v in got["plans"].items()}
+
+
+def per_stage_spent(spent: list[list[dict[str, float]]], stage_of_rank: list[int]
+                    ) -> dict[int, dict[str, float]]:
+    """Per stage, the median over iterations of the seconds in each action kind."""
+    return {stage: {k: statistics.median(it.get(k, 0.0) for it in its)
+                    for k in sorted({k for it in its for k in it})}
+            for its, stage in zip(spent, stage_of_rank, strict=True)}
+
+
+def real(name: str, g: Graph, costs: Costs, ranks: int, pairs: int) -> dict:
+    """Both partitioners' plans run for real: `pairs` launches, each timing both plans
+    in alternating blocks (so that both meet the same machine), alternating which plan
+    goes first; the simulator's prediction beside the medians."""
     plans = {kind: plan_for(g, ranks, REAL_BATCH, REAL_MICRO, kind, costs)
              for kind in ("graph", "sequential")}
     preds = {kind: simulate(g, costs, p, schedule_for(p)) for kind, p in plans.items()}
-    runs: dict[str, list[dict]] = {"graph": [], "sequential": []}
-    for rep in range(pairs):
-        for kind in (("graph", "sequential") if rep % 2 == 0 else ("sequential", "graph")):
-            runs[kind].append(run_ours_full(name, [list(s.ops) for s in plans[kind].stages],
-                                            kind, "1f1b", iters, REAL_WARMUP))
+    runs = [run_pair(name, plans, "graph" if rep % 2 == 0 else "sequential")
+            for rep in range(pairs)]
     row: dict[str, Any] = {}
     for kind, plan in plans.items():
-        per_run = [statistics.median(r["times"]) for r in runs[kind]]
+        per_run = [statistics.median(r[kind]["times"]) for r in runs]
         measured = statistics.median(per_run)
-        spent = {st: {k: statistics.median(r["spent"][st].get(k, 0.0) for r in runs[kind])
-                      for k in runs[kind][0]["spent"][st]} for st in runs[kind][0]["spent"]}
+        first = runs[0][kind]["spent"]
+        spent = {st: {k: statistics.median(r[kind]["spent"][st].get(k, 0.0) for r in runs)
+                      for k in first[st]} for st in first}
         row[kind] = {"plan": plan.describe(), "measured_s": measured, "per_run_s": per_run,
                      "predicted_s": preds[kind].iteration_s,
                      "prediction_error": abs(preds[kind].iteration_s - measured) / measured,
@@ -410,7 +429,7 @@ def main() -> None:
         ap.error(f"--real-ranks {args.real_ranks!r}: give rank counts of 2 or more, "
                  f"comma-separated, e.g. 2,4")
     torch.set_num_threads(1)
-    repeats, iters, profiles = (3, 3, 1) if args.quick else (7, REAL_ITERS, 3)
+    repeats, profiles = (3, 1) if args.quick else (7, 3)
     cal = calibration(Path(args.calibration), args.recalibrate)
     runtime, transport = Runtime(**cal["runtime"]), Link(**cal["link"])
     scales = [] if args.real_only else [int(s) for s in args.sim_scale.split(",") if s]
@@ -426,7 +445,9 @@ def main() -> None:
                                  "profiles": profiles,
                                  "costs": "element-wise median of the profiles"},
                      "real": {"batch": REAL_BATCH, "micro_batches": REAL_MICRO,
-                              "warm_up_iterations": REAL_WARMUP, "iterations": iters,
+                              "warm_up_iterations": REAL_WARMUP,
+                              "blocks": REAL_BLOCKS, "iterations_per_block": REAL_BLOCK_ITERS,
+                              "pairing": "both plans in one launch, alternating blocks",
                               "stat": "median"}},
         "models": {},
         "calibration": cal,
@@ -450,7 +471,7 @@ def main() -> None:
             local = replace(costs, link=transport, runtime=runtime)
             entry["real"] = {}
             for r in real_ranks:
-                entry["real"][str(r)] = real(name, g, local, r, iters, args.pairs)
+                entry["real"][str(r)] = real(name, g, local, r, args.pairs)
                 print(name, r, "ranks", {k: round(v["prediction_error"], 3)
                                          for k, v in entry["real"][str(r)].items()
                                          if isinstance(v, dict)},

@@ -14,6 +14,8 @@ import pickle
 import statistics
 import sys
 import time
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -30,6 +32,33 @@ from crossover.pipeline.placement import (
 from crossover.pipeline.plan import Stage, make_plan
 from crossover.pipeline.runner import StageRunner, output_shapes
 from crossover.pipeline.schedule import ScheduleError
+
+
+def timed_iterations(runner: StageRunner, iters: int, micro: Mapping[int, Any],
+                     target: Callable[[int], torch.Tensor], loss_fn: Callable[..., Any]
+                     ) -> tuple[list[float], list[dict[str, float]], float]:
+    """`iters` iterations of `runner` between barriers on its communicator, gradients
+    cleared before each: seconds per iteration, seconds in each action kind per
+    iteration, and the last loss. A timeout or a broken schedule aborts the job (every
+    rank stops at once, with the reason on stderr)."""
+    comm, graph = runner.comm, runner.g
+    times, spent, loss = [], [], 0.0
+    seen = dict(runner.spent)
+    for _ in range(iters):
+        for p in graph.parameters().values():
+            p.grad = None
+        comm.Barrier()
+        t0 = time.perf_counter()
+        try:
+            loss = runner.run(micro.__getitem__, target, loss_fn)
+        except (TimeoutError, ScheduleError) as exc:
+            print(f"rank {comm.Get_rank()}: {exc}", file=sys.stderr, flush=True)
+            comm.Abort(3)
+        comm.Barrier()
+        times.append(time.perf_counter() - t0)
+        spent.append({k: v - seen.get(k, 0.0) for k, v in runner.spent.items()})
+        seen = dict(runner.spent)
+    return times, spent, loss
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,25 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     client = None
     if args.slots:  # the job's name, trace and node come from CROSSOVER_* as for any job
         client = session.init(job=E.job_name() or f"pipeline-{args.model}")
-    times, loss = [], 0.0
-    spent: list[dict[str, float]] = []  # seconds in each action kind, per iteration
-    seen: dict[str, float] = {}
     runner = StageRunner(graph, plan, sched, stage, comm, shapes, client, args.timeout)
-    for _ in range(args.iters):
-        for p in graph.parameters().values():
-            p.grad = None
-        comm.Barrier()
-        t0 = time.perf_counter()
-        try:
-            loss = runner.run(micro.__getitem__,
-                              lambda m: target_all[m * b:(m + 1) * b], spec.loss)
-        except (TimeoutError, ScheduleError) as exc:
-            print(f"rank {rank}: {exc}", file=sys.stderr, flush=True)
-            comm.Abort(3)
-        comm.Barrier()
-        times.append(time.perf_counter() - t0)
-        spent.append({k: v - seen.get(k, 0.0) for k, v in runner.spent.items()})
-        seen = dict(runner.spent)
+    times, spent, loss = timed_iterations(runner, args.iters, micro,
+                                          lambda m: target_all[m * b:(m + 1) * b], spec.loss)
     grads = gather_grads(graph, comm, plan=plan)
     # each rank's own stage gradients, so a test can see the replicas agree
     own = {k: p.grad.detach().numpy().copy() for k, p in runner.params.items()
