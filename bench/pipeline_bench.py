@@ -69,6 +69,7 @@ from crossover.pipeline.models import (  # noqa: E402
 )
 from crossover.pipeline.plan import Plan  # noqa: E402
 from crossover.pipeline.profile import Link, Runtime  # noqa: E402
+from crossover.pipeline.simulate import SimResult  # noqa: E402
 
 LINK = Link(bandwidth=2e9, latency=30e-6)
 BATCH = 256
@@ -161,7 +162,7 @@ def launch(ranks: int, args: list[str], what: str, timeout: float) -> Any:
 
 
 def run_ours(name: str, stages: list[list[str]], kind: str, schedule: str, iters: int,
-             warmup: int = 1, timeout: float = 300.0) -> list[float]:
+             warmup: int, timeout: float = 300.0) -> list[float]:
     """Our runner under mpirun (one rank per stage): the timed iterations' seconds."""
     got = launch(len(stages), ["-m", "crossover.pipeline", "--model", name, "--dtype",
                                "float32", "--batch", str(REAL_BATCH), "--micro",
@@ -224,6 +225,28 @@ def per_stage_spent(spent: list[list[dict[str, float]]], stage_of_rank: list[int
             for its, stage in zip(spent, stage_of_rank, strict=True)}
 
 
+def with_measured_compute(costs: Costs, plan: Plan, spent: dict[int, dict[str, float]],
+                          sim: SimResult) -> Costs:
+    """`costs` with each stage's op times scaled so that the simulated forward and
+    backward seconds of every stage (`sim`, simulated under `costs`) equal the measured
+    ones (`spent`: per stage, seconds per iteration in each action kind). The runner's
+    own cost per action is kept as calibrated."""
+    fixed = REAL_MICRO * costs.runtime.stretch(plan.devices) * costs.runtime.action_s
+    simulated = sim.per_kind()
+    ops = dict(costs.ops)
+    for s, stage in enumerate(plan.stages):
+        for kind, fields in (("F", ("fwd", "fwd_per_sample")), ("B", ("bwd", "bwd_per_sample"))):
+            was, now = simulated.get(s, {}).get(kind, 0.0), spent.get(s, {}).get(kind, 0.0)
+            if was <= fixed or now <= 0:
+                continue  # nothing of the ops' own to scale
+            factor = max(now - fixed, 0.0) / (was - fixed)
+            for op in stage.ops:
+                if op in ops:
+                    ops[op] = replace(ops[op], **{f: getattr(ops[op], f) * factor
+                                                  for f in fields})
+    return replace(costs, ops=ops)
+
+
 def real(name: str, g: Graph, costs: Costs, ranks: int, pairs: int) -> dict:
     """Both partitioners' plans run for real: `pairs` launches, each timing both plans
     in alternating blocks (so that both meet the same machine), alternating which plan
@@ -240,9 +263,15 @@ def real(name: str, g: Graph, costs: Costs, ranks: int, pairs: int) -> dict:
         first = runs[0][kind]["spent"]
         spent = {st: {k: statistics.median(r[kind]["spent"][st].get(k, 0.0) for r in runs)
                       for k in first[st]} for st in first}
+        # the same simulation with each stage's compute as the runs measured it: what
+        # is left is the model of the runtime (actions, messages, waits, schedule)
+        given = simulate(g, with_measured_compute(costs, plan, spent, preds[kind]), plan,
+                         schedule_for(plan)).iteration_s
         row[kind] = {"plan": plan.describe(), "measured_s": measured, "per_run_s": per_run,
                      "predicted_s": preds[kind].iteration_s,
                      "prediction_error": abs(preds[kind].iteration_s - measured) / measured,
+                     "predicted_given_compute_s": given,
+                     "error_given_compute": abs(given - measured) / measured,
                      "by_kind": kind_errors(spent, preds[kind].per_kind())}
     ratios = [s / gr for s, gr in zip(row["sequential"]["per_run_s"], row["graph"]["per_run_s"],
                                       strict=True)]
@@ -403,7 +432,8 @@ def main() -> None:
                     help="repetitions of the torch.distributed.pipelining comparison")
     ap.add_argument("--out", default=str(REPO / "bench/results/pipeline.json"))
     ap.add_argument("--pairs", type=int, default=5,
-                    help="paired real runs of the two partitioners' plans per row")
+                    help="launches per real row, each timing both partitioners' plans in "
+                         "alternating blocks")
     ap.add_argument("--calibration", default=str(Path.home() / ".cache/crossover/"
                                                  "pipeline-runtime.json"),
                     help="where the runner's calibrated costs are cached")
@@ -513,6 +543,9 @@ def main() -> None:
         for r in real_ranks:
             result[f"max_sim_error_{r}_ranks"] = max(
                 m["real"][str(r)][k]["prediction_error"] for m in models.values()
+                for k in ("graph", "sequential"))
+            result[f"max_sim_error_given_compute_{r}_ranks"] = max(
+                m["real"][str(r)][k]["error_given_compute"] for m in models.values()
                 for k in ("graph", "sequential"))
             result[f"min_real_gpp_vs_spp_{r}_ranks"] = min(
                 m["real"][str(r)]["gpp_vs_spp"] for m in models.values())

@@ -12,8 +12,9 @@ same graph and parameters; each plan's own stage for this rank) and runs them in
 `--plans` is JSON, {name: {"kind": "graph" | "sequential", "stages": [[op, ...],
 ...]}} (the kind sets what the edges carry, as in `make_plan`); rank 0
 writes {"plans": {name: {"times": [...], "spent": [per rank, per iteration {kind: s}],
-"stage_of_rank": [...], "plan": text}}, "order": [name of each block, as run]} to
-`--out`.
+"stage_of_rank": [...], "plan": text, "loss": the last iteration's}}, "order": [name of
+each block, as run]} to `--out`. Nothing updates the parameters, so every plan's loss
+is the same model's on the same batch.
 """
 
 from __future__ import annotations
@@ -79,13 +80,15 @@ def main(argv: list[str] | None = None) -> int:
     def target(m: int) -> torch.Tensor:
         return targets[m * b:(m + 1) * b]
 
+    got: dict[str, dict] = {name: {"times": [], "spent": [], "loss": 0.0} for name in runners}
+
     def timed(name: str, iters: int) -> tuple[list[float], list[dict[str, float]]]:
-        times, spent, _ = timed_iterations(runners[name], iters, micro, target, spec.loss)
+        times, spent, got[name]["loss"] = timed_iterations(runners[name], iters, micro,
+                                                           target, spec.loss)
         return times, spent
 
     for name in runners:
         timed(name, args.warmup)
-    got: dict[str, dict] = {name: {"times": [], "spent": []} for name in runners}
     names, order = list(runners), []
     for block in range(args.blocks):
         for name in names if block % 2 == 0 else names[::-1]:
@@ -97,8 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, runner in runners.items():
         spent_by_rank = comm.gather(got[name]["spent"], root=0)
         stages = comm.gather(runner.s, root=0)
+        # the last iteration's loss: summed from the ranks (the last stage's hold it)
+        loss = comm.reduce(got[name]["loss"], root=0)
         out[name] = {"times": got[name]["times"], "spent": spent_by_rank,
-                     "stage_of_rank": stages, "plan": runner.plan.describe()}
+                     "stage_of_rank": stages, "plan": runner.plan.describe(), "loss": loss}
     if rank == 0:
         Path(args.out).write_text(json.dumps({"plans": out, "order": order}))
     return 0

@@ -50,6 +50,7 @@ REPS, WARMUP = 41, 5
 # (2: messages through the runner's own path, the sharing probe sustained and pinned).
 PROBES = 2
 PHASE_S = 0.5  # seconds of each sharing probe phase
+COMPUTE_S = 2e-4  # seconds of work before each of the runner's timed sends and receives
 LATE = 2e-3  # seconds a waiting receive's message comes after the receive was posted
 
 
@@ -164,7 +165,10 @@ def shared_slowdown(comm: Any, rounds: int = 3) -> float:
         per_call()  # warm-up
         for _ in range(rounds):
             comm.Barrier()
-            alone = per_call() if comm.Get_rank() == 0 else time.sleep(PHASE_S + 0.1)
+            if comm.Get_rank() == 0:
+                alone = per_call()
+            else:
+                time.sleep(PHASE_S + 0.1)  # rank 0 runs alone
             comm.Barrier()
             both = per_call()
             if comm.Get_rank() == 0:
@@ -174,33 +178,38 @@ def shared_slowdown(comm: Any, rounds: int = 3) -> float:
     return comm.bcast(statistics.median(ratios) if ratios else None, root=0)
 
 
-def runner_messages(comm: Any, width: int = 8, micro: int = 1) -> dict[str, float]:
+def runner_messages(comm: Any, width: int = 8, rows: int = 1) -> dict[str, float]:
     """Ranks 0 and 1: what one tensor costs the stage runner's own send (rank 0) and
     its receive of a message that has already arrived (rank 1), through `StageRunner`'s
     send and receive paths on a two-stage plan of a tiny model. Beyond the MPI calls
-    that `message_costs` times, these pay the buffers, tags and request bookkeeping: on
-    a 2-core VM a send of the runner took about 30 us where a bare `Isend` took 2."""
+    that `message_costs` times, these pay the buffers, tags and request bookkeeping.
+
+    Each call follows `COMPUTE_S` of work on the CPU, as in a run, where a send follows
+    its forward and a receive the action before it: rank 0 sends them all, then rank 1,
+    once every message is there, receives them one by one."""
     torch.manual_seed(0)
     root = nn.Sequential(nn.Linear(width, width), nn.Linear(width, width))
     graph = Graph.from_modules(["x"], [("a", root[0], ["x"]), ("b", root[1], ["a"])],
                                root=root)
-    plan = make_plan(graph, [Stage(("x", "a")), Stage(("b",))], 2, REPS + WARMUP)
-    shapes = output_shapes(graph, {"x": torch.randn(micro, width)})
+    plan = make_plan(graph, [Stage(("x", "a")), Stage(("b",))], rows, REPS + WARMUP)
+    shapes = output_shapes(graph, {"x": torch.randn(rows, width)})
     rank = comm.Get_rank()
     runner = StageRunner(graph, plan, schedule_for(plan), rank, comm, shapes, None, 30.0)
     runner.spin_s = SPIN_S  # as with a core per rank, as `message_costs`
-    tensor = torch.randn(micro, width)
+    tensor = torch.randn(rows, width)
     times = []
+    if rank == 1:
+        comm.Barrier()  # every message has been sent
     for m in range(REPS + WARMUP):
-        comm.Barrier()
-        if rank == 1:
-            _busy(1e-3)  # the message is surely here
+        _busy(COMPUTE_S)
         t0 = time.perf_counter()
         if rank == 0:
             runner._send(tensor, 1, "a", m, False)
         else:
             runner._recv("a", 0, m, False)
         times.append(time.perf_counter() - t0)
+    if rank == 0:
+        comm.Barrier()
     runner.inflight.wait(30.0, SPIN_S)
     mine = statistics.median(times[WARMUP:])
     send, receive = comm.bcast(mine, root=0), comm.bcast(mine, root=1)
