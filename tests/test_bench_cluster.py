@@ -5,13 +5,16 @@ Needs root and network namespaces; skipped elsewhere. No timing is asserted.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -19,7 +22,7 @@ from cluster import HOSTS_FILE, MARKER, EmulatedCluster, cleanup_stale  # noqa: 
 from jobs import Daemons, run_jobs  # noqa: E402
 
 from crossover import trace  # noqa: E402
-from tests.conftest import assert_shared_in_turns  # noqa: E402
+from tests.conftest import TORCH_EXIT_ABORT, assert_shared_in_turns  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
@@ -175,6 +178,49 @@ TUTORIAL = str(Path(__file__).resolve().parents[1] / "examples/ddp_tutorial.py")
 CROSSOVER_TORCHRUN = ["-m", "crossover.launch.torchrun"]
 
 
+def _text(data: bytes | str | None) -> str:
+    """What a timed-out `communicate` has read so far (bytes, even in text mode)."""
+    return data.decode(errors="replace") if isinstance(data, bytes) else data or ""
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    proc.kill()
+    proc.communicate(timeout=30)
+
+
+def _checksum(proc: subprocess.Popen, reference: bool = False) -> str:
+    """The weights checksum a run of examples/ddp_tutorial.py printed."""
+    # A reference run (plain torchrun, no crossover) is only read for its result:
+    # torch's gloo teardown over the shaped link aborts a rank now and then after the
+    # script has finished (SIGABRT after destroy_process_group; its agent reports
+    # exitcode -6), crossover or not, and the other host's torchrun agent then waits
+    # out its exit barrier (300 s). Such a run is stopped once it has printed its
+    # result and aborted. Runs under crossover must exit cleanly.
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            out, err = proc.communicate(timeout=5)
+            break
+        except subprocess.TimeoutExpired as exc:
+            out, err = (_text(exc.stdout), _text(exc.stderr))
+            if reference and len(re.findall(r"weights checksum (\S+)", out)) == 1 \
+                    and (TORCH_EXIT_ABORT in err or "(exitcode: -6)" in err):
+                _kill_tree(proc)
+                break
+            if time.monotonic() > deadline:
+                _kill_tree(proc)
+                pytest.fail(f"still running after 300 s:\n{out[-2000:]}\n{err[-3000:]}")
+    found = re.findall(r"weights checksum (\S+)", out)
+    if not (reference and len(found) == 1):
+        assert proc.returncode == 0, f"{out[-2000:]}\n{err[-3000:]}"
+    assert "uncoordinated" not in err, err[-3000:]
+    (found,) = found
+    return found
+
+
 @pytest.mark.timeout(600)
 def test_crossover_torchrun_across_hosts_with_a_daemon_world_started_by_hand(tmp_path):
     """Across nodes, crossover-torchrun joins a daemon world started by hand
@@ -188,31 +234,32 @@ def test_crossover_torchrun_across_hosts_with_a_daemon_world_started_by_hand(tmp
         return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
 
-    def checksum(proc: subprocess.Popen, reference: bool = False) -> str:
-        out, err = proc.communicate(timeout=300)
-        found = re.findall(r"weights checksum (\S+)", out)
-        # A reference run (plain torchrun, no crossover) is only read for its result:
-        # torch's gloo teardown over the shaped link aborts a rank now and then after
-        # the script has finished (SIGABRT after destroy_process_group), crossover or
-        # not. Runs under crossover must exit cleanly.
-        if not (reference and len(found) == 1):
-            assert proc.returncode == 0, f"{out[-2000:]}\n{err[-3000:]}"
-        assert "uncoordinated" not in err, err[-3000:]
-        (found,) = found
-        return found
-
     traces = tmp_path / "traces"
     with EmulatedCluster(mbit=1000) as cluster:
-        solo = {seed: checksum(launch(cluster, seed, []), reference=True) for seed in (1, 2)}
+        solo = {seed: _checksum(launch(cluster, seed, []), reference=True) for seed in (1, 2)}
         daemons = Daemons(cluster, tmp_path / "run", "crossover", tmp_path / "daemons.log")
         env["CROSSOVER_TRACE"] = str(traces)  # (--crossover-trace: each node would merge)
         try:
             procs = [launch(cluster, seed, ["--crossover", "--crossover-daemon",
                                             str(daemons.runtime), "--crossover-job", name])
                      for name, seed in (("one", 1), ("two", 2))]
-            together = [checksum(p) for p in procs]
+            together = [_checksum(p) for p in procs]
         finally:
             daemons.stop()
     assert together == [solo[1], solo[2]]
     events = trace.merge(sorted(traces.glob("*.json")), tmp_path / "merged.json")
     assert_shared_in_turns(events, {"one", "two"}, devices=2)  # each host's device
+
+
+def test_a_reference_run_that_printed_its_result_and_aborted_is_read_and_stopped():
+    """A reference run whose rank aborted at exit after printing its result (while the
+    other host's torchrun agent waits out its exit barrier) gives that result at once,
+    and nothing of it keeps running."""
+    script = ("import sys, time; print('weights checksum -3.25', flush=True); "
+              "sys.stderr.write('terminate called without an active exception\\n'); "
+              "sys.stderr.flush(); time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    t0 = time.monotonic()
+    assert _checksum(proc, reference=True) == "-3.25"
+    assert time.monotonic() - t0 < 60 and proc.poll() is not None
