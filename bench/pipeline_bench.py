@@ -48,6 +48,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import torch_pipelining_peer as peer  # noqa: E402
 
+from crossover.launch import local  # noqa: E402
 from crossover.pipeline import (  # noqa: E402
     Costs,
     Graph,
@@ -136,8 +137,7 @@ def simulated(g: Graph, costs: Costs, devices: int, runs: list[Costs] | None = N
 
 
 def mpi_env() -> dict[str, str]:
-    return dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-                PYTHONWARNINGS="ignore")
+    return {**os.environ, **local.mpi_env(), "PYTHONWARNINGS": "ignore"}
 
 
 def launch(ranks: int, args: list[str], what: str, timeout: float) -> Any:
@@ -148,8 +148,7 @@ def launch(ranks: int, args: list[str], what: str, timeout: float) -> Any:
     """
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "t.json"
-        cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(ranks),
-               sys.executable, *args, "--out", str(out)]
+        cmd = local.mpirun(ranks, sys.executable, *args, "--out", str(out))
         try:
             proc = subprocess.run(cmd, cwd=REPO, env=mpi_env(), timeout=timeout,
                                   capture_output=True, text=True)
@@ -179,8 +178,8 @@ def calibration(path: Path, fresh: bool) -> dict:
         calibrate.stale(json.loads(path.read_text()))
     if why:
         print(f"pipeline bench: calibrating the runner ({why}) into {path}", flush=True)
-        cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", "2", sys.executable,
-               "-m", "crossover.pipeline.calibrate", "--out", str(path)]
+        cmd = local.mpirun(2, sys.executable, "-m", "crossover.pipeline.calibrate", "--out",
+                           str(path))
         subprocess.run(cmd, cwd=REPO, env=mpi_env(), timeout=300, check=True,
                        capture_output=True)
     return json.loads(path.read_text())
