@@ -193,8 +193,9 @@ def _direct_boundaries(pos: np.ndarray, out_act: np.ndarray, readers: list[list[
 
 def chain_search(iv: Intervals, costs: Costs, devices: int, b: int, m: int,
                  replicate: bool, use_all: bool
-                 ) -> tuple[float, list[tuple[tuple[str, ...], int]]] | None:
-    """The chain plan with the least `critical path + (m - 1) * bottleneck`.
+                 ) -> list[tuple[float, list[tuple[tuple[str, ...], int]]]]:
+    """The best chain plan for each (stages, devices used), by least bottleneck (the
+    critical path breaks ties), ordered by `critical path + (m - 1) * bottleneck`.
 
     Args:
         iv: the interval sums; costs: link, memory limit and parameter copies.
@@ -202,7 +203,8 @@ def chain_search(iv: Intervals, costs: Costs, devices: int, b: int, m: int,
             run on data-parallel replicas; use_all: the plan must use every device.
 
     Returns:
-        (estimate, [(ops, replicas)] per stage), or None if nothing fits.
+        [(estimate, [(ops, replicas)] per stage)], least estimate first; empty if
+        nothing fits.
     """
     link, limit, pf, rt = costs.link, costs.memory, costs.param_factor, costs.runtime
     p = len(iv.pos)
@@ -255,20 +257,16 @@ def chain_search(iv: Intervals, costs: Costs, devices: int, b: int, m: int,
                 cur_bn[better], cur_cr[better] = val[better], crit[better]
                 arg[h, d, :hi][better] = np.stack([k[better], np.full(better.sum(), r)],
                                                   axis=1)
-    best = None
+    found = []
     for h in range(1, devices + 1):
         for d in range(h, devices + 1):
             if (use_all and d != devices) or bn[h, d, 0] == inf:
                 continue
-            est = cr[h, d, 0] + (m - 1) * bn[h, d, 0]
-            if best is None or est < best[0]:
-                best = (est, h, d)
-    if best is None:
-        return None
-    est, h, d = best
-    stages, a = [], 0
-    while a < last:
-        k, r = arg[h, d, a]
-        stages.append((tuple(iv.order[iv.pos[a]:iv.pos[k]]), int(r)))
-        a, h, d = int(k), h - 1, d - int(r)
-    return est, stages
+            est = float(cr[h, d, 0] + (m - 1) * bn[h, d, 0])
+            stages, a, hh, dd = [], 0, h, d
+            while a < last:
+                k, r = arg[hh, dd, a]
+                stages.append((tuple(iv.order[iv.pos[a]:iv.pos[k]]), int(r)))
+                a, hh, dd = int(k), hh - 1, dd - int(r)
+            found.append((est, stages))
+    return sorted(found, key=lambda f: f[0])

@@ -18,11 +18,17 @@ from crossover.pipeline.chain import chain_search, intervals
 from crossover.pipeline.graph import Graph
 from crossover.pipeline.graph_dp import GraphDP, StageCache, flatten_stages
 from crossover.pipeline.plan import PartitionError, Plan, Stage, make_plan
-from crossover.pipeline.pricing import StagePricer, evaluate, micro_batch_sizes, no_fit
+from crossover.pipeline.pricing import (
+    SHORTLIST_SLACK,
+    StagePricer,
+    evaluate,
+    micro_batch_sizes,
+    no_fit,
+    shortlist,
+)
 from crossover.pipeline.profile import Costs, synthetic
-from crossover.pipeline.schedule import schedule_for
 from crossover.pipeline.sequential import sequential_partition
-from crossover.pipeline.simulate import simulate
+from crossover.pipeline.simulate import fastest
 from crossover.pipeline.sptree import coarsen, decompose
 
 #: Cut positions of the chain plans the graph search also holds (all of them up to this
@@ -69,7 +75,8 @@ def graph_partition(graph: Graph, costs: Costs, devices: int, batch: int,
         use_all: plans must use every device (the runner's tests want one stage a rank).
 
     Returns:
-        The plan with the least estimated iteration time.
+        The plan whose iteration simulates shortest among those estimated near the
+        least (`pricing.shortlist`).
 
     Raises:
         PartitionError: nothing fits the memory limit; the message says what to relax.
@@ -81,33 +88,31 @@ def graph_partition(graph: Graph, costs: Costs, devices: int, batch: int,
     sizes = micro_batches or micro_batch_sizes(batch)
     # Chain plans first, priced as graph stages (tensors go straight to their readers):
     # the space then holds every sequential plan, a branch cut part-way included, and
-    # the best of them bounds the series-parallel DP.
-    chain: tuple[float, int, int, list] | None = None
+    # they bound the series-parallel DP (loosely: plans estimated near the best are
+    # simulated, `pricing.shortlist`).
+    chain_found: list[tuple[float, tuple[float, int, list]]] = []
     chains = intervals(graph, costs, direct=True, max_cuts=CHAIN_CUTS)
     for b in sizes:
-        found = chain_search(chains, costs, devices, b, batch // b, replicate, use_all)
-        if found is not None and (chain is None or found[0] < chain[0]):
-            chain = (found[0], b, batch // b, found[1])
+        chain_found += [(est, (est, b, stages)) for est, stages in
+                        chain_search(chains, costs, devices, b, batch // b, replicate, use_all)]
+    bound = min((f[0] for f in chain_found), default=math.inf) * (1 + SHORTLIST_SLACK)
+    found: list[tuple[float, tuple[float, int, list]]] = []
     pricer = StagePricer(graph, costs)
-    best: tuple[float, int, int, list] | None = None
     cache = StageCache()
     for b in sizes:
         m = batch // b
-        dp = GraphDP(pricer, tree, devices, b, m, replicate, cache,
-                     bound=chain[0] if chain else math.inf)
+        dp = GraphDP(pricer, tree, devices, b, m, replicate, cache, bound=bound)
         for d, row in dp.solve(tree, 0).items():
             if use_all and d != devices:
                 continue
             for _h, (bn, cr, pl) in row.items():
                 est = cr + (m - 1) * bn
-                if best is None or est < best[0]:
-                    best = (est, b, m, flatten_stages(pl))
+                found.append((est, (est, b, flatten_stages(pl))))
     finalists = []
-    for found in (best, chain):
-        if found is not None:
-            est, b, m, stages = found
-            finalists.append(make_plan(graph, [Stage(ops, r) for ops, r in stages], b, m))
-            finalists[-1].estimate = est
+    # series-parallel plans first: on a tie they stay (no deeper than a chain's)
+    for est, b, stages in shortlist(found + chain_found):
+        finalists.append(make_plan(graph, [Stage(ops, r) for ops, r in stages], b, batch // b))
+        finalists[-1].estimate = est
     if chains.exact:
         # The chain DP keeps per state the least bottleneck, so where few micro-batches
         # make the critical path count it can miss the sequential DP's plan, and it
@@ -129,10 +134,9 @@ def graph_partition(graph: Graph, costs: Costs, devices: int, batch: int,
             finalists.append(direct)
     if not finalists:
         raise PartitionError(no_fit(costs, devices, batch, graph))
-    # The estimate ranks plans within each search; the simulator, which runs the
-    # schedule, decides between the searches' best (on a tie the series-parallel plan
-    # stays: no deeper than a chain's)
-    plan = min(finalists, key=lambda p: simulate(graph, costs, p, schedule_for(p)).iteration_s)
+    # The estimate ranks plans within the searches; the simulator, which runs the
+    # schedule, decides between the shortlist (on a tie the earlier, best estimated)
+    plan = fastest(graph, costs, finalists, devices if replicate else None, use_all)
     plan.notes, plan.search_s = notes, time.perf_counter() - t0
     return plan
 

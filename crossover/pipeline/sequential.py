@@ -14,8 +14,9 @@ from collections.abc import Sequence
 from crossover.pipeline.chain import chain_search, intervals
 from crossover.pipeline.graph import Graph
 from crossover.pipeline.plan import PartitionError, Plan, Stage, make_plan
-from crossover.pipeline.pricing import micro_batch_sizes, no_fit
+from crossover.pipeline.pricing import micro_batch_sizes, no_fit, shortlist
 from crossover.pipeline.profile import Costs
+from crossover.pipeline.simulate import fastest
 
 #: Cut positions the baseline searches exactly; beyond, `chain._thin` picks this many.
 MAX_CUTS = 2048
@@ -31,7 +32,8 @@ def sequential_partition(graph: Graph, costs: Costs, devices: int, batch: int,
     Args: as `graph_partition`.
 
     Returns:
-        The plan (kind "sequential") with the least estimated iteration time.
+        The plan (kind "sequential") whose iteration simulates shortest among those
+        estimated near the least (`pricing.shortlist`).
 
     Raises:
         PartitionError: nothing fits the memory limit, or (with `use_all`) tied ops
@@ -39,14 +41,17 @@ def sequential_partition(graph: Graph, costs: Costs, devices: int, batch: int,
     """
     t0 = time.perf_counter()
     iv = intervals(graph, costs, direct=False, max_cuts=MAX_CUTS)
-    best = None
+    found = []
     for b in micro_batches or micro_batch_sizes(batch):
-        found = chain_search(iv, costs, devices, b, batch // b, replicate, use_all)
-        if found is not None and (best is None or found[0] < best[0]):
-            best = (found[0], b, found[1])
-    if best is None:
+        found += [(est, (est, b, stages)) for est, stages in
+                  chain_search(iv, costs, devices, b, batch // b, replicate, use_all)]
+    if not found:
         raise PartitionError(no_fit(costs, devices, batch, graph))
-    est, b, stages = best
-    plan = make_plan(graph, [Stage(ops, r) for ops, r in stages], b, batch // b, "sequential")
-    plan.estimate, plan.search_s = est, time.perf_counter() - t0
+    plans = []
+    for est, b, stages in shortlist(found):
+        plans.append(make_plan(graph, [Stage(ops, r) for ops, r in stages], b, batch // b,
+                               "sequential"))
+        plans[-1].estimate = est
+    plan = fastest(graph, costs, plans, devices if replicate else None, use_all)
+    plan.search_s = time.perf_counter() - t0
     return plan
