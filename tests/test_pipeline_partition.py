@@ -12,6 +12,7 @@ from crossover.pipeline import (
     Graph,
     PartitionError,
     Stage,
+    finalists,
     graph_partition,
     make_plan,
     parameter_costs,
@@ -22,18 +23,12 @@ from crossover.pipeline import (
     synthetic,
 )
 from crossover.pipeline.chain import intervals
+from crossover.pipeline.finalists import deal_count, fastest, replica_deals, shortlist
 from crossover.pipeline.models import build
 from crossover.pipeline.node_sums import NodeSums
 from crossover.pipeline.partition import graph_frontier
-from crossover.pipeline.pricing import (
-    StagePricer,
-    _chain_info,
-    evaluate,
-    replica_counts,
-    shortlist,
-)
+from crossover.pipeline.pricing import StagePricer, _chain_info, evaluate, replica_counts
 from crossover.pipeline.profile import Costs, Link, OpCost, Runtime
-from crossover.pipeline.simulate import fastest, replica_deals
 from crossover.pipeline.sptree import SPNode, decompose
 
 
@@ -400,7 +395,7 @@ def test_the_graph_search_holds_every_sequential_plan(name, memory_share):
     ([(1.0, "x"), (1.0, "y")], 0.0, 16, ["x", "y"]),  # a tie keeps the given order
 ])
 def test_the_shortlist_keeps_the_estimates_near_the_least(found, slack, most, expected):
-    assert shortlist(found, slack, most) == expected
+    assert [c for _, c in shortlist(found, slack, most)] == expected
 
 
 @pytest.mark.parametrize("counts,stages,devices,exact,expected", [
@@ -412,6 +407,51 @@ def test_the_shortlist_keeps_the_estimates_near_the_least(found, slack, most, ex
 ])
 def test_replica_deals(counts, stages, devices, exact, expected):
     assert list(replica_deals(counts, stages, devices, exact)) == expected
+    assert deal_count(counts, stages, devices, exact) == len(expected)
+
+
+def test_a_plan_with_too_many_deals_is_not_dealt():
+    """12 stages on 32 devices with a micro-batch of 8 have 1.4 million deals: counted,
+    not listed, and the plan comes back as it was."""
+    g = explicit({f"o{i}": [f"o{i - 1}" if i else "x"] for i in range(12)})
+    costs = synthetic(g, {n: 1e-4 for n in g.ops if n != "x"}, link=Link(1e9, 1e-5))
+    assert deal_count([1, 2, 4, 8], 12, 32, False) > finalists.DEAL_LIMIT
+    plan = make_plan(g, [Stage((f"o{i}",) + (("x",) if i == 0 else ()), 1)
+                         for i in range(12)], 8, 4)
+    assert fastest(g, costs, [plan], devices=32) is plan
+
+
+@pytest.mark.parametrize("fn,name,share,devices,off", [
+    # each needs what is switched off: the shortlist (graph), the deals (sequential)
+    (graph_partition, "dlrm", 0.2, 8, {"SHORTLIST_MOST": 1, "DEAL_MOST": 0}),
+    (sequential_partition, "uno", 0.35, 6, {"DEAL_MOST": 0}),
+])
+def test_the_searches_simulate_their_shortlists_and_deal_again(monkeypatch, fn, name,
+                                                               share, devices, off):
+    """End to end: with the shortlist cut to one plan or no deals, these searches
+    return a plan that simulates slower."""
+    g = Graph.from_fx(build(name, small=True).module)
+    costs = model_costs(g, share)
+
+    def iteration_s():
+        plan = fn(g, costs, devices, 256)
+        return simulate(g, costs, plan, schedule_for(plan)).iteration_s
+
+    full = iteration_s()
+    for key, value in off.items():
+        monkeypatch.setattr(finalists, key, value)
+    assert full < iteration_s() / 1.01
+
+
+@pytest.mark.parametrize("fn", [graph_partition, sequential_partition])
+def test_use_all_and_no_replicas_hold_through_the_searches(fn):
+    g = Graph.from_fx(build("uno", small=True).module)
+    costs = model_costs(g, 0.35)
+    for devices in (2, 4, 6):
+        exact = fn(g, costs, devices, 256, use_all=True)
+        assert exact.devices == devices, exact.describe()
+        single = fn(g, costs, devices, 256, replicate=False)
+        assert all(st.replicas == 1 for st in single.stages), single.describe()
 
 
 @pytest.mark.parametrize("use_all", [False, True])

@@ -13,6 +13,7 @@ The pieces, one concept each:
     partition.py  search entry points: graph_partition, plan_for
     schedule.py   schedules as data (GPipe, 1F1B on chains and DAGs), lowering, validator
     simulate.py   a schedule against the cost model: throughput, bubble, memory
+    finalists.py  which plan a search keeps: the simulator decides among the near-best
     runner.py     one MPI process per stage; slots from the crossover daemon
     waits.py      MPI waits with deadlines, cancelling on failure; decisions all ranks share
     models.py     example models (chain, two-tower transformer, DLRM, CANDLE-Uno)

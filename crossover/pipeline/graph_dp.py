@@ -12,7 +12,7 @@ is how many micro-batches a stage holds in a one-forward-one-backward schedule, 
 what the memory limit prices. Each state keeps the least bottleneck per depth (the
 critical path breaks ties) and drops a depth another beats in depth, bottleneck and
 critical path at once. A node that fits on one device with every micro-batch in flight
-is solved once for every k. With a bound (the best chain plan's estimate), a part
+is solved once for every k. With a bound (1.25x the best chain plan's estimate), a part
 whose `critical path + (M - 1) * bottleneck` exceeds it is dropped: composing parts
 only grows both terms. Stages are priced from their SP nodes' ports (`node_sums`).
 """

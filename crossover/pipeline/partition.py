@@ -1,8 +1,9 @@
 """Where a plan comes from: the search entry points.
 
-`graph_partition` (GraphPipe-style) runs the series-parallel DP (`graph_dp`) for each
-candidate micro-batch size and picks micro-batch size, device count and depth by the
-estimated iteration time `critical path + (M - 1) * bottleneck`. `plan_for` gives a
+`graph_partition` (GraphPipe-style) runs the chain DP and the series-parallel DP
+(`graph_dp`) for each candidate micro-batch size, ranks their plans by the estimated
+iteration time `critical path + (M - 1) * bottleneck`, and leaves the choice among those
+estimated near the least to the simulator (`finalists`). `plan_for` gives a
 runnable plan on exactly the ranks a launch has, with either partitioner
 (`sequential.sequential_partition` is the PipeDream-style chain baseline); both price
 stages with the same `pricing.StagePricer`, so they compare on the same graph and costs.
@@ -14,21 +15,14 @@ import math
 import time
 from collections.abc import Sequence
 
+from crossover.pipeline import finalists as final
 from crossover.pipeline.chain import chain_search, intervals
 from crossover.pipeline.graph import Graph
 from crossover.pipeline.graph_dp import GraphDP, StageCache, flatten_stages
 from crossover.pipeline.plan import PartitionError, Plan, Stage, make_plan
-from crossover.pipeline.pricing import (
-    SHORTLIST_SLACK,
-    StagePricer,
-    evaluate,
-    micro_batch_sizes,
-    no_fit,
-    shortlist,
-)
+from crossover.pipeline.pricing import StagePricer, evaluate, micro_batch_sizes, no_fit
 from crossover.pipeline.profile import Costs, synthetic
-from crossover.pipeline.sequential import sequential_partition
-from crossover.pipeline.simulate import fastest
+from crossover.pipeline.sequential import sequential_partition, sequential_shortlist
 from crossover.pipeline.sptree import coarsen, decompose
 
 #: Cut positions of the chain plans the graph search also holds (all of them up to this
@@ -76,7 +70,7 @@ def graph_partition(graph: Graph, costs: Costs, devices: int, batch: int,
 
     Returns:
         The plan whose iteration simulates shortest among those estimated near the
-        least (`pricing.shortlist`).
+        least (`finalists.shortlist`), replica counts dealt again (`finalists.fastest`).
 
     Raises:
         PartitionError: nothing fits the memory limit; the message says what to relax.
@@ -88,15 +82,14 @@ def graph_partition(graph: Graph, costs: Costs, devices: int, batch: int,
     sizes = micro_batches or micro_batch_sizes(batch)
     # Chain plans first, priced as graph stages (tensors go straight to their readers):
     # the space then holds every sequential plan, a branch cut part-way included, and
-    # they bound the series-parallel DP (loosely: plans estimated near the best are
-    # simulated, `pricing.shortlist`).
-    chain_found: list[tuple[float, tuple[float, int, list]]] = []
+    # they bound the series-parallel DP (as loosely as the shortlist reaches).
+    chain_found: list[tuple[float, tuple[int, list]]] = []
     chains = intervals(graph, costs, direct=True, max_cuts=CHAIN_CUTS)
     for b in sizes:
-        chain_found += [(est, (est, b, stages)) for est, stages in
+        chain_found += [(est, (b, stages)) for est, stages in
                         chain_search(chains, costs, devices, b, batch // b, replicate, use_all)]
-    bound = min((f[0] for f in chain_found), default=math.inf) * (1 + SHORTLIST_SLACK)
-    found: list[tuple[float, tuple[float, int, list]]] = []
+    bound = min((f[0] for f in chain_found), default=math.inf) * (1 + final.SHORTLIST_SLACK)
+    found: list[tuple[float, tuple[int, list]]] = []
     pricer = StagePricer(graph, costs)
     cache = StageCache()
     for b in sizes:
@@ -106,37 +99,38 @@ def graph_partition(graph: Graph, costs: Costs, devices: int, batch: int,
             if use_all and d != devices:
                 continue
             for _h, (bn, cr, pl) in row.items():
-                est = cr + (m - 1) * bn
-                found.append((est, (est, b, flatten_stages(pl))))
-    finalists = []
+                found.append((cr + (m - 1) * bn, (b, flatten_stages(pl))))
+    plans = []
     # series-parallel plans first: on a tie they stay (no deeper than a chain's)
-    for est, b, stages in shortlist(found + chain_found):
-        finalists.append(make_plan(graph, [Stage(ops, r) for ops, r in stages], b, batch // b))
-        finalists[-1].estimate = est
+    for est, (b, stages) in final.shortlist(found + chain_found):
+        plans.append(make_plan(graph, [Stage(ops, r) for ops, r in stages], b, batch // b))
+        plans[-1].estimate = est
     if chains.exact:
         # The chain DP keeps per state the least bottleneck, so where few micro-batches
-        # make the critical path count it can miss the sequential DP's plan, and it
+        # make the critical path count it can miss the sequential DP's plans, and it
         # never gives graph inputs a stage (which `use_all` may need): on graphs it
-        # searches exactly (cheap ones), that plan, sent direct, is a finalist too.
+        # searches exactly (cheap ones), the sequential DP's shortlist, sent direct,
+        # joins the finalists.
         try:
-            seq = sequential_partition(graph, costs, devices, batch, sizes, replicate,
-                                       use_all)
+            seqs = sequential_shortlist(graph, costs, devices, batch, sizes, replicate,
+                                        use_all)
         except PartitionError:
-            seq = None
-        inputs_alone = seq is not None and any(
-            all(graph.ops[o].is_input for o in st.ops) for st in seq.stages)
+            seqs = []
+        direct = [make_plan(graph, seq.stages, seq.micro_batch, seq.num_micro, "graph")
+                  for seq in seqs]
+        for p in direct:
+            bn, cr = evaluate(graph, costs, p, pricer)
+            p.estimate = cr + (p.num_micro - 1) * bn
         # a stage of graph inputs alone trains nothing (an optimizer over no parameters
-        # fails): only when nothing else fits
-        if seq is not None and (not inputs_alone or not finalists):
-            direct = make_plan(graph, seq.stages, seq.micro_batch, seq.num_micro, "graph")
-            bn, cr = evaluate(graph, costs, direct)
-            direct.estimate = cr + (direct.num_micro - 1) * bn
-            finalists.append(direct)
-    if not finalists:
+        # fails): such plans only when nothing else fits
+        trains = [p for p in direct
+                  if not any(all(graph.ops[o].is_input for o in st.ops) for st in p.stages)]
+        plans += trains if trains or plans else direct
+    if not plans:
         raise PartitionError(no_fit(costs, devices, batch, graph))
     # The estimate ranks plans within the searches; the simulator, which runs the
-    # schedule, decides between the shortlist (on a tie the earlier, best estimated)
-    plan = fastest(graph, costs, finalists, devices if replicate else None, use_all)
+    # schedule, decides between the finalists (on a tie the earlier, best estimated)
+    plan = final.fastest(graph, costs, plans, devices if replicate else None, use_all)
     plan.notes, plan.search_s = notes, time.perf_counter() - t0
     return plan
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TypeVar
 
 import numpy as np
 
@@ -16,16 +15,6 @@ from crossover.pipeline.graph import Graph
 from crossover.pipeline.plan import Plan
 from crossover.pipeline.profile import Costs
 from crossover.pipeline.ties import describe_ties
-
-T = TypeVar("T")
-
-#: The searches rank plans by `critical path + (M - 1) * bottleneck`, which charges each
-#: stage on the path its whole forward and backward before the next stage starts; a 1F1B
-#: schedule overlaps more than that where micro-batches are few (Uno at 8 devices, 2
-#: micro-batches: a plan estimated 7% slower than the best simulated 12% faster). So the
-#: plans estimated within `SHORTLIST_SLACK` of the best (at most `SHORTLIST_MOST`) are
-#: simulated, and the fastest is taken.
-SHORTLIST_SLACK, SHORTLIST_MOST = 0.25, 16
 
 
 @dataclass(frozen=True)
@@ -128,7 +117,8 @@ def evaluate(graph: Graph, costs: Costs, plan: Plan, pricer: StagePricer | None 
         [len(plan.stages) - i for i in range(len(plan.stages))]
     times = []
     for i, st in enumerate(plan.stages):
-        info = pricer.info(st.ops) if plan.kind == "graph" else _chain_info(pricer, plan, i)
+        info = pricer.stage(tuple(st.ops))[0] if plan.kind == "graph" else \
+            _chain_info(pricer, plan, i)
         t = pricer.price(info, st.replicas, plan.micro_batch, plan.num_micro, depth[i])
         if t is None:
             return math.inf, math.inf
@@ -141,7 +131,7 @@ def evaluate(graph: Graph, costs: Costs, plan: Plan, pricer: StagePricer | None 
 
 def _chain_info(pricer: StagePricer, plan: Plan, i: int) -> StageInfo:
     """A sequential stage also receives and forwards the tensors passing through it."""
-    base = pricer.info(plan.stages[i].ops)
+    base = pricer.stage(tuple(plan.stages[i].ops))[0]
     c = pricer.costs
     inb = plan.edges.get((i - 1, i), ())
     out = plan.edges.get((i, i + 1), ())
@@ -154,17 +144,6 @@ def _chain_info(pricer: StagePricer, plan: Plan, i: int) -> StageInfo:
     # one message per tensor and hop, as the runner sends them
     return StageInfo(base.fixed, base.per_sample, len(inb) + len(out), comm, act,
                      base.param_bytes)
-
-
-def shortlist(found: Iterable[tuple[float, T]], slack: float = SHORTLIST_SLACK,
-              most: int = SHORTLIST_MOST) -> list[T]:
-    """The candidates estimated within `slack` of the least estimate, at most `most`,
-    least estimate first (the earlier of a tie first)."""
-    ranked = sorted(found, key=lambda f: f[0])
-    if not ranked:
-        return []
-    limit = ranked[0][0] * (1 + slack)
-    return [c for est, c in ranked[:most] if est <= limit]
 
 
 def micro_batch_sizes(batch: int, limit: int = 6) -> list[int]:

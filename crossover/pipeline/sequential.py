@@ -12,11 +12,11 @@ import time
 from collections.abc import Sequence
 
 from crossover.pipeline.chain import chain_search, intervals
+from crossover.pipeline.finalists import fastest, shortlist
 from crossover.pipeline.graph import Graph
 from crossover.pipeline.plan import PartitionError, Plan, Stage, make_plan
-from crossover.pipeline.pricing import micro_batch_sizes, no_fit, shortlist
+from crossover.pipeline.pricing import micro_batch_sizes, no_fit
 from crossover.pipeline.profile import Costs
-from crossover.pipeline.simulate import fastest
 
 #: Cut positions the baseline searches exactly; beyond, `chain._thin` picks this many.
 MAX_CUTS = 2048
@@ -32,26 +32,36 @@ def sequential_partition(graph: Graph, costs: Costs, devices: int, batch: int,
     Args: as `graph_partition`.
 
     Returns:
-        The plan (kind "sequential") whose iteration simulates shortest among those
-        estimated near the least (`pricing.shortlist`).
+        The plan (kind "sequential") that simulates fastest among those estimated near
+        the least, with replica counts dealt again (`finalists.fastest`).
 
     Raises:
         PartitionError: nothing fits the memory limit, or (with `use_all`) tied ops
             leave fewer units than stages.
     """
     t0 = time.perf_counter()
+    plans = sequential_shortlist(graph, costs, devices, batch, micro_batches, replicate,
+                                 use_all)
+    plan = fastest(graph, costs, plans, devices if replicate else None, use_all)
+    plan.search_s = time.perf_counter() - t0
+    return plan
+
+
+def sequential_shortlist(graph: Graph, costs: Costs, devices: int, batch: int,
+                         micro_batches: Sequence[int] | None = None, replicate: bool = True,
+                         use_all: bool = False) -> list[Plan]:
+    """The sequential plans estimated near the least (`finalists.shortlist`), least
+    estimate first. Args and raises: as `sequential_partition`."""
     iv = intervals(graph, costs, direct=False, max_cuts=MAX_CUTS)
     found = []
     for b in micro_batches or micro_batch_sizes(batch):
-        found += [(est, (est, b, stages)) for est, stages in
+        found += [(est, (b, stages)) for est, stages in
                   chain_search(iv, costs, devices, b, batch // b, replicate, use_all)]
     if not found:
         raise PartitionError(no_fit(costs, devices, batch, graph))
     plans = []
-    for est, b, stages in shortlist(found):
+    for est, (b, stages) in shortlist(found):
         plans.append(make_plan(graph, [Stage(ops, r) for ops, r in stages], b, batch // b,
                                "sequential"))
         plans[-1].estimate = est
-    plan = fastest(graph, costs, plans, devices if replicate else None, use_all)
-    plan.search_s = time.perf_counter() - t0
-    return plan
+    return plans

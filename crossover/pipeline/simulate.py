@@ -12,12 +12,11 @@ actions are free (one job).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from crossover.pipeline.graph import Graph
-from crossover.pipeline.plan import Plan, Stage
-from crossover.pipeline.pricing import StagePricer, evaluate, replica_counts
+from crossover.pipeline.plan import Plan
+from crossover.pipeline.pricing import StagePricer
 from crossover.pipeline.profile import Costs
 from crossover.pipeline.schedule import (
     ACQ,
@@ -31,7 +30,6 @@ from crossover.pipeline.schedule import (
     Schedule,
     ScheduleError,
     lower,
-    schedule_for,
 )
 
 
@@ -165,86 +163,3 @@ def simulate(graph: Graph, costs: Costs, plan: Plan, schedule: Schedule,
     return SimResult(makespan, b * schedule.num_micro / makespan if makespan > 0 else 0.0,
                      1.0 - compute / (devices * makespan) if makespan > 0 else 0.0,
                      mem, peak, spans, kinds)
-
-
-def _timer(graph: Graph, costs: Costs) -> Callable[[Plan], float]:
-    """Simulated 1F1B iteration seconds of a plan; plans with the same stage DAG and
-    micro-batch count share one schedule (replica counts do not change it)."""
-    schedules: dict[tuple, Schedule] = {}
-    pricer = StagePricer(graph, costs)
-
-    def iteration_s(plan: Plan) -> float:
-        key = (tuple(tuple(plan.succs(s)) for s in range(len(plan.stages))), plan.num_micro)
-        if key not in schedules:
-            schedules[key] = schedule_for(plan)
-        return simulate(graph, costs, plan, schedules[key], pricer).iteration_s
-
-    return iteration_s
-
-
-def replica_deals(counts: Sequence[int], stages: int, devices: int, exact: bool
-                  ) -> Iterator[tuple[int, ...]]:
-    """Every way to give `stages` stages a replica count each from `counts` (ascending)
-    on at most `devices` devices (exactly `devices` with `exact`)."""
-    if stages == 0:
-        if not exact or devices == 0:
-            yield ()
-        return
-    for r in counts:
-        if r > devices - (stages - 1):
-            break
-        for rest in replica_deals(counts, stages - 1, devices - r, exact):
-            yield (r, *rest)
-
-
-def _deals(graph: Graph, costs: Costs, plan: Plan, devices: int, use_all: bool
-           ) -> list[Plan]:
-    """`plan`'s stages with every other deal of replica counts that fits in memory."""
-    out, pricer = [], StagePricer(graph, costs)
-    for deal in replica_deals(replica_counts(devices, plan.micro_batch, True),
-                              len(plan.stages), devices, use_all):
-        if deal == tuple(st.replicas for st in plan.stages):
-            continue
-        cand = replace(plan, stages=[Stage(st.ops, r) for st, r in
-                                     zip(plan.stages, deal, strict=True)])
-        bn, cr = evaluate(graph, costs, cand, pricer)
-        if bn < float("inf"):  # fits in memory and splits the micro-batch
-            cand.estimate = cr + (cand.num_micro - 1) * bn
-            out.append(cand)
-    return out
-
-
-#: Replica counts are dealt again for the (at most `DEAL_MOST`) fastest shortlisted
-#: plans with distinct stages that simulate within `DEAL_WITHIN` of the fastest.
-DEAL_WITHIN, DEAL_MOST = 0.15, 3
-
-
-def fastest(graph: Graph, costs: Costs, plans: Sequence[Plan], devices: int | None = None,
-            use_all: bool = False) -> Plan:
-    """The plan whose 1F1B iteration simulates shortest (the earlier of a tie): the
-    searches rank plans by an estimate and leave the last word to the schedule run.
-
-    With `devices`, the `DEAL_MOST` fastest plans with distinct stages that simulate
-    within `DEAL_WITHIN` of the fastest also compete with their stages' replica counts
-    dealt again (on at most, or with `use_all` exactly, that many devices). A search
-    keeps one deal per (devices, depth), the least bottleneck, and the estimate can
-    prefer a deal the schedule runs slower (Uno at 8 devices: towers x2 and head x2
-    over towers x1, x1, x2 and head x4, which simulates 14% faster).
-    """
-    iteration_s = _timer(graph, costs)
-    timed = [(iteration_s(p), i, p) for i, p in enumerate(plans)]
-    best = min(timed)
-    if devices is None:
-        return best[2]
-    seen: set[tuple] = set()
-    limit = best[0] * (1 + DEAL_WITHIN)
-    for t, i, plan in sorted(timed):
-        key = (tuple(st.ops for st in plan.stages), plan.micro_batch)
-        if t > limit or len(seen) == DEAL_MOST:
-            break
-        if key in seen:
-            continue
-        seen.add(key)
-        for cand in _deals(graph, costs, plan, devices, use_all):
-            best = min(best, (iteration_s(cand), len(plans) + i, cand), key=lambda x: x[:2])
-    return best[2]
