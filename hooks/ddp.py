@@ -38,6 +38,7 @@ Under `no_sync()` no bucket is handed over, so an accumulation pass keeps the sl
 """
 
 # No `from __future__ import annotations`: DDP checks a hook's annotations as objects.
+import weakref
 from typing import Any
 
 import torch
@@ -64,11 +65,40 @@ def _mean_allreduce(process_group: dist.ProcessGroup | None,
         lambda fut: fut.value()[0])
 
 
+# The gradient accumulators and DDP's reducer that hold crossover's hooks live in C++,
+# where Python's collector cannot follow a cycle back to the model (and a cycle it can
+# follow is collected at some later pass, maybe only at exit). Hooks that held
+# `_SlotHooks` (and so the model) strongly kept the model, its reducer and its gloo
+# process group alive to interpreter exit, and a gloo group destroyed that late can
+# abort the process ("terminate called without an active exception") after the script
+# has finished. So the C++ side holds them weakly.
+def _weakly(method: Any) -> Any:
+    """`method` (bound) called through a weak reference to its object."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        bound = ref()
+        return None if bound is None else bound(*args)
+
+    return call
+
+
+def _weak_comm_hook(hooks: "_SlotHooks") -> Any:
+    """`hooks.comm_hook` through a weak reference (annotated: DDP checks them)."""
+    ref = weakref.ref(hooks)
+
+    def comm_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        return ref().comm_hook(state, bucket)
+
+    return comm_hook
+
+
 class _SlotHooks:
     """The slot calls of one DDP model (see the module's docstring)."""
 
     def __init__(self, model: DistributedDataParallel, life: SlotLifecycle) -> None:
-        self.model, self.life = model, life
+        # weakly: the model owns its hooks (no cycle; the module's docstring above)
+        self._model, self.life = weakref.ref(model), life
         self.inner: tuple[Any, Any] = (model.process_group, _mean_allreduce)
         self._grad_forwards = 0  # forwards with gradients: DDP rebuilds buckets in the 2nd
         #: The parameters DDP reduces, while their accumulators count arrivals (DDP's own
@@ -76,6 +106,12 @@ class _SlotHooks:
         self.counted: list[torch.Tensor] | None = None
         self._pending = 0  # gradients still to arrive in this backward (0: not counting)
         self._handles: list[Any] = []
+
+    @property
+    def model(self) -> DistributedDataParallel:
+        model = self._model()
+        assert model is not None, "a DDP model's hooks ran after the model was freed"
+        return model
 
     def count_gradients(self) -> None:
         """Mark the last bucket by counting gradient arrivals (DDP's own reduction)."""
@@ -87,14 +123,15 @@ class _SlotHooks:
             # after DDP's, once DDP has marked the gradient ready (and maybe handed over
             # its bucket). DDP keeps the nodes alive.
             accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in self.counted]
-        self._handles = [acc.register_hook(self._gradient_arrived) for acc in accumulators]
+        arrived = _weakly(self._gradient_arrived)
+        self._handles = [acc.register_hook(arrived) for acc in accumulators]
 
     def use_comm_hook(self) -> None:
         """Mark the last bucket from a communication hook (DDP takes only one)."""
         for handle in self._handles:
             handle.remove()
         self._handles, self.counted, self._pending = [], None, 0
-        DistributedDataParallel.register_comm_hook(self.model, None, self.comm_hook)
+        DistributedDataParallel.register_comm_hook(self.model, None, _weak_comm_hook(self))
 
     def ddp_forward_pre(self, _module: Any, _inputs: Any) -> None:
         self.life.end_step()

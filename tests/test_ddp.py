@@ -365,3 +365,34 @@ def test_only_torchs_exit_abort_of_a_reference_run_passes(tmp_path: Path, refere
     else:
         with pytest.raises(AssertionError, match="exited 134"):
             proc.wait(30)
+
+
+FREED_SCRIPT = """
+import gc, os, sys, weakref, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+import crossover.hooks.ddp as crossover_ddp
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+model = DDP(torch.nn.Linear(4, 2), find_unused_parameters=sys.argv[1] == "unused")
+crossover_ddp.wrap(model)
+for _ in range(3):
+    model(torch.randn(3, 4)).sum().backward()
+freed = weakref.ref(model)
+del model
+gc.collect()  # DDP's own Python cycles go here, as without crossover
+print("freed", freed() is None, flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("mode", ["own_reduction", "unused"])
+def test_a_wrapped_model_is_freed_when_the_script_drops_it(mode, tmp_path):
+    """Crossover's hooks hold the DDP model weakly from C++ (gradient accumulators, the
+    reducer's comm hook): a model they kept alive took its gloo process group to
+    interpreter exit, where gloo can abort a finished script (SIGABRT, 'terminate called
+    without an active exception'). Dropped and collected, the model goes, as it does
+    without crossover."""
+    env = {**os.environ, "CROSSOVER_RUNTIME_DIR": str(tmp_path / "no-daemon")}
+    res = subprocess.run([PY, "-c", FREED_SCRIPT, mode], capture_output=True, text=True,
+                         timeout=120, env=env, cwd=REPO)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "freed True" in res.stdout, res.stdout + res.stderr[-2000:]
