@@ -396,3 +396,30 @@ def test_a_wrapped_model_is_freed_when_the_script_drops_it(mode, tmp_path):
                          timeout=120, env=env, cwd=REPO)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "freed True" in res.stdout, res.stdout + res.stderr[-2000:]
+
+
+AT_EXIT_SCRIPT = """
+import gc, sys, weakref, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+import crossover.hooks.ddp as crossover_ddp
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+gc.disable()  # no collector pass before exit but crossover's
+def train():
+    model = DDP(torch.nn.Linear(4, 2))
+    crossover_ddp.wrap(model)
+    model(torch.randn(3, 4)).sum().backward()
+    return weakref.ref(model, lambda _: print("freed while finalizing", sys.is_finalizing(),
+                                              flush=True))
+ref = train()
+dist.destroy_process_group()
+"""
+
+
+def test_a_dropped_model_is_collected_before_the_interpreter_is_torn_down(tmp_path):
+    """DDP's modules form Python cycles: a model the script dropped is collected by
+    crossover's exit hook, while the interpreter is whole, not during finalization."""
+    env = {**os.environ, "CROSSOVER_RUNTIME_DIR": str(tmp_path / "no-daemon")}
+    res = subprocess.run([PY, "-c", AT_EXIT_SCRIPT], capture_output=True, text=True,
+                         timeout=120, env=env, cwd=REPO)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "freed while finalizing False" in res.stdout, res.stdout + res.stderr[-2000:]
