@@ -1,7 +1,7 @@
 """Freezing on the graph pipeline: time to a target accuracy, with and without freezing.
 
     .venv/bin/python bench/freeze_bench.py [--reps 3] [--epochs 20] [--target 0.96]
-    .venv/bin/python bench/freeze_bench.py --workload finetune --epochs 15
+    .venv/bin/python bench/freeze_bench.py --workload finetune-glyphs --epochs 15
 
 Each arm trains examples/pipeline_digits.py on 2 ranks under mpirun, same seed and
 data, planned from op times measured once for all arms, and records after every epoch
@@ -11,8 +11,11 @@ lr 0.05 with momentum; freezing judged every 15 steps at threshold 0.1); `finetu
 MLP with six hidden layers of 256 pretrained on drawn stroke glyphs (cached) fine-tuned
 with a new head on the digits 5-9 (lr 0.05; judged every 5 steps at 0.1);
 `finetune-wide`, the same with layers of 1024, where a step's arithmetic outweighs the
-pipeline's own costs (its body takes some minutes to pretrain, once). Arms (run
-interleaved, rep by rep, so drift hits all alike):
+pipeline's own costs (its body takes some minutes to pretrain, once);
+`finetune-glyphs`, that wide body fine-tuned with a new head on 50 glyph classes it was
+not pretrained on (5000 images to train on, 5000 to test; freezing by weight drift under
+0.04 of the weights' norm over 14 steps, twice, once the training loss is down to 0.05
+of its first interval's). Arms (run interleaved, rep by rep, so drift hits all alike):
 
     graph             the graph pipeline, no freezing
     graph_freeze      the same with freezing (the workload's flags: the default
@@ -65,6 +68,11 @@ WORKLOADS = {
                  ["--freeze-every", "5", "--freeze-threshold", "0.1"]),
     "finetune-wide": (["--finetune", "--depth", "6", "--width", "1024", "--lr", "0.05"],
                       ["--freeze-every", "5", "--freeze-threshold", "0.1"]),
+    # chosen on this workload by bench/freeze_replay.py (and safe there on digits)
+    "finetune-glyphs": (["--finetune", "glyphs", "--depth", "6", "--width", "1024",
+                         "--lr", "0.05"],
+                        ["--freeze-signal", "weight-drift", "--freeze-threshold", "0.04",
+                         "--freeze-every", "14", "--freeze-loss-gate", "0.05"]),
     "digits": (["--depth", "4", "--width", "256", "--lr", "0.05"],
                ["--freeze-every", "15", "--freeze-threshold", "0.1"]),
 }
@@ -228,7 +236,8 @@ def main() -> int:
 
 TITLES = {"digits": "digits MLP (4 x 256) from random weights, 2 ranks",
           "finetune": "6 x 256 MLP, stroke glyphs to digits 5-9, 2 ranks",
-          "finetune-wide": "6 x 1024 MLP, stroke glyphs to digits 5-9, 2 ranks"}
+          "finetune-wide": "6 x 1024 MLP, stroke glyphs to digits 5-9, 2 ranks",
+          "finetune-glyphs": "6 x 1024 MLP, stroke glyphs to 50 new glyphs, 2 ranks"}
 
 
 def plot(runs: dict[str, list[list[dict]]], png: Path, title: str) -> None:

@@ -5,12 +5,14 @@
 In one process, one thread: the model, data and optimizer of
 `examples/pipeline_digits.py --finetune` (an MLP with six hidden layers of 256, or 1024
 for `finetune-wide`, pretrained on drawn stroke glyphs, a new head, fine-tuned on the
-digits 5-9; SGD 0.05 with momentum, batch 50), with the first k hidden layers frozen from
+digits 5-9; `finetune-glyphs`: the wide body fine-tuned on 50 new glyph classes; SGD
+0.05 with momentum, batch 50), with the first k hidden layers frozen from
 the start of epoch e, for every k and e in the table; each cell is the mean test accuracy
 of the last five epochs, averaged over `--orders` data orders. Any freezing criterion on
 this workload can do at best what the cell of its choice says: the table bounds the
 criterion, not the pipeline. About two minutes for `finetune`, half an hour for
-`finetune-wide` (`--layers 6` for the whole body only: a sixth of it). Writes
+`finetune-wide` (`--layers 6` for the whole body only: a sixth of it; `finetune-glyphs
+--layers 6`, about 12 minutes). Writes
 bench/results/freeze_oracle.json (freeze_oracle_<workload>.json for the others).
 """
 
@@ -30,9 +32,10 @@ import pipeline_digits as digits  # noqa: E402
 from common import write_result  # noqa: E402
 
 LR, BATCH = 0.05, 50
-# workload -> (hidden layers, their width, pretrained), as bench/freeze_bench.py runs them
-WORKLOADS = {"finetune": (6, 256, True), "finetune-wide": (6, 1024, True),
-             "digits": (4, 256, False)}
+# workload -> (hidden layers, their width, the task a pretrained body is fine-tuned on, or
+# None: trained from random weights), as bench/freeze_bench.py runs them
+WORKLOADS = {"finetune": (6, 256, "digits"), "finetune-wide": (6, 1024, "digits"),
+             "finetune-glyphs": (6, 1024, "glyphs"), "digits": (4, 256, None)}
 FROZEN_LAYERS = (1, 2, 3, 5, 6)  # the first k hidden layers
 FROM_EPOCHS = (2, 3, 4, 5, 6, 7)  # frozen from the start of this epoch (1-based)
 
@@ -41,12 +44,12 @@ def start(workload: str) -> tuple[torch.nn.Module, torch.optim.Optimizer, list[t
                                   tuple[torch.Tensor, ...]]:
     """The workload's model (seeded; the pretrained body and a new head when it fine-tunes),
     its optimizer, its hidden layers front to back, and its data (train x, y, test x, y)."""
-    depth, width, pretrained = WORKLOADS[workload]
+    depth, width, task = WORKLOADS[workload]
     torch.manual_seed(0)
-    model = digits.MLP(depth, width)
-    if pretrained:
+    model = digits.MLP(depth, width, digits.GLYPH_CLASSES if task == "glyphs" else 10)
+    if task:
         digits.with_new_head(model, digits.pretrained_body(depth, width))
-        data = digits.digits_of(digits.FINETUNE)
+        data = digits.new_glyphs() if task == "glyphs" else digits.digits_of(digits.FINETUNE)
     else:
         data = digits.digits()
     hidden = [model.layers[i] for i in range(0, 2 * depth, 2)]

@@ -225,7 +225,7 @@ def summary(results: dict) -> list[dict]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workloads", nargs="+",
-                    default=["finetune", "finetune-wide", "digits"],
+                    default=["finetune", "finetune-wide", "finetune-glyphs", "digits"],
                     choices=sorted(oracle.WORKLOADS))
     ap.add_argument("--epochs", type=int, default=15)
     ap.add_argument("--orders", type=int, default=3)

@@ -1,5 +1,4 @@
-"""What the freezing criterion's gradient tracker costs a training step, before anything
-freezes.
+"""What the freezing criterion's trackers cost a training step, before anything freezes.
 
     .venv/bin/python bench/tracker_cost.py [--reps 9] [--steps 200]
 
@@ -15,6 +14,9 @@ read costs the same on whichever step: `sampled_share` = `share` x reads per int
 interval, an estimate that leaves out the once-an-interval read-back. (Timing whole
 intervals with and without the sampled tracker instead was too noisy on a 2-core VM
 to see 1%: sums of steps keep every outlier a median drops.)
+The weight-drift tracker (`DriftTracker`) reads nothing per step; closing its interval
+copies the weights and takes two norms per layer: `drift_share` = the median time of
+that close / (`--drift-every` x the median step without a tracker).
 Then the same in the graph pipeline (`--pairs`): examples/pipeline_digits.py on 2 ranks
 for 5 epochs, with freezing judged every 128 steps at a threshold nothing meets (the
 sampled tracker and the criterion's exchange, no freezing) against without, in
@@ -41,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result  # noqa: E402
 
 from crossover.freeze import (  # noqa: E402
+    DriftTracker,
     GradientTracker,
     default_sample_every,
     reads_gradients,
@@ -60,12 +63,14 @@ def mlp(width: int, depth: int = 4) -> nn.Sequential:
     return nn.Sequential(*layers, nn.Linear(width, 10))
 
 
-def measure(width: int, reps: int, steps: int, every: int, sample_every: int) -> dict:
+def measure(width: int, reps: int, steps: int, every: int, sample_every: int,
+            drift_every: int) -> dict:
     torch.manual_seed(0)
     model = mlp(width)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    tracker = GradientTracker({f"layer{i}": list(m.parameters())
-                               for i, m in enumerate(model) if isinstance(m, nn.Linear)})
+    layers = {f"layer{i}": list(m.parameters())
+              for i, m in enumerate(model) if isinstance(m, nn.Linear)}
+    tracker, drift = GradientTracker(layers), DriftTracker(layers)
     x, y = torch.randn(BATCH, 64), torch.randint(0, 10, (BATCH,))
 
     def step(track: bool) -> float:
@@ -79,22 +84,30 @@ def measure(width: int, reps: int, steps: int, every: int, sample_every: int) ->
 
     for _ in range(20):  # warm-up
         step(True)
-    plain, tracked = [], []
+    plain, tracked, closes = [], [], []
     for _ in range(reps):
         a, b = [], []
         for i in range(steps):
             (b if i % 2 else a).append(step(bool(i % 2)))
+            if i % drift_every == drift_every - 1:  # the drift tracker's interval ends
+                t0 = time.perf_counter()
+                drift.changes()
+                closes.append(time.perf_counter() - t0)
         tracker.changes()  # an interval ends now and then, as in training
         plain.append(statistics.median(a))
         tracked.append(statistics.median(b))
     base, with_tracker = statistics.median(plain), statistics.median(tracked)
     share = (with_tracker - base) / base
     reads = sum(reads_gradients(i, every, sample_every) for i in range(1, every + 1))
+    close = statistics.median(closes)
     return {"width": width, "step_s": base, "step_with_tracker_s": with_tracker,
             "share": share,
             "share_per_rep": [(t - p) / p for p, t in zip(plain, tracked, strict=True)],
             "freeze_every": every, "sample_every": sample_every, "reads_per_interval": reads,
-            "sampled_share": share * reads / every}
+            "sampled_share": share * reads / every,
+            # weight drift: nothing per step, one copy and two norms per layer an interval
+            "drift_every": drift_every, "drift_interval_close_s": close,
+            "drift_share": close / (drift_every * base)}
 
 
 def pipeline_seconds(tmp: Path, tracked: bool, every: int, sample_every: int) -> float:
@@ -123,6 +136,9 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=7, help="pipeline runs with and without")
     ap.add_argument("--freeze-every", type=int, default=128,
                     help="the freezing interval (steps) of the sampled figure and the pipeline arm")
+    ap.add_argument("--drift-every", type=int, default=14,
+                    help="the weight-drift tracker's interval (steps; default 14, as "
+                         "bench/freeze_bench.py's finetune-glyphs workload judges)")
     ap.add_argument("--sample-every", type=int, default=None,
                     help="the trainer's freeze_sample_every (default: the trainer's "
                          "default for the interval)")
@@ -134,10 +150,11 @@ def main() -> int:
     rows = []
     for width in (256, 1024):
         rows.append(measure(width, args.reps, args.steps, args.freeze_every,
-                            args.sample_every))
+                            args.sample_every, args.drift_every))
         print(f"width {width}: step {rows[-1]['step_s'] * 1e3:.3f} ms, a read "
               f"{rows[-1]['share'] * 100:+.2f}%, sampled "
-              f"{rows[-1]['sampled_share'] * 100:+.2f}%", flush=True)
+              f"{rows[-1]['sampled_share'] * 100:+.2f}%, weight drift "
+              f"{rows[-1]['drift_share'] * 100:+.2f}%", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="crossover-tracker-"))
     pairs = []
     for i in range(args.pairs):
@@ -152,6 +169,7 @@ def main() -> int:
         "batch": BATCH, "stat": "median of reps of the median step", "rows": rows,
         "max_share": max(r["share"] for r in rows),
         "max_sampled_share": max(r["sampled_share"] for r in rows),
+        "max_drift_share": max(r["drift_share"] for r in rows),
         "pipeline": {"pairs_s": pairs, "share_per_pair": shares},
         "pipeline_share": statistics.median(shares)})
     print(f"pipeline: tracker {statistics.median(shares) * 100:+.2f}% (median of "

@@ -38,16 +38,16 @@ from crossover.testing import add_start_barrier_flags, start_barrier
 
 
 class MLP(nn.Module):
-    """64 pixels -> 10 classes through `depth` hidden layers of `width` (by default
+    """64 pixels -> `classes` through `depth` hidden layers of `width` (by default
     three: 128, 128, 64)."""
 
-    def __init__(self, depth: int = 0, width: int = 256) -> None:
+    def __init__(self, depth: int = 0, width: int = 256, classes: int = 10) -> None:
         super().__init__()
         sizes = [64, 128, 128, 64] if depth == 0 else [64] + [width] * depth
         layers: list[nn.Module] = []
         for a, b in zip(sizes, sizes[1:], strict=False):
             layers += [nn.Linear(a, b), nn.ReLU()]
-        self.layers = nn.Sequential(*layers, nn.Linear(sizes[-1], 10))
+        self.layers = nn.Sequential(*layers, nn.Linear(sizes[-1], classes))
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         return self.layers(pixels)
@@ -73,17 +73,14 @@ def digits(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tor
 
 
 FINETUNE = (5, 6, 7, 8, 9)  # the digit classes the pretrained body is fine-tuned on
-PRETRAIN_CLASSES, PRETRAIN_COPIES, PRETRAIN_EPOCHS = 1000, 10, 30
+PRETRAIN_CLASSES, PRETRAIN_COPIES, PRETRAIN_EPOCHS, PRETRAIN_SEED = 1000, 10, 30, 3
+# the glyph task: new glyph classes (another seed), copies of each to train on and to test
+GLYPH_CLASSES, GLYPH_TRAIN, GLYPH_TEST, GLYPH_SEED = 50, 100, 100, 11
 
 
-def stroke_glyphs(classes: int, copies: int, seed: int = 3
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A pretraining set drawn here, not downloaded: `classes` glyphs of three random
-    straight strokes on the 8x8 grid, blurred and scaled to [0, 1] like the digits' ink
-    counts, and `copies` of each, every one turned (up to 0.25 rad), scaled (up to 15%)
-    and moved (up to a pixel) at random, with pixel noise. Many classes make the body
-    learn strokes in general rather than a few shapes; no glyph is a digit class."""
-    g = torch.Generator().manual_seed(seed)
+def glyph_drawings(classes: int, g: torch.Generator) -> torch.Tensor:
+    """`classes` drawings (classes x 1 x 8 x 8) of three random straight strokes each,
+    blurred, their brightest pixel 1."""
     protos = torch.zeros(classes, 1, 8, 8)
     for c in range(classes):
         for _ in range(3):
@@ -91,7 +88,18 @@ def stroke_glyphs(classes: int, copies: int, seed: int = 3
             for t in torch.linspace(0, 1, 12).tolist():
                 protos[c, 0, round(r0 + (r1 - r0) * t), round(c0 + (c1 - c0) * t)] = 1
     protos = nn.functional.avg_pool2d(nn.functional.pad(protos, (1, 1, 1, 1)), 3, 1)
-    protos = (protos / protos.amax(dim=(2, 3), keepdim=True)).repeat(copies, 1, 1, 1)
+    return protos / protos.amax(dim=(2, 3), keepdim=True)
+
+
+def stroke_glyphs(classes: int, copies: int, seed: int = PRETRAIN_SEED
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pretraining set drawn here, not downloaded: `classes` glyphs of three random
+    straight strokes on the 8x8 grid, blurred and scaled to [0, 1] like the digits' ink
+    counts, and `copies` of each, every one turned (up to 0.25 rad), scaled (up to 15%)
+    and moved (up to a pixel) at random, with pixel noise. Many classes make the body
+    learn strokes in general rather than a few shapes; no glyph is a digit class."""
+    g = torch.Generator().manual_seed(seed)
+    protos = glyph_drawings(classes, g).repeat(copies, 1, 1, 1)
     n = len(protos)
     turn = (torch.rand(n, generator=g) - 0.5) * 0.5
     scale = 1 + (torch.rand(n, generator=g) - 0.5) * 0.3
@@ -103,6 +111,16 @@ def stroke_glyphs(classes: int, copies: int, seed: int = 3
     xs = nn.functional.grid_sample(protos, grid, align_corners=False).view(n, 64)
     xs = (xs + 0.1 * torch.randn(xs.shape, generator=g)).clamp(0, 1)
     return xs, torch.arange(classes).repeat(copies)
+
+
+def new_glyphs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(train x, train y, test x, test y) of `GLYPH_CLASSES` glyphs drawn as the
+    pretraining ones are but from another seed, so none is a class the body was trained
+    to tell apart: 5000 images to train on and 5000 to test (a test image is 0.02
+    points, where the digits 5-9 have 180)."""
+    xs, ys = stroke_glyphs(GLYPH_CLASSES, GLYPH_TRAIN + GLYPH_TEST, GLYPH_SEED)
+    cut = GLYPH_CLASSES * GLYPH_TRAIN  # laid out copy by copy, every class in each
+    return xs[:cut], ys[:cut], xs[cut:], ys[cut:]
 
 
 def digits_of(classes: tuple[int, ...], seed: int = 0
@@ -218,9 +236,10 @@ def main() -> int:
                     help="plan from measured op times instead of parameter counts, kept "
                          "in PATH: measured on the first run, read on later ones (so that "
                          "runs to compare plan alike)")
-    ap.add_argument("--finetune", action="store_true",
+    ap.add_argument("--finetune", nargs="?", const="digits", choices=("digits", "glyphs"),
                     help="fine-tune a body pretrained on drawn stroke glyphs (made once, "
-                         "cached) with a new head on the digits 5-9")
+                         "cached) with a new head: on the digits 5-9 (the default) or on "
+                         f"{GLYPH_CLASSES} new glyph classes (glyphs)")
     ap.add_argument("--plot", default="pipeline_digits.png", help="rank 0 writes it here")
     ap.add_argument("--partitioner", default="graph", choices=["graph", "sequential"])
     ap.add_argument("--history", default=None, help="rank 0 writes per-epoch JSON here "
@@ -229,7 +248,7 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)  # the same initial model on every rank
-    model = MLP(args.depth, args.width)
+    model = MLP(args.depth, args.width, GLYPH_CLASSES if args.finetune == "glyphs" else 10)
     xs, ys, xt, yt = digits()
     if args.finetune:
         # rank 0 makes (or reads) the body and hands it to every rank, so that a failure
@@ -244,7 +263,7 @@ def main() -> int:
         if error:
             sys.exit(error)
         with_new_head(model, body)
-        xs, ys, xt, yt = digits_of(FINETUNE)
+        xs, ys, xt, yt = new_glyphs() if args.finetune == "glyphs" else digits_of(FINETUNE)
     reference = copy.deepcopy(model)  # rank 0 evaluates the gathered weights in it
     costs = None
     if args.profile and MPI.COMM_WORLD.Get_rank() == 0:  # only rank 0 plans
@@ -319,8 +338,10 @@ def main() -> int:
         if args.history:
             with open(args.history, "w") as f:
                 json.dump(rows, f)
-        plot(history, args.plot, "MLP fine-tuned on digits 5-9, graph pipeline"
-             if args.finetune else "MLP on digits, graph pipeline")
+        plot(history, args.plot, {"digits": "MLP fine-tuned on digits 5-9, graph pipeline",
+                                  "glyphs": f"MLP fine-tuned on {GLYPH_CLASSES} new glyphs, "
+                                            "graph pipeline"}.get(args.finetune,
+                                                                  "MLP on digits, graph pipeline"))
         print(f"final test accuracy {history[-1][1]:.3f}; plot: {args.plot}", flush=True)
     return 0
 

@@ -9,16 +9,19 @@ move does (bench/freeze_replay.py). It is not safe alone on a body trained from 
 weights, whose early moves are small against its initial norm: pair it with the
 criterion's loss gate.
 
-It keeps a copy of the tracked weights (taken again once an interval) and costs nothing
-per step. A layer whose copy does not date from its interval's start reports nothing
-for that interval, so that a short interval's small move never looks stable: the first
-interval (the copy is taken before the first update, the interval ends before its last)
-and, after a re-partition, the interval in which a layer came to this rank. A layer that
-stayed on its rank goes on from its copy (`continue_from`).
+It keeps a copy of the tracked weights and costs nothing per step; once an interval it
+takes the move in place in that copy and copies the weights into it again, allocating
+nothing (fresh copies cost 4x as much on a CPU: bench/tracker_cost.py). A layer whose
+copy does not date from its interval's start reports nothing for that interval, so that
+a short interval's small move never looks stable: the first interval (the copy is taken
+before the first update, the interval ends before its last) and, after a re-partition,
+the interval in which a layer came to this rank. A layer that stayed on its rank goes
+on from its copy (`continue_from`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -38,13 +41,10 @@ class DriftTracker:
 
     def __init__(self, params: Mapping[str, Sequence[torch.nn.Parameter]]) -> None:
         self.params = {k: list(v) for k, v in params.items()}
-        self._start = {k: self._weights(k) for k in self.params}
+        # per layer, a copy of each parameter as the interval started
+        self._start = {k: [p.detach().clone() for p in v] for k, v in self.params.items()}
         self._partial = set(self.params)  # copies that do not date from the interval's start
         self._steps = 0
-
-    @torch.no_grad()
-    def _weights(self, layer: str) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1) for p in self.params[layer]])  # a copy
 
     def accumulate(self) -> None:
         """After a step's backward: nothing to read (the move is taken once an interval)."""
@@ -54,17 +54,24 @@ class DriftTracker:
     def changes(self) -> dict[str, LayerChange]:
         """Close the interval: each layer's move over it against its weights' norm (a
         layer whose snapshot is younger than the interval reports nothing)."""
-        reported, norms = [], []
-        for name in self.params:
-            now = self._weights(name)
+        reported, squares = [], []
+        for name, params in self.params.items():
+            copies = self._start[name]
             if name not in self._partial:
                 reported.append(name)
-                norms += [(now - self._start[name]).norm(), now.norm()]
-            self._start[name] = now
-        figures = torch.stack(norms).tolist() if norms else []  # one host sync
+                moved = weights = None
+                for p, copy in zip(params, copies, strict=True):
+                    copy.sub_(p)  # the copy now holds minus the move
+                    m2, w2 = (torch.linalg.vector_norm(t).square() for t in (copy, p))
+                    moved = m2 if moved is None else moved + m2
+                    weights = w2 if weights is None else weights + w2
+                squares += [moved, weights]
+            for p, copy in zip(params, copies, strict=True):
+                copy.copy_(p)  # the next interval's start
+        figures = torch.stack(squares).tolist() if squares else []  # one host sync
         self._partial.clear()
         self._steps = 0
-        return {name: LayerChange(figures[2 * i], figures[2 * i + 1])
+        return {name: LayerChange(math.sqrt(figures[2 * i]), math.sqrt(figures[2 * i + 1]))
                 for i, name in enumerate(reported)}
 
     def forget(self, layers: Sequence[str]) -> None:
