@@ -59,3 +59,46 @@ def test_forgotten_layers_are_not_reported():
     tracker.changes()
     tracker.forget(["a"])
     assert set(tracker.changes()) == {"b"}
+
+
+def test_a_tracker_that_goes_on_owns_the_copies_it_took():
+    """Closing an interval changes the copies in place, so `continue_from` takes them
+    from the tracker before it (which stops tracking those layers) instead of sharing."""
+    params = layers()
+    before = DriftTracker({"a": params["a"]})
+    before.changes()
+    with torch.no_grad():
+        params["a"][0].copy_(torch.tensor([3.0, 4.0]) * 1.2)  # moved by 1
+    after = DriftTracker({"a": params["a"]})
+    after.adopt({}, steps=3)
+    after.continue_from(before)
+    assert before.changes() == {}  # no longer tracks "a"
+    assert after.changes()["a"].relative == pytest.approx(1.0 / 6.0)
+
+
+def test_a_copy_of_other_tensors_is_not_taken_over():
+    before = DriftTracker({"a": [torch.nn.Parameter(torch.zeros(3))]})
+    before.changes()
+    after = DriftTracker(layers())
+    after.adopt({}, steps=3)
+    after.continue_from(before)  # "a" is two tensors here: a fresh interval instead
+    assert after.changes() == {}
+    assert set(after.changes()) == {"a", "b"}
+
+
+def test_a_layer_without_parameters_is_refused():
+    with pytest.raises(ValueError, match=r"\['x'\] have no parameters"):
+        DriftTracker({"x": [], **layers()})
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_drift_holds_in_every_weight_dtype(dtype):
+    """A float16 weight of norm 325 squares past 65504: the sums are taken in float32."""
+    w = torch.nn.Parameter(torch.full((10_000,), 3.0, dtype=dtype))
+    tracker = DriftTracker({"A": [w]})
+    tracker.changes()
+    with torch.no_grad():
+        w.add_(0.25)  # every element 3.25 (exact in each dtype): moved by 25, norm 325
+    got = tracker.changes()["A"]
+    assert got.prev_norm == pytest.approx(325.0, rel=1e-3)
+    assert got.relative == pytest.approx(25.0 / 325.0, rel=1e-3)

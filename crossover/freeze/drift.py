@@ -11,7 +11,7 @@ criterion's loss gate.
 
 It keeps a copy of the tracked weights and costs nothing per step; once an interval it
 takes the move in place in that copy and copies the weights into it again, allocating
-nothing (fresh copies cost 4x as much on a CPU: bench/tracker_cost.py). A layer whose
+nothing (its cost: bench/tracker_cost.py). A layer whose
 copy does not date from its interval's start reports nothing for that interval, so that
 a short interval's small move never looks stable: the first interval (the copy is taken
 before the first update, the interval ends before its last) and, after a re-partition,
@@ -41,6 +41,9 @@ class DriftTracker:
 
     def __init__(self, params: Mapping[str, Sequence[torch.nn.Parameter]]) -> None:
         self.params = {k: list(v) for k, v in params.items()}
+        empty = [k for k, v in self.params.items() if not v]
+        if empty:
+            raise ValueError(f"drift tracker: layers {empty} have no parameters to track")
         # per layer, a copy of each parameter as the interval started
         self._start = {k: [p.detach().clone() for p in v] for k, v in self.params.items()}
         self._partial = set(self.params)  # copies that do not date from the interval's start
@@ -59,16 +62,19 @@ class DriftTracker:
             copies = self._start[name]
             if name not in self._partial:
                 reported.append(name)
-                moved = weights = None
+                moved = weights = 0.0
                 for p, copy in zip(params, copies, strict=True):
                     copy.sub_(p)  # the copy now holds minus the move
-                    m2, w2 = (torch.linalg.vector_norm(t).square() for t in (copy, p))
-                    moved = m2 if moved is None else moved + m2
-                    weights = w2 if weights is None else weights + w2
+                    moved = moved + _square_norm(copy)
+                    weights = weights + _square_norm(p)
                 squares += [moved, weights]
             for p, copy in zip(params, copies, strict=True):
                 copy.copy_(p)  # the next interval's start
-        figures = torch.stack(squares).tolist() if squares else []  # one host sync
+        figures = []
+        if squares:  # one host sync
+            dtype = torch.float64 if any(q.dtype == torch.float64 for q in squares) \
+                else torch.float32
+            figures = torch.stack([q.to(squares[0].device, dtype) for q in squares]).tolist()
         self._partial.clear()
         self._steps = 0
         return {name: LayerChange(math.sqrt(figures[2 * i]), math.sqrt(figures[2 * i + 1]))
@@ -95,11 +101,24 @@ class DriftTracker:
         """Go on from `previous` (this rank's tracker before a re-partition) for the
         layers that stayed on this rank: their copies date from the interval's start."""
         for name in self.params.keys() & previous._start.keys():
-            self._start[name] = previous._start[name]
-            if name not in previous._partial:
+            copies = previous._start[name]
+            if [(c.shape, c.dtype, c.device) for c in copies] != \
+                    [(p.shape, p.dtype, p.device) for p in self.params[name]]:
+                continue  # not the same tensors: this interval's copy stays partial
+            self._start[name] = copies
+            partial = name in previous._partial
+            # closing an interval changes the copies in place: they are this tracker's now
+            previous.forget([name])
+            if not partial:
                 self._partial.discard(name)
 
     @property
     def steps(self) -> int:
         """Reads (`accumulate` calls) in the current interval."""
         return self._steps
+
+
+def _square_norm(t: torch.Tensor) -> torch.Tensor:
+    """|t|^2 in at least float32: float16's squares overflow past a norm of 256."""
+    keep = t.dtype in (torch.float32, torch.float64)
+    return torch.linalg.vector_norm(t, dtype=None if keep else torch.float32).square()
