@@ -170,6 +170,17 @@ def reads_gradients(step: int, every: int, sample_every: int) -> bool:
     return position % sample_every == 0 or position == every
 
 
+def tensor_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Each tensor's 2-norm, in few calls whatever their count, stacked on the first
+    one's device: in at least float32 (float16 norms overflow past 65504; float32 holds
+    the relative changes they feed), float64 where a tensor is."""
+    dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) \
+        else torch.float32
+    device = tensors[0].device
+    return torch.stack([n.to(device) for n in
+                        torch._foreach_norm(list(tensors), 2, dtype=dtype)])
+
+
 class GradientTracker:
     """One rank's view: sums its layers' gradient norms over an interval and reports how
     much the interval's mean norm moved from the previous interval's.
@@ -216,14 +227,9 @@ class GradientTracker:
         key = (tuple(owners), device)
         if self._index is None or self._index[0] != key:
             self._index = (key, torch.tensor(owners, device=device))
-        # few calls, whatever the layer count: every tensor's norm in one (at least in
-        # float32, which float16 gradients would overflow), then a layer's norm from its
-        # tensors' squares; float32 holds the relative change this feeds
-        dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) \
-            else torch.float32
-        norms = torch.stack([n.to(device) for n in
-                             torch._foreach_norm(grads, 2, dtype=dtype)])
-        per_layer = torch.zeros(len(layers), dtype=dtype, device=device)
+        # every tensor's norm in one call, then a layer's norm from its tensors' squares
+        norms = tensor_norms(grads)
+        per_layer = torch.zeros(len(layers), dtype=norms.dtype, device=device)
         per_layer.index_add_(0, self._index[1], norms * norms).sqrt_()
         if self._pending is None:
             self._pending = per_layer

@@ -11,9 +11,9 @@ criterion's loss gate.
 
 It keeps a copy of the tracked weights and costs nothing per step; once an interval it
 takes the move in place in that copy and copies the weights into it again, allocating
-nothing (its cost: bench/tracker_cost.py). A layer whose
-copy does not date from its interval's start reports nothing for that interval, so that
-a short interval's small move never looks stable: the first interval (the copy is taken
+nothing (its cost: bench/tracker_cost.py). A layer whose copy does not date from its
+interval's start reports nothing for that interval, so that a short interval's small
+move never looks stable: the first interval (the copy is taken
 before the first update, the interval ends before its last) and, after a re-partition,
 the interval in which a layer came to this rank. A layer that stayed on its rank goes
 on from its copy (`continue_from`).
@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from crossover.freeze.criterion import LayerChange
+from crossover.freeze.criterion import LayerChange, tensor_norms
 
 
 class DriftTracker:
@@ -57,28 +57,27 @@ class DriftTracker:
     def changes(self) -> dict[str, LayerChange]:
         """Close the interval: each layer's move over it against its weights' norm (a
         layer whose snapshot is younger than the interval reports nothing)."""
-        reported, squares = [], []
-        for name, params in self.params.items():
-            copies = self._start[name]
-            if name not in self._partial:
-                reported.append(name)
-                moved = weights = 0.0
-                for p, copy in zip(params, copies, strict=True):
-                    copy.sub_(p)  # the copy now holds minus the move
-                    moved = moved + _square_norm(copy)
-                    weights = weights + _square_norm(p)
-                squares += [moved, weights]
-            for p, copy in zip(params, copies, strict=True):
-                copy.copy_(p)  # the next interval's start
-        figures = []
-        if squares:  # one host sync
-            dtype = torch.float64 if any(q.dtype == torch.float64 for q in squares) \
-                else torch.float32
-            figures = torch.stack([q.to(squares[0].device, dtype) for q in squares]).tolist()
+        reported = [name for name in self.params if name not in self._partial]
+        params = [p.detach() for name in reported for p in self.params[name]]
+        copies = [c for name in reported for c in self._start[name]]
+        out: dict[str, LayerChange] = {}
+        if params:
+            torch._foreach_sub_(copies, params)  # the copies now hold minus the moves
+            # every tensor's move and norm, read back at once (one host sync)
+            squares = torch.cat([tensor_norms(copies), tensor_norms(params)]).square().tolist()
+            moved, norms = squares[:len(params)], squares[len(params):]
+            i = 0
+            for name in reported:
+                n = len(self.params[name])
+                out[name] = LayerChange(math.sqrt(sum(moved[i:i + n])),
+                                        math.sqrt(sum(norms[i:i + n])))
+                i += n
+        if self.params:  # the next interval's start
+            torch._foreach_copy_([c for cs in self._start.values() for c in cs],
+                                 [p.detach() for ps in self.params.values() for p in ps])
         self._partial.clear()
         self._steps = 0
-        return {name: LayerChange(math.sqrt(figures[2 * i]), math.sqrt(figures[2 * i + 1]))
-                for i, name in enumerate(reported)}
+        return out
 
     def forget(self, layers: Sequence[str]) -> None:
         """Stop tracking frozen layers."""
@@ -116,9 +115,3 @@ class DriftTracker:
     def steps(self) -> int:
         """Reads (`accumulate` calls) in the current interval."""
         return self._steps
-
-
-def _square_norm(t: torch.Tensor) -> torch.Tensor:
-    """|t|^2 in at least float32: float16's squares overflow past a norm of 256."""
-    keep = t.dtype in (torch.float32, torch.float64)
-    return torch.linalg.vector_norm(t, dtype=None if keep else torch.float32).square()
