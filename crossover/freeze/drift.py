@@ -43,7 +43,8 @@ class DriftTracker:
         self.params = {k: list(v) for k, v in params.items()}
         empty = [k for k, v in self.params.items() if not v]
         if empty:
-            raise ValueError(f"drift tracker: layers {empty} have no parameters to track")
+            raise ValueError(f"drift tracker: layers {empty} have no parameters to track; "
+                             f"pass only layers that have parameters")
         # per layer, a copy of each parameter as the interval started
         self._start = {k: [p.detach().clone() for p in v] for k, v in self.params.items()}
         self._partial = set(self.params)  # copies that do not date from the interval's start
