@@ -188,7 +188,12 @@ def _kill_tree(proc: subprocess.Popen) -> None:
         with contextlib.suppress(psutil.Error):
             child.kill()
     proc.kill()
-    proc.communicate(timeout=30)
+    proc.wait(timeout=30)
+    # not communicate(): a process of the run that outlived its parent (its children
+    # could not be listed then) may hold the pipes open; what was read is the caller's
+    for pipe in (proc.stdout, proc.stderr):
+        if pipe is not None:
+            pipe.close()
 
 
 def _checksum(proc: subprocess.Popen, reference: bool = False) -> str:
@@ -263,3 +268,25 @@ def test_a_reference_run_that_printed_its_result_and_aborted_is_read_and_stopped
     t0 = time.monotonic()
     assert _checksum(proc, reference=True) == "-3.25"
     assert time.monotonic() - t0 < 60 and proc.poll() is not None
+
+
+def test_a_reference_run_whose_left_over_process_holds_its_pipes_is_still_read():
+    """The run's top process exited (after its result and the abort) while a process it
+    left behind still holds stdout and stderr open: the result is read at once."""
+    script = ("import subprocess, sys; "
+              "left = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+              "print('weights checksum -3.25', 'left', left.pid, flush=True); "
+              "sys.stderr.write('terminate called without an active exception\\n'); "
+              "sys.exit(1)")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    t0 = time.monotonic()
+    try:
+        assert _checksum(proc, reference=True) == "-3.25"
+        assert time.monotonic() - t0 < 60 and proc.poll() is not None
+    finally:
+        for p in psutil.process_iter(["cmdline"]):
+            if "time.sleep(600)" in " ".join(p.info["cmdline"] or []) and \
+                    p.pid != os.getpid():
+                with contextlib.suppress(psutil.Error):
+                    p.kill()
