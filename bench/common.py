@@ -13,7 +13,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parent / "results"
+REPO = Path(__file__).resolve().parents[1]
+#: Where results go: bench/results, or $CROSSOVER_BENCH_RESULTS (bench/device_suite.sh
+#: --dry-run points it at a temporary directory, so toy runs never touch the committed
+#: figures).
+RESULTS = Path(os.environ.get("CROSSOVER_BENCH_RESULTS") or REPO / "bench" / "results")
 
 
 def machine() -> dict:
@@ -35,15 +39,15 @@ def machine() -> dict:
 def code_version() -> str:
     """The commit the benchmark ran (with -dirty for uncommitted changes), so that a
     result can be told apart from one of older code."""
-    res = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=RESULTS.parent.parent,
-                         capture_output=True, text=True)
+    res = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO,
+                         capture_output=True, text=True, timeout=30)
     return res.stdout.strip() if res.returncode == 0 else "unknown"
 
 
 def write_result(name: str, payload: dict) -> Path:
     """Write bench/results/<name>.json with the machine, the command and a timestamp."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)  # a name may hold a folder: gpu/...
     cmd = " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv])
     doc = {"command": cmd, "machine": machine(), "code": code_version(),
            "when": datetime.now(timezone.utc).isoformat(timespec="seconds"), **payload}

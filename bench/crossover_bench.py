@@ -133,8 +133,9 @@ def measure(launch: Callable[[list[str]], list[str]], runtimes: dict[str, Path],
         arms[arm].append(run([f"{tag}{letter}{x}" for x in letters], env))
         if arm == "auto" and auto_log is not None:
             text = auto_log.read_text(errors="replace")
-            decisions.append(re.findall(r" mode (?:antiphase|concurrent): (.*)$",
-                                        text[read:], re.M))
+            decisions.append(re.findall(
+                r" mode (?:antiphase|concurrent) for group \d+ \([^)]*\): (.*)$",
+                text[read:], re.M))
             read = len(text)
 
     blocks = ["solos", "plain_together", *policy_arms]

@@ -33,6 +33,9 @@ from crossover.hooks import _lifecycle
 from crossover.testing import add_start_barrier_flags, start_barrier
 
 MODELS = ("mlp", "cnn", "transformer")
+#: With --stop-file, the ranks agree every this many steps whether to stop (one small
+#: allreduce each time: a rank that stopped alone would leave its peers in a collective).
+STOP_EVERY = 10
 #: Bare forward and backward passes timed before a DDP job trains (after one warm-up).
 CALIBRATION_STEPS = 5
 
@@ -108,6 +111,10 @@ class Trainer:
         """One training step; returns (compute seconds, exposed communication seconds)."""
         raise NotImplementedError
 
+    def any_rank(self, flag: bool) -> bool:
+        """Whether `flag` holds on any rank (a collective: every rank must call it)."""
+        raise NotImplementedError
+
 
 class HorovodTrainer(Trainer):
     """Horovod's DistributedOptimizer, the crossover optimizer hook on top."""
@@ -142,6 +149,12 @@ class HorovodTrainer(Trainer):
         t3 = time.perf_counter()
         self.last_loss = float(loss.detach())
         return (t1 - t0) + (t3 - t2), t2 - t1
+
+    def any_rank(self, flag: bool) -> bool:
+        import horovod.torch as hvd
+
+        return hvd.allreduce(torch.tensor([float(flag)]), op=hvd.Sum,
+                             name="crossover_job.stop").item() > 0
 
 
 class DDPTrainer(Trainer):
@@ -194,6 +207,13 @@ class DDPTrainer(Trainer):
         compute = min(self.compute_per_step, t1 - t0)
         return compute + (t2 - t1), (t1 - t0) - compute
 
+    def any_rank(self, flag: bool) -> bool:
+        import torch.distributed as dist
+
+        total = torch.tensor([float(flag)])
+        dist.all_reduce(total)  # the gloo group takes CPU tensors
+        return total.item() > 0
+
 
 def main() -> None:
     """Train and print the JSON line (rank 0)."""
@@ -219,6 +239,10 @@ def main() -> None:
     parser.add_argument("--step-times", action="store_true",
                         help="add each step's end (wall-clock seconds) to the JSON line "
                              "(`step_ends`): the step rate in any window")
+    parser.add_argument("--stop-file", type=Path, default=None,
+                        help=f"end early once this file exists (looked for every "
+                             f"{STOP_EVERY} steps, all ranks at the same step); --steps is "
+                             f"then the most")
     parser.add_argument("--skip-device-sync", action="store_true",
                         help="the negative control of that check: release the slot "
                              "without waiting for the GPU to finish")
@@ -275,12 +299,17 @@ def main() -> None:
     start_wall, start = time.time(), time.perf_counter()
     cpu0, main0 = time.process_time(), time.thread_time()
     step_ends = []
+    done = 0  # steps trained: --steps, or fewer where --stop-file ended the loop
     for step in range(args.steps):
         step_compute, step_comm = trainer.step(*batches[step % len(batches)], sync)
         compute += step_compute
         comm += step_comm
+        done = step + 1
         if args.step_times:
             step_ends.append(time.time())
+        if (args.stop_file is not None and (step + 1) % STOP_EVERY == 0
+                and trainer.any_rank(args.stop_file.exists())):
+            break
     elapsed = time.perf_counter() - start
     cpu, main_cpu = time.process_time() - cpu0, time.thread_time() - main0
     end_wall = start_wall + elapsed
@@ -297,8 +326,8 @@ def main() -> None:
         params = sum(p.numel() for p in model.parameters())
         print(json.dumps({
             "model": args.model, "framework": args.framework, "params": params,
-            "steps": args.steps,
-            "samples_per_s": args.steps * args.batch * trainer.size / elapsed,
+            "steps": done,
+            "samples_per_s": done * args.batch * trainer.size / elapsed,
             "seconds": elapsed, "start": start_wall, "end": end_wall,
             "compute_s": compute, "comm_s": comm, "cpu_s": cpu,
             "main_thread_cpu_s": main_cpu, "loss": trainer.last_loss,

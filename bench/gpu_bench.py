@@ -1,7 +1,7 @@
 """Two PyTorch jobs sharing one GPU: the figures of bench/results/gpu/.
 
     python bench/gpu_bench.py [--framework horovod|ddp] [--reps 3] [--steps 40]
-                              [--check-steps 300]
+                              [--check-steps 300] [--device cuda|cpu]
     (bash bench/gpu_bench.sh sets up Horovod first, for --framework horovod, and runs this)
 
 Each job has 2 ranks on this host, both on the GPU (local rank i takes GPU i mod the
@@ -25,6 +25,11 @@ Then the release check (bench/gpu_release.py): both jobs under crossover for
 release (the negative control). Writes bench/results/gpu/sharing.json, release.json and
 gantt.png (the last crossover run's holds); with --framework ddp, ddp_sharing.json,
 ddp_release.json and ddp_gantt.png.
+
+`--device cpu` is a toy run of the sharing arms on this CPU (a small MLP), to check the
+bench's plumbing where there is no GPU (bench/device_suite.sh --dry-run): its files are
+prefixed `cpu_`, so they never stand in for GPU figures, and it refuses the release
+check, which needs a GPU's kernels.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -58,6 +64,30 @@ WORKLOAD = ["--model", "mlp", "--width", "4096", "--layers", "4", "--batch", "81
 #: Every arm: deterministic cuBLAS (needed by use_deterministic_algorithms on CUDA);
 #: Horovod's own defaults otherwise, as a user would run it.
 JOB_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+#: `--device cpu`: a step of a few milliseconds, so a toy run takes seconds.
+CPU_WORKLOAD = ["--model", "mlp", "--width", "64", "--layers", "2", "--batch", "16",
+                "--device", "cpu", "--deterministic"]
+
+
+@dataclass(frozen=True)
+class Bench:
+    """What the arms run: the jobs' framework, on the GPU or (a toy run) on the CPU."""
+
+    framework: str
+    device: str = "cuda"
+
+    @property
+    def workload(self) -> list[str]:
+        """The job script's arguments, but for steps and seed."""
+        return [*(WORKLOAD if self.device == "cuda" else CPU_WORKLOAD),
+                "--framework", self.framework]
+
+    @property
+    def prefix(self) -> str:
+        """Result files' prefix: none for Horovod on the GPU (the first GPU figures),
+        `ddp_` for DDP, and `cpu_` before either for a toy run on the CPU."""
+        own = "" if self.framework == "horovod" else f"{self.framework}_"
+        return own if self.device == "cuda" else f"cpu_{own}"
 
 
 def launch(argv: list[str]) -> list[str]:
@@ -75,21 +105,19 @@ def gpu_preconditions() -> str:
     return torch.cuda.get_device_name(0)
 
 
-def prefix(framework: str) -> str:
-    """Result files' prefix: none for Horovod (the first GPU figures), `ddp_` for DDP."""
-    return "" if framework == "horovod" else f"{framework}_"
-
-
-def jobs(names: list[str], framework: str, env: dict[str, str], logs: Path, steps: int,
+def jobs(names: list[str], bench: Bench, env: dict[str, str], logs: Path, steps: int,
          extra: list[str] | None = None, first_seed: int = 1) -> list[dict]:
     """Run the named jobs at once (seeds first_seed, first_seed + 1, ...); jobs launched
-    together start their loops at one barrier, so a makespan holds no launch skew."""
-    return run_jobs(launch, names, [*WORKLOAD, "--framework", framework, *(extra or [])],
+    together start their loops at one barrier, so a makespan holds no launch skew. Jobs
+    without crossover are references: one that printed its result and then hit torch's
+    exit abort (jobs.TORCH_EXIT_ABORT) counts as done."""
+    return run_jobs(launch, names, [*bench.workload, *(extra or [])],
                     steps, env, logs, timeout_s=600.0, job_env=JOB_ENV, first_seed=first_seed,
-                    start_together=len(names) > 1)
+                    start_together=len(names) > 1,
+                    reference=env.get("CROSSOVER_ENABLE") == "0")
 
 
-def measure(daemon: DaemonProcess, framework: str, reps: int, steps: int, tmp: Path) -> dict:
+def measure(daemon: DaemonProcess, bench: Bench, reps: int, steps: int, tmp: Path) -> dict:
     """All arms, `reps` times, interleaved; medians, slowdowns, weight equality."""
     plain = {"CROSSOVER_ENABLE": "0"}
     under = {"CROSSOVER_RUNTIME_DIR": str(daemon.runtime_dir)}
@@ -98,21 +126,21 @@ def measure(daemon: DaemonProcess, framework: str, reps: int, steps: int, tmp: P
     arms: dict[str, list] = {"solo_a": [], "solo_b": [], "plain_together": [], "crossover": []}
     traces = tmp / "traces"
     for rep in range(reps):
-        arms["solo_a"] += jobs([f"r{rep}soloA"], framework, plain, logs, steps, first_seed=1)
-        arms["solo_b"] += jobs([f"r{rep}soloB"], framework, plain, logs, steps, first_seed=2)
-        arms["plain_together"].append(jobs([f"r{rep}plainA", f"r{rep}plainB"], framework,
+        arms["solo_a"] += jobs([f"r{rep}soloA"], bench, plain, logs, steps, first_seed=1)
+        arms["solo_b"] += jobs([f"r{rep}soloB"], bench, plain, logs, steps, first_seed=2)
+        arms["plain_together"].append(jobs([f"r{rep}plainA", f"r{rep}plainB"], bench,
                                            plain, logs, steps))
         env = {**under, **({"CROSSOVER_TRACE": str(traces)} if rep == reps - 1 else {})}
-        arms["crossover"].append(jobs([f"r{rep}xA", f"r{rep}xB"], framework, env, logs,
+        arms["crossover"].append(jobs([f"r{rep}xA", f"r{rep}xB"], bench, env, logs,
                                       steps))
         print(f"rep {rep + 1}/{reps}: solo {arms['solo_a'][-1]['seconds']:.2f} + "
               f"{arms['solo_b'][-1]['seconds']:.2f} s, plain together "
               f"{makespan(arms['plain_together'][-1]):.2f} s, crossover "
               f"{makespan(arms['crossover'][-1]):.2f} s", flush=True)
-    return summarize(arms, framework, traces, tmp)
+    return summarize(arms, bench, traces, tmp)
 
 
-def summarize(arms: dict[str, list], framework: str, traces: Path, tmp: Path) -> dict:
+def summarize(arms: dict[str, list], bench: Bench, traces: Path, tmp: Path) -> dict:
     """Medians, slowdowns and weight equality of the arms' job results (each job's JSON
     line); the Gantt chart of the crossover run traced into `traces`."""
     med = statistics.median
@@ -133,8 +161,9 @@ def summarize(arms: dict[str, list], framework: str, traces: Path, tmp: Path) ->
     equal = {arm: all({run[i]["weights_sha256"] for run in arms[arm]} == solo_digests[i]
                       for i in range(2)) for arm in ("plain_together", "crossover")}
     merged = trace.merge(sorted(traces.glob("*.json")), tmp / "crossover.trace.json")
-    trace.plot_gantt(merged, OUT / f"{prefix(framework)}gantt.png",
-                     title=f"two 2-rank {framework} jobs on one GPU under crossover: "
+    where = "one GPU" if bench.device == "cuda" else "the CPU (toy run)"
+    trace.plot_gantt(merged, OUT / f"{bench.prefix}gantt.png",
+                     title=f"two 2-rank {bench.framework} jobs on {where} under crossover: "
                            "slot holds")
     return {
         "solo_s": solos, "sequential_s": sequential, "plain_together_s": plain_s,
@@ -153,7 +182,7 @@ def summarize(arms: dict[str, list], framework: str, traces: Path, tmp: Path) ->
     }
 
 
-def release_check(daemon: DaemonProcess, framework: str, steps: int, tmp: Path) -> dict:
+def release_check(daemon: DaemonProcess, bench: Bench, steps: int, tmp: Path) -> dict:
     """Both jobs under crossover with the profiler: with the device sync, and without."""
     out = {}
     for arm, extra in (("with_device_sync", []), ("without_device_sync",
@@ -161,7 +190,7 @@ def release_check(daemon: DaemonProcess, framework: str, steps: int, tmp: Path) 
         pdir, tdir = tmp / f"profile-{arm}", tmp / f"trace-{arm}"
         names = [f"{arm}A", f"{arm}B"]
         env = {"CROSSOVER_RUNTIME_DIR": str(daemon.runtime_dir), "CROSSOVER_TRACE": str(tdir)}
-        runs = jobs(names, framework, env, tmp / "logs", steps,
+        runs = jobs(names, bench, env, tmp / "logs", steps,
                     [*extra, "--profile-dir", str(pdir)])
         out[arm] = {**check_run(pdir, tdir, names, RANKS),
                     "seconds": [r["seconds"] for r in runs]}
@@ -196,23 +225,34 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=None,
                         help="keep logs, traces and profiles in this new directory "
                              "(default: a temporary one, removed)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: a toy run of the sharing arms on this CPU, to check the "
+                             "bench where there is no GPU (files prefixed cpu_)")
     args = parser.parse_args()
-    gpu_preconditions()
+    bench = Bench(args.framework, args.device)
+    if bench.device == "cpu" and not args.skip_release:
+        parser.error("--device cpu: the release check needs a GPU's kernels; add "
+                     "--skip-release")
     import torch
 
-    versions = {**nvidia_smi(), "torch_cuda": torch.version.cuda, "framework": args.framework}
+    if bench.device == "cuda":
+        gpu_preconditions()
+        versions = {**nvidia_smi(), "torch_cuda": torch.version.cuda}
+    else:
+        versions = {"gpu": None, "toy_run": "on the CPU, to check the bench; no GPU figure"}
+    versions["framework"] = args.framework
     if args.framework == "horovod":
         import horovod
 
         versions.update(horovod=horovod.__version__,
                         horovod_allreduce_of_cuda_tensors="host memory over Gloo "
                                                           "(no HOROVOD_GPU_ALLREDUCE)")
-    else:
+    elif bench.device == "cuda":
         versions.update(ddp_allreduce_of_cuda_tensors="torch.distributed's gloo process "
                                                       "group, on the CUDA tensors")
     setup = {"ranks_per_job": RANKS, "hosts": "one (localhost): the two ranks of a job and "
-             "both jobs share the one GPU", "workload": [*WORKLOAD, "--framework", args.framework],
-             "job_env": JOB_ENV}
+             f"both jobs share the one {'GPU' if bench.device == 'cuda' else 'CPU'}",
+             "workload": bench.workload, "job_env": JOB_ENV}
     OUT.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="crossover-gpu-") as tmp_s:
@@ -223,16 +263,15 @@ def main() -> None:
             # releases to check (auto may serve the jobs concurrently, releasing nothing).
             with DaemonProcess(tmp / "run-check", policy="crossover",
                                log=tmp / "daemon-check.log") as daemon:
-                check = release_check(daemon, args.framework, args.check_steps, tmp)
-            write_result(f"gpu/{prefix(args.framework)}release", {**versions, "setup": {
+                check = release_check(daemon, bench, args.check_steps, tmp)
+            write_result(f"gpu/{bench.prefix}release", {**versions, "setup": {
                 **setup, "policy": "crossover (always antiphase)", "steps": args.check_steps,
                 "start_together": True},
                 **check})
         if not args.skip_sharing:
             with DaemonProcess(tmp / "run", log=tmp / "daemon.log") as daemon:
-                shared = measure(daemon, args.framework, args.reps, args.steps,
-                                 tmp / "sharing")
-            write_result(f"gpu/{prefix(args.framework)}sharing", {**versions, "setup": {
+                shared = measure(daemon, bench, args.reps, args.steps, tmp / "sharing")
+            write_result(f"gpu/{bench.prefix}sharing", {**versions, "setup": {
                 **setup, "policy": "the daemon's default (auto)", "steps": args.steps,
                 "reps": args.reps, "start_together": True}, **shared,
                 "wall_s": time.monotonic() - started})

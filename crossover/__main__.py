@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -39,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("daemon", help="run this node's coordinator (one per node; under "
-                                      "mpirun --map-by ppr:1:node for several nodes)")
+                                      "mpirun --mca orte_enable_recovery 1 --map-by "
+                                      "ppr:1:node for several nodes)")
     d.add_argument("--policy", choices=list(POLICIES), default="auto",
                    help="auto (default): antiphase where it measures faster, else the jobs "
                         "run concurrently; crossover: always antiphase; round-robin: hand "
@@ -71,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "ahead hands its device over later, once (from the ranks' "
                         "allreduce waits; experimental, off by default)")
 
+    d.add_argument("--node", default=None, metavar="NAME",
+                   help="the node this daemon serves (default: $CROSSOVER_NODE, else this "
+                        "host; the world's leader gives it to a daemon it starts for a "
+                        "fake or emulated node)")
     d.add_argument("--hello-timeout", type=_seconds(), default=10.0, metavar="S",
                    help="drop a connection that sends no hello within S seconds (default 10)")
 
@@ -177,12 +183,15 @@ def _daemon(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="crossover-daemon %(asctime)s %(message)s",
                         stream=sys.stderr)
+    if args.node is not None:
+        os.environ[E.NODE] = args.node  # read as CROSSOVER_NODE is, by node_identity
     try:
         daemon = Daemon(policy=args.policy, lease_s=args.lease, patience_s=args.patience,
                         idle_shutdown_s=args.idle_shutdown, runtime_dir=args.runtime_dir,
                         cpu_devices=args.cpu_devices, mode_probe_s=args.mode_probe,
                         mode_hold_s=args.mode_hold, mode_probe_local=args.mode_probe_local,
-                        align_phases=args.align_phases, hello_timeout_s=args.hello_timeout)
+                        align_phases=args.align_phases, hello_timeout_s=args.hello_timeout,
+                        argv=sys.argv[1:])
     except (ValueError, PermissionError) as exc:  # a bad setting, or runtime directory
         print(f"crossover daemon: {exc}", file=sys.stderr)
         return 2
@@ -249,6 +258,16 @@ def status_table(nodes: dict) -> str:
                 ", ".join(f"{dev} {n} grants" for dev, n in fast.items()) or "on"))
     reasons = {snap.get("mode_reason") for snap in nodes.values()} - {None}
     rows += [f"mode: {reason}" for reason in sorted(reasons)]
+    for snap in nodes.values():  # the leader's: one mode decision per group of jobs
+        for group, d in (snap.get("mode_decision") or {}).items():
+            rows.append(f"group {group}: {', '.join(d['jobs']) or '-'}: {d['mode']} "
+                        f"({d['state']})")
+    worlds = [snap["world"] for snap in nodes.values() if "world" in snap]
+    if worlds and worlds[0]["size"] > 1:
+        lost = sorted({node for w in worlds for node in w["lost"]})
+        rows.append(f"world: {len(nodes)} of {worlds[0]['size']} nodes answer"
+                    + (f"; lost: {', '.join(lost)} (their ranks run uncoordinated until a "
+                       f"daemon is back there)" if lost else ""))
     return "\n".join(rows)
 
 

@@ -18,12 +18,28 @@ def daemon_status(runtime_dir: str | os.PathLike | None = None, node: str | None
     Raises:
         ConnectionError: no daemon answers there (the message says how to start one).
     """
+    return _ask(P.Status(), runtime_dir, node, timeout_s)
+
+
+def grow_world(nodes: list[str], runtime_dir: str | os.PathLike | None = None,
+               node: str | None = None, timeout_s: float = 5.0) -> list[str]:
+    """Ask a node's daemon to bring `nodes` into its world; returns those not in it yet
+    (the world's leader starts daemons there: `daemon_status` shows them once joined).
+
+    Raises:
+        ConnectionError: no daemon answers there.
+    """
+    return sorted(_ask(P.Grow(list(nodes)), runtime_dir, node, timeout_s))
+
+
+def _ask(msg: P.Message, runtime_dir: str | os.PathLike | None, node: str | None,
+         timeout_s: float) -> dict:
     path = socket_path(node or E.node_name(), runtime_dir)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout_s)
     try:
         sock.connect(str(path))
-        send_msg(sock, P.Status())
+        send_msg(sock, msg)
         report = recv_msg(sock)
     except (OSError, P.ProtocolError) as exc:
         raise ConnectionError(f"no crossover daemon answers on {path} ({exc}); start one "

@@ -193,6 +193,15 @@ class Status(Message):
 
 
 @dataclass
+class Grow(Message):
+    """A launcher asks for its job's nodes in the daemons' world (answered by a
+    StatusReport of the nodes not in it yet: the leader starts their daemons)."""
+
+    kind: ClassVar[str] = "grow"
+    nodes: list[str] = field(default_factory=list)
+
+
+@dataclass
 class StatusReport(Message):
     kind: ClassVar[str] = "status_report"
     nodes: dict[str, Any] = field(default_factory=dict)
@@ -209,14 +218,14 @@ class Error(Message):
 #: or a duration: finite, >= 0 and within 64 bits, or the decoder refuses it (a NaN
 #: wait once reached the leader's phase aligner and stopped a peer daemon).
 REQUESTS = frozenset({"hello", "acquire", "attached", "ring", "progress", "waited",
-                      "release", "renew", "status"})
+                      "release", "renew", "status", "grow"})
 #: The largest number a request may carry.
 MAX_NUMBER = 2**63 - 1
 
 KINDS: dict[str, type[Message]] = {
     cls.kind: cls
     for cls in (Hello, Welcome, Acquire, Attached, Ring, Grant, Company, Progress, Waited,
-                Release, Renew, Status, StatusReport, Error)
+                Release, Renew, Status, Grow, StatusReport, Error)
 }
 
 

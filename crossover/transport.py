@@ -201,55 +201,146 @@ class PeerChannel:
     skips its first steps). Idle, the polls cost the cores the jobs compute on: each
     daemon's thread took 0.7 % of a core at a 20 ms cap, 0.25 % at 50 ms.
 
+    A peer may die, stop or be cut off at any time (`crossover.daemon.membership` finds
+    out which): sends are nonblocking, so one to a peer that no longer reads never stalls
+    the serve loop, and MPI errors on the channel are returned, not fatal, so they cost
+    that message only. `leader` is the rank this daemon follows, and `broadcast` skips
+    the ranks in `lost`.
+
+    The world may be re-formed (`crossover.daemon.reform`): `swap` moves the channel to
+    the new communicator and keeps receiving on the old ones, where a sender's old rank
+    is read as its new one. A sender left out of the new world (it was lost, and is back
+    now) is answered ("retire",) there: its node has another daemon now.
+
     Args:
         comm: the daemons' communicator (one process per node).
         wakeup: called after a message is queued (e.g. to wake a selector).
     """
 
     TAG = 7
+    #: sends still in flight beyond this many are dropped (a peer that reads nothing)
+    MAX_IN_FLIGHT = 4096
 
     def __init__(self, comm: Any, wakeup) -> None:
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
+        self.leader = 0
+        self.lost: set[int] = set()
+        self.send_errors = 0
         self.inbox: queue.Queue[tuple[int, Any]] = queue.Queue()
         self._wakeup = wakeup
+        self._in_flight: list[Any] = []
+        self._sending = threading.Lock()  # the serve loop and the poll thread send
+        # (communicator, old rank -> rank now; None: the current one)
+        self._receivers: list[tuple[Any, dict[int, int] | None]] = [(comm, None)]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, name="crossover-peers", daemon=True)
         if self.size > 1:
+            from mpi4py import MPI
+
+            # a peer's death must not abort this daemon (MPI's default handler would)
+            comm.Set_errhandler(MPI.ERRORS_RETURN)
             self._thread.start()
 
     def send(self, dest: int, obj: Any) -> None:
-        """Send a small picklable object to daemon `dest` (to self: queued directly)."""
+        """Send a small picklable object to daemon `dest` (to self: queued directly).
+        Never blocks and never raises: a message to a peer that is gone is lost."""
         if dest == self.rank:
             self.inbox.put((self.rank, obj))
             self._wakeup()
-        else:
-            self.comm.send(obj, dest=dest, tag=self.TAG)
+            return
+        self._isend(self.comm, dest, obj)
+
+    def send_leader(self, obj: Any) -> None:
+        """Send to the leader this daemon follows."""
+        self.send(self.leader, obj)
 
     def broadcast(self, obj: Any) -> None:
-        """Send to every daemon, this one included."""
+        """Send to every daemon not known to be lost, this one included."""
         for dest in range(self.size):
-            self.send(dest, obj)
+            if dest not in self.lost:
+                self.send(dest, obj)
+
+    def swap(self, comm: Any, ranks_now: dict[int, int]) -> None:
+        """Use the re-formed world `comm` from now on; `ranks_now`: each member's rank
+        in it by its rank in the world before."""
+        old = [(self.comm, dict(ranks_now))]
+        old += [(c, {o: ranks_now[n] for o, n in m.items() if n in ranks_now})
+                for c, m in self._receivers[1:]]
+        self.comm, self.rank, self.size = comm, comm.Get_rank(), comm.Get_size()
+        self.leader, self.lost = 0, set()
+        self._receivers = [(comm, None), *old]
+        if self.size > 1 and not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._poll, name="crossover-peers",
+                                            daemon=True)
+            self._thread.start()
 
     def close(self) -> None:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=1.0)
 
+    def _isend(self, comm: Any, dest: int, obj: Any) -> None:
+        from mpi4py import MPI
+
+        with self._sending:
+            try:
+                req = comm.isend(obj, dest=dest, tag=self.TAG)
+            except MPI.Exception:
+                self.send_errors += 1
+                return
+            self._in_flight.append(req)
+            if len(self._in_flight) >= 64:
+                self._reap()
+
+    def _reap(self) -> None:
+        """Forget the sends that completed; past MAX_IN_FLIGHT, the oldest too."""
+        from mpi4py import MPI
+
+        kept = []
+        for req in self._in_flight:
+            try:
+                done = req.Test()
+            except MPI.Exception:
+                self.send_errors += 1
+                done = True
+            if not done:
+                kept.append(req)
+        self._in_flight = kept[-self.MAX_IN_FLIGHT:]
+
     def _poll(self) -> None:
         from mpi4py import MPI
 
-        req = self.comm.irecv(source=MPI.ANY_SOURCE, tag=self.TAG)
+        pending: dict[int, Any] = {}  # id(comm) -> its receive
         backoff = Backoff(0.001, 0.05)
         status = MPI.Status()
         while not self._stop.is_set():
-            done, obj = req.test(status=status)
-            if done:
-                self.inbox.put((status.Get_source(), obj))
+            got = False
+            for comm, ranks_now in self._receivers:
+                req = pending.get(id(comm))
+                if req is None:
+                    req = pending[id(comm)] = comm.irecv(source=MPI.ANY_SOURCE, tag=self.TAG)
+                try:
+                    done, obj = req.test(status=status)
+                except MPI.Exception:  # a message from a peer that died while sending
+                    done, obj = False, None
+                    pending.pop(id(comm))
+                if not done:
+                    continue
+                got = True
+                pending.pop(id(comm))
+                source = status.Get_source()
+                if ranks_now is not None:
+                    if source not in ranks_now:  # left out of the world that followed
+                        self._isend(comm, source, ("retire",))
+                        continue
+                    source = ranks_now[source]
+                self.inbox.put((source, obj))
                 self._wakeup()
-                req = self.comm.irecv(source=MPI.ANY_SOURCE, tag=self.TAG)
+            if got:
                 backoff.reset()
             else:
                 self._stop.wait(backoff.next())
-        req.Cancel()
+        for req in pending.values():
+            req.Cancel()

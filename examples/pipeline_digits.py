@@ -151,10 +151,11 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
         return float((model(x).argmax(1) == y).float().mean())
 
 
-def pretrained_body(depth: int, width: int) -> dict[str, torch.Tensor]:
+def pretrained_body(depth: int, width: int, device: str = "cpu") -> dict[str, torch.Tensor]:
     """The MLP's body (every layer but the head) trained to tell apart the
     `stroke_glyphs` (`PRETRAIN_EPOCHS` epochs of SGD, one process, seeded), from the
-    cache or made and cached now."""
+    cache or made and cached now, on `device` ("cuda": seconds where one core takes
+    minutes; the body then differs from the CPU's in rounding)."""
     xdg = os.environ.get("XDG_CACHE_HOME", "")
     cache = (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "crossover"
     path = cache / (f"strokes-mlp-{depth}x{width}-pretrained-{PRETRAIN_CLASSES}x"
@@ -170,12 +171,13 @@ def pretrained_body(depth: int, width: int) -> dict[str, torch.Tensor]:
     torch.manual_seed(1)
     model = MLP(depth, width)
     model.layers[-1] = nn.Linear(model.layers[-1].in_features, PRETRAIN_CLASSES)
+    model.to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    xs, ys = stroke_glyphs(PRETRAIN_CLASSES, PRETRAIN_COPIES)
+    xs, ys = (t.to(device) for t in stroke_glyphs(PRETRAIN_CLASSES, PRETRAIN_COPIES))
     for epoch in range(PRETRAIN_EPOCHS):
         train_epoch(model, opt, xs, ys, seed=epoch)
     head = f"layers.{len(model.layers) - 1}."
-    body = {k: v for k, v in model.state_dict().items() if not k.startswith(head)}
+    body = {k: v.cpu() for k, v in model.state_dict().items() if not k.startswith(head)}
     try:
         cache.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")

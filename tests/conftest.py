@@ -153,7 +153,8 @@ class Cluster:
         if nodes > 1 or fake:
             env["CROSSOVER_FAKE_NODES"] = str(nodes)
             self.env["CROSSOVER_FAKE_NODES"] = str(nodes)
-            cmd = mpirun(nodes, PY, *args)
+            # as crossoverrun starts a world: one daemon's death does not end the others
+            cmd = mpirun(nodes, "--mca", "orte_enable_recovery", "1", PY, *args)
             names = [f"fake{i}" for i in range(nodes)]
         else:
             cmd = [*prefix, PY, *args]

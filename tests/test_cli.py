@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -132,13 +133,24 @@ def test_this_hosts_addresses_and_aliases_are_local():
     assert not is_local("no-such-host.invalid")
 
 
-def test_a_daemon_without_a_node_for_each_host_is_refused(cluster: Cluster, capsys):
-    with cluster.daemon():
-        argv = ["--crossover", "--crossover-daemon", str(cluster.runtime), "-np", "2",
-                "-H", "localhost:1,192.0.2.7:1", "x.py"]
-        assert cli.main(argv) == 2
+def test_hosts_are_matched_to_the_worlds_nodes_by_name_not_count(capsys, monkeypatch):
+    """A job on two hosts against a world of two other nodes is not covered; the job is
+    told once which of its hosts will train uncoordinated, and why."""
+    from crossover.launch.daemons import _check_hosts, uncovered_hosts
+
+    monkeypatch.delenv("CROSSOVER_FAKE_NODES", raising=False)
+    monkeypatch.setenv("CROSSOVER_NODE", "nodeA")
+    world = {"nodeA": {}, "nodeB.example": {}}
+    assert uncovered_hosts(world, ["localhost", "nodeB"]) == []
+    assert uncovered_hosts(world, ["nodeB.example", "localhost"]) == []
+    assert uncovered_hosts(world, ["192.0.2.7", "192.0.2.8"]) == ["192.0.2.7", "192.0.2.8"]
+    assert uncovered_hosts({"nodeB": {}}, ["localhost", "nodeB"]) == ["localhost"]
+    _check_hosts(world, ["localhost", "192.0.2.7", "192.0.2.7"], Path("/run/x"))
     err = capsys.readouterr().err
-    assert "serves 1 node(s)" in err and "one daemon per host" in err, err
+    assert err.count("no node for 192.0.2.7 ") == 1, err
+    assert "its nodes: nodeA, nodeB.example" in err and "train uncoordinated" in err
+    _check_hosts(world, ["localhost"], Path("/run/x"))
+    assert capsys.readouterr().err == ""
 
 
 def test_exit_codes_of_signals_are_the_shells():

@@ -12,11 +12,12 @@ from tests.test_scheduler import FakeClock, build
 
 
 class Channel:
-    """Records what the leader sends; daemon ranks 0 and 1."""
+    """Records what the leader sends; daemon ranks 0 to size - 1."""
 
-    rank, size = 0, 2
+    rank = 0
 
-    def __init__(self) -> None:
+    def __init__(self, size: int = 2) -> None:
+        self.size = size
         self.sent: list[tuple[int, tuple]] = []
 
     def send(self, dest: int, obj: tuple) -> None:
@@ -32,13 +33,12 @@ def leader(idle_shutdown_s=None, aligner=None) -> tuple[Leader, Channel, FakeClo
     return Leader(peers, None, aligner, idle_shutdown_s, clock), peers, clock
 
 
-def test_the_leader_orders_jobs_once_and_answers_a_second_node():
+def test_the_leader_orders_jobs_once_and_tells_only_the_nodes_that_ask():
     lead, peers, _ = leader()
     for source, job in [(0, "A"), (1, "A"), (1, "B")]:
         assert lead.handle(source, ("join", job))
     assert peers.sent == [(0, ("order", "A", 0)), (1, ("order", "A", 0)),
-                          (1, ("order", "A", 0)),  # the second node, answered alone
-                          (0, ("order", "B", 1)), (1, ("order", "B", 1))]
+                          (1, ("order", "B", 1))]  # node 0 has no rank of B: not told
 
 
 def test_the_leader_forgets_a_job_when_its_last_node_leaves():
@@ -49,7 +49,7 @@ def test_the_leader_forgets_a_job_when_its_last_node_leaves():
     lead.handle(0, ("leave", "A"))
     assert peers.sent == []  # node 1 still has a rank of it
     lead.handle(1, ("leave", "A"))
-    assert peers.sent == [(0, ("forget", "A")), (1, ("forget", "A"))]
+    assert sorted(peers.sent) == [(0, ("forget", "A")), (1, ("forget", "A"))]
     lead.handle(1, ("leave", "A"))  # a leave of a forgotten job: nothing
     assert len(peers.sent) == 2
 
@@ -197,3 +197,64 @@ def test_a_change_that_raises_stays_out_of_the_serve_loop(error):
         raise error
 
     table.change("d0", bad)  # logged, not raised
+
+
+def deciding_leader(nodes: int) -> tuple[Leader, Channel, FakeClock]:
+    from crossover.scheduler import ModeController
+
+    clock, peers = FakeClock(), Channel(nodes)
+    return Leader(peers, lambda: ModeController(clock, probe_s=1.0), None, None,
+                  clock), peers, clock
+
+
+def join_and_step(lead: Leader, job: str, nodes: list[int], steps: int = 0) -> None:
+    for node in nodes:
+        lead.handle(node, ("join", job))
+    lead.handle(nodes[0], ("progress", job, steps, False, 0))
+
+
+def test_a_job_arriving_in_one_group_sends_nothing_to_another_groups_nodes():
+    """Jobs A, B on nodes 0-1 (one group, probing), C, D on nodes 2-3: C and D's
+    arrival and probe go to nodes 2 and 3 only; A and B's group goes on undisturbed."""
+    lead, peers, clock = deciding_leader(4)
+    join_and_step(lead, "A", [0, 1])
+    join_and_step(lead, "B", [0, 1])
+    before = lead.snapshot()["0"]
+    assert before["state"] == "probe" and before["jobs"] == ["A", "B"]
+    peers.sent.clear()
+    join_and_step(lead, "C", [2, 3])
+    join_and_step(lead, "D", [2, 3])
+    assert {dest for dest, _ in peers.sent} == {2, 3}
+    assert [o[0] for _, o in peers.sent].count("mode") == 2  # D's probe, to 2 and 3
+    after = lead.snapshot()
+    assert after["0"] == before and after["1"]["jobs"] == ["C", "D"]
+    sent = len(peers.sent)
+    for step in range(1, 40):  # A and B's probe runs to a decision, told to 0 and 1 only
+        clock.now += 0.2
+        for job in ("A", "B"):
+            lead.handle(0, ("progress", job, step, False, 0))
+    modes = [(dest, o[1]) for dest, o in peers.sent[sent:] if o[0] == "mode"]
+    assert modes and {dest for dest, _ in modes} == {0, 1}
+
+
+def test_a_job_that_links_two_groups_merges_them_and_its_departure_splits_them():
+    lead, peers, _ = deciding_leader(4)
+    join_and_step(lead, "A", [0])
+    join_and_step(lead, "B", [2])
+    assert sorted(lead.snapshot()) == ["0", "1"]
+    join_and_step(lead, "L", [0, 2])
+    assert sorted(lead.snapshot()) == ["0"]
+    assert lead.snapshot()["0"]["jobs"] == ["A", "B", "L"]
+    lead.handle(0, ("leave", "L"))
+    lead.handle(2, ("leave", "L"))
+    assert {g: s["jobs"] for g, s in lead.snapshot().items()} == {"0": ["A"], "2": ["B"]}
+
+
+def test_a_node_new_to_a_decided_group_is_told_its_mode():
+    lead, peers, clock = deciding_leader(3)
+    join_and_step(lead, "A", [0])
+    join_and_step(lead, "B", [0])  # a probe starts: concurrent first
+    peers.sent.clear()
+    lead.handle(2, ("join", "A"))
+    assert (2, ("mode", "concurrent", lead.snapshot()["0"]["reason"], {"A": 0, "B": 0})) \
+        in peers.sent

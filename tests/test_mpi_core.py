@@ -84,7 +84,7 @@ def test_mode_switches_mid_run_keep_the_math(cluster: Cluster, solo):
         a.wait(180)
         b.wait(180)
         log = (cluster.tmp / "daemon.log").read_text()
-    decided = re.findall(r"mode (antiphase|concurrent): ", log)
+    decided = re.findall(r"mode (antiphase|concurrent) for group \d+ \(nodes [^)]*\): ", log)
     # concurrent (probe), antiphase (probe), then a decision: both directions of switch
     assert {"antiphase", "concurrent"} <= set(decided) and len(decided) >= 3, log
     events = trace.merge(sorted(cluster.traces.glob("*.json")), cluster.tmp / "merged.json")
@@ -249,7 +249,8 @@ def test_auto_on_two_nodes_switches_every_node_alike_and_keeps_the_math(cluster:
         a.wait(180)
         b.wait(180)
         log = (cluster.tmp / "daemon.log").read_text()
-    decided = re.findall(r"mode (antiphase|concurrent): ", log)  # the leader's log alone
+    # the leader's log alone
+    decided = re.findall(r"mode (antiphase|concurrent) for group \d+ \(nodes [^)]*\): ", log)
     assert {"antiphase", "concurrent"} <= set(decided) and len(decided) >= 3, log
     for job in ("A", "B"):
         # rank r runs on node fake<r>: both nodes told the job the same modes in order

@@ -215,6 +215,8 @@ class DaemonLink:
         print(f"crossover: reconnected to the crossover daemon at {self.path}; job "
               f"{self.job!r} rank {self._rank()} is coordinated again", file=sys.stderr,
               flush=True)
+        if self.trace is not None:  # where in the trace its turns are the daemon's again
+            self.trace.instant("coordinated again", time.time())
 
     def _daemon_alive(self) -> bool:
         """While waiting in the table: read the daemon's notices; False once it is gone."""

@@ -10,8 +10,10 @@ message and one for each close.
 from __future__ import annotations
 
 import logging
+import os
 import selectors
 import socket
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -56,6 +58,16 @@ class RankConn:
         return h is not None and h.gpu is None and h.local_size == h.size
 
 
+def _peer(sock: socket.socket) -> tuple[int | None, int | None]:
+    """The user id and process id of a Unix socket's other end (Linux), else Nones."""
+    try:
+        pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET,
+                                                          socket.SO_PEERCRED, 12))
+    except (OSError, AttributeError):
+        return None, None
+    return uid, pid
+
+
 class Connections:
     """Rank connections on the serve loop's selector.
 
@@ -87,6 +99,14 @@ class Connections:
         try:
             sock, _ = listener.accept()
         except OSError:  # gone already, or out of descriptors: the listener stays
+            return
+        uid, pid = _peer(sock)
+        if uid is not None and uid != os.geteuid():
+            # The 0700 runtime directory keeps other users out; should it have been
+            # opened up, this keeps them out all the same (and says who tried).
+            sock.close()
+            log.warning("refused a connection from uid %d (process %s): only this "
+                        "daemon's user (uid %d) may use it", uid, pid, os.geteuid())
             return
         if len(self.sel.get_map()) >= self.max_conns:
             sock.close()

@@ -49,7 +49,7 @@ class Ranks:
         sched: the node's scheduler.
         table: the slot table's order keeper (no-op without a table).
         conns: the connections, to reply and close.
-        peers: the daemons' channel (the leader is daemon 0).
+        peers: the daemons' channel (to the leader this daemon follows).
         aligning: the daemons align the nodes' phases (ranks report their waits).
         deciding: the mode is decided from step rates (ranks report their steps).
         clock: monotonic clock.
@@ -117,13 +117,13 @@ class Ranks:
             self.sched.renew(job, rank)
         elif isinstance(msg, P.Waited):
             if self.aligning:  # (the leader's: every daemon has the setting)
-                self.peers.send(0, ("waited", job, msg.wait_s))
+                self.peers.send_leader(("waited", job, msg.wait_s))
         elif isinstance(msg, P.Progress):
             # Only the mode decision (an adaptive policy's leader) reads step counts; a
             # client of an older version may still send them from every rank.
             if self.deciding and msg.steps > self.steps.get(job, -1):
                 self.steps[job] = msg.steps
-                self.peers.send(0, ("progress", job, msg.steps, conn.on_host_cpu,
+                self.peers.send_leader(("progress", job, msg.steps, conn.on_host_cpu,
                                     msg.points))
         else:
             raise P.ProtocolError(f"unexpected {msg.kind} from a client")
@@ -190,7 +190,7 @@ class Ranks:
             first = hello.job not in self.pending
             self.pending.setdefault(hello.job, []).append(conn)
             if first:
-                self.peers.send(0, ("join", hello.job))
+                self.peers.send_leader(("join", hello.job))
 
     def _refuse(self, conn: RankConn, code: P.ErrorCode, why: str, message: str) -> None:
         """Answer a hello with an error and hang up (`why`: for the log)."""
@@ -222,7 +222,7 @@ class Ranks:
             # The leader can serve it concurrently (and split the cores) now, not after
             # its first steps under the initial antiphase.
             self.steps[hello.job] = 0
-            self.peers.send(0, ("progress", hello.job, 0, True, 0))
+            self.peers.send_leader(("progress", hello.job, 0, True, 0))
         place = self.table.reserve(conn.key, device)
         table, slot, index = (self.table.path, *place) if place else ("", -1, -1)
         log.info("job %s rank %d on node %s -> %s (order %d)",
@@ -255,7 +255,7 @@ class Ranks:
             device = self.sched.device_of(*key)
             self.table.change(device, lambda: self._unregister(key, device))
         if not self.has_job(job) and job not in self.pending:
-            self.peers.send(0, ("leave", job))
+            self.peers.send_leader(("leave", job))
 
     def _unregister(self, key: tuple[str, int], device: str | None) -> None:
         """Free a rank that left (after the table's events before it were applied)."""
@@ -270,6 +270,12 @@ class Ranks:
         self.orders[job] = order
         for conn in self.pending.pop(job, []):
             self._admit(conn)
+
+    def holdings(self) -> tuple[dict[str, int], list[str], list[str]]:
+        """What this node holds, for a new leader to rebuild the order from: the orders
+        it knows, the jobs with a rank here, and the jobs whose ranks wait for an order."""
+        present = sorted({j for j, _ in self.by_key} | {j for j, _ in self.joining})
+        return dict(self.orders), present, sorted(self.pending)
 
     def forget(self, job: str) -> None:
         """The job left every node (unless a rank of it came back here since)."""

@@ -31,6 +31,7 @@ from typing import Any
 
 from crossover import protocol as P
 from crossover.daemon.conns import Connections, RankConn
+from crossover.daemon.member import TO_LEADER, Member
 from crossover.daemon.ranks import Node, Ranks
 from crossover.daemon.table import TableSync
 from crossover.daemon.world import Leader, default_comm, node_identity
@@ -41,6 +42,9 @@ from crossover.scheduler.phase import PhaseAligner
 from crossover.transport import PeerChannel, socket_path
 
 log = logging.getLogger("crossover.daemon")
+
+#: how mpirun hands `--mca orte_enable_recovery 1` to the processes it starts
+RECOVERY_ENV = "OMPI_MCA_orte_enable_recovery"
 
 
 
@@ -65,6 +69,11 @@ class Daemon:
             too (by default they are served concurrently without a probe).
         hello_timeout_s: a connection that neither says hello nor asks for status within
             this long is dropped (a stalled or hostile client holds no descriptor long).
+        beat_s: how often the daemons of a world tell each other they live.
+        dead_after_s: a daemon silent this long is lost to the others (a leader's
+            successor takes over; see `membership`).
+        argv: this daemon's arguments after `python -m crossover`: the leader starts the
+            daemons of new or lost nodes with them (`reform`).
         clock: monotonic clock, injectable for tests.
 
     Raises:
@@ -85,6 +94,9 @@ class Daemon:
         mode_probe_local: bool = False,
         align_phases: bool = False,
         hello_timeout_s: float = 10.0,
+        beat_s: float = 1.0,
+        dead_after_s: float = 5.0,
+        argv: list[str] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         comm = comm if comm is not None else default_comm()
@@ -99,7 +111,6 @@ class Daemon:
         # write would stall the peer thread or the signal handler that calls _wakeup.
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self.peers = PeerChannel(comm, self._wakeup)
         # Descriptors for connections: the soft limit, less room for the daemon's own.
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         max_conns = max(16, min(soft if soft > 0 else 65536, 65536) - 64)
@@ -110,23 +121,39 @@ class Daemon:
                                      c, why))
         self.table = TableSync(self.sched, deliver=lambda g: self.ranks.deliver(g),
                                pids_on=lambda device: self.ranks.pids_on(device))
+        # The leader decides for all: the mode from what it measures (policy auto), the
+        # nodes' phases (`align_phases`), the idle shutdown. Daemon 0 leads first; a
+        # successor takes over if it is lost (`membership`).
+        self._leader_args = (policy_.adaptive, mode_probe_s, mode_hold_s, mode_probe_local,
+                             aligning, patience_s, idle_shutdown_s)
+        self.member = Member(comm, name, clock, self._new_leader,
+                             holdings=lambda: self.ranks.holdings(), wakeup=self._wakeup,
+                             stop=self.stop, argv=list(argv or []), beat_s=beat_s,
+                             dead_after_s=dead_after_s)
+        self.peers = self.member.peers
         self.ranks = Ranks(self.node, self.sched, self.table, self.conns, self.peers,
                            aligning=aligning, deciding=policy_.adaptive, clock=clock)
-        # Daemon 0 decides for all: the mode from what it measures (policy auto), the
-        # nodes' phases (`align_phases`), the idle shutdown.
-        modes = ModeController(clock, probe_s=mode_probe_s, hold_s=mode_hold_s,
-                               max_hold_s=max(240.0, mode_hold_s),
-                               probe_local=mode_probe_local) if policy_.adaptive else None
-        aligner = PhaseAligner(clock, min(0.015, patience_s), min(0.25, patience_s)) \
-            if aligning else None
-        self.leader = Leader(self.peers, modes, aligner, idle_shutdown_s, clock) \
-            if self.peers.rank == 0 else None
         self.handovers_delayed = 0  # on this node, by the leader's corrections
         self._status_waits: dict[int, tuple[RankConn, dict, float]] = {}
         self._status_token = 0
         self._stop = False
         self._started = time.monotonic()
         self._usage = RankUsage()
+
+    @property
+    def leader(self) -> Leader | None:
+        """The leader's decisions, where this daemon leads."""
+        return self.member.leader
+
+    def _new_leader(self, peers: PeerChannel) -> Leader:
+        adaptive, probe_s, hold_s, probe_local, aligning, patience_s, idle_s = \
+            self._leader_args
+        def modes() -> ModeController:
+            return ModeController(self.clock, probe_s=probe_s, hold_s=hold_s,
+                                  max_hold_s=max(240.0, hold_s), probe_local=probe_local)
+        aligner = PhaseAligner(self.clock, min(0.015, patience_s), min(0.25, patience_s)) \
+            if aligning else None
+        return Leader(peers, modes if adaptive else None, aligner, idle_s, self.clock)
 
     # --- life cycle -------------------------------------------------------------------
     def serve(self) -> None:
@@ -141,6 +168,11 @@ class Daemon:
                  self.peers.rank, self.peers.size, self.node.name, self.path,
                  self.sched.policy.name,
                  [self.node.cpu_device(i)[0] for i in range(self.node.cpu_devices)])
+        if self.peers.size > 1 and os.environ.get(RECOVERY_ENV, "0").lower() not in (
+                "1", "true", "yes"):
+            log.warning("this world was started without --mca orte_enable_recovery 1: "
+                        "Open MPI ends every daemon of it when one dies; start it with "
+                        "`mpirun --mca orte_enable_recovery 1 ...` (crossoverrun does)")
         try:
             while not self._stop:
                 events = self._sel.select(self._timeout())
@@ -156,6 +188,7 @@ class Daemon:
                         self.conns.read(key.data)
                 self.table.run_backlog()
                 self._handle_peers()
+                self.member.tick()
                 self.conns.drop_silent({id(c) for c, _, _ in self._status_waits.values()})
                 self._expire()
                 if self.leader is not None:
@@ -205,6 +238,7 @@ class Daemon:
             return 0.005  # a device's mutex is busy: try again soon (not at once: a spin)
         t = 0.5 if not self.table.replan else 0.01
         deadlines = [self.sched.next_deadline()]
+        deadlines.append(self.member.next_deadline())
         if self.leader is not None:
             deadlines.append(self.leader.next_deadline())
         for deadline in deadlines:
@@ -228,6 +262,14 @@ class Daemon:
     def _handle(self, conn: RankConn, msg: P.Message) -> None:
         if isinstance(msg, P.Status):
             self._start_status(conn)
+        elif isinstance(msg, P.Grow):
+            bad = [n for n in msg.nodes if not (0 < len(n) <= 200 and n.isprintable())]
+            if bad or len(msg.nodes) > 4096:
+                raise P.ProtocolError(f"grow: node names must be 1-200 printable "
+                                      f"characters, at most 4096 of them: {bad[:3]}")
+            missing = self.member.grow(msg.nodes)
+            # the nodes the leader is asked to start daemons on; status shows them joined
+            self.conns.reply(conn, P.StatusReport({n: {"joining": True} for n in missing}))
         else:
             self.ranks.handle(conn, msg)
 
@@ -260,11 +302,13 @@ class Daemon:
     def _handle_peers(self) -> None:
         while not self.peers.inbox.empty():
             source, msg = self.peers.inbox.get_nowait()
-            if msg[0] == "waited" and not self.sched.exclusive:
-                continue  # measured in another mode: nothing to say of the turns
-            if self.leader is not None and self.leader.handle(source, msg):
+            if self.member.route(source, msg):
                 continue
-            self._on_peer(source, msg)
+            if msg[0] in TO_LEADER:
+                if msg[0] != "waited" or self.sched.exclusive:  # else: another mode's
+                    self.leader.handle(source, msg)
+            else:
+                self._on_peer(source, msg)
 
     def _on_peer(self, source: int, msg: tuple) -> None:
         """What this node does with the leader's (or a peer's) message."""
@@ -311,6 +355,8 @@ class Daemon:
         snap["handovers_delayed"] = self.handovers_delayed
         if self.leader is not None and self.leader.snapshot() is not None:
             snap["mode_decision"] = self.leader.snapshot()
+        # the world as this daemon sees it: who leads, and the nodes lost
+        snap["world"] = self.member.snapshot()
         snap["devices_cores"] = dict(self.node.cpu_device(i)
                                      for i in range(self.node.cpu_devices))
         snap["daemon"] = {**daemon_figures(self._started),
@@ -324,12 +370,12 @@ class Daemon:
     def _start_status(self, conn: RankConn) -> None:
         self._status_token += 1
         self._status_waits[self._status_token] = (conn, {}, self.clock() + 2.0)
-        self.peers.broadcast(("status?", self._status_token))
+        self.peers.broadcast(("status?", self._status_token))  # the lost are skipped
 
     def _finish_status_waits(self) -> None:
         now = self.clock()
         for token, (conn, nodes, deadline) in list(self._status_waits.items()):
-            if len(nodes) == self.peers.size or now >= deadline:
+            if len(nodes) >= len(self.member.world.alive) or now >= deadline:
                 del self._status_waits[token]
                 if not conn.open:
                     continue  # the asker left

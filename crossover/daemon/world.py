@@ -14,17 +14,27 @@ Messages between daemons are small tuples on `transport.PeerChannel`:
     ("delay", delay_s, lead_s)            from the leader: this node's turns run ahead
     ("status?", token) / ("status!", token, node, snapshot)
     ("shutdown",)                         from the leader: idle for idle_shutdown_s
+    ("beat",)                             member to leader and back (liveness)
+    ("members", alive, lost_nodes)        from the leader: who is in the world now
+    ("lead", epoch)                       from a new leader (or to a member back):
+                                          answer with what you hold
+    ("hold", orders, present, pending)    to the leader: this node's orders and jobs
+    ("epoch", epoch, leader)              to a peer that follows an older leader
+
+Who leads, and who is lost, is `membership`'s; the leader may be any rank.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
 from crossover import environment as E
 from crossover.scheduler import ModeController, ModeSwitch
+from crossover.scheduler.groups import Groups
 from crossover.scheduler.phase import PhaseAligner
 from crossover.transport import PeerChannel
 
@@ -43,75 +53,113 @@ class _SoloComm:
 
 
 def default_comm() -> Any:
-    """COMM_WORLD when launched by mpirun, else a one-process stand-in."""
+    """COMM_WORLD when launched by mpirun, the world it joins when a re-formation
+    started it (`reform`), else a one-process stand-in."""
     if "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ:
         from mpi4py import MPI
 
-        return MPI.COMM_WORLD
+        from crossover.daemon.reform import joining_world
+
+        return joining_world() or MPI.COMM_WORLD
     return _SoloComm()
 
 
 def node_identity(comm: Any) -> tuple[str, list[int]]:
     """This daemon's node name and the CPU cores its devices are made of."""
     cores = sorted(os.sched_getaffinity(0))
-    if E.node_setting() or not E.fake_nodes():
+    fake, named = E.fake_nodes(), E.node_setting()
+    if named and fake and re.fullmatch(r"fake\d+", named):  # a fake node's new daemon
+        name, r = named, int(named[4:])
+    elif named or not fake:
         return E.node_name(), cores
-    r, fake = comm.Get_rank(), E.fake_nodes()  # fake node r gets every N-th core
-    return E.node_name(r), cores[r % len(cores) :: fake] or cores
+    else:
+        name, r = E.node_name(comm.Get_rank()), comm.Get_rank()
+    # fake node r gets every N-th core
+    return name, cores[r % len(cores) :: fake] or cores
 
 
 class Leader:
-    """Daemon 0's decisions for every node: the jobs' global order, the mode (policy
-    auto), the nodes' phases (`--align-phases`) and the idle shutdown.
+    """The leader's decisions: the jobs' global order, each group's mode (policy auto),
+    the nodes' phases (`--align-phases`) and the idle shutdown.
+
+    Messages about a job go to its nodes only, and about a group's mode to the group's
+    nodes only (`crossover.scheduler.groups`): a job arriving in one group sends nothing
+    to, and changes nothing in, another group's nodes.
 
     Args:
-        peers: the daemons' channel (this daemon is its rank 0).
-        modes: the mode decision, or None under a fixed policy.
+        peers: the daemons' channel (this daemon leads it).
+        new_modes: makes one group's mode decision, or None under a fixed policy.
         aligner: the phase aligner, or None.
         idle_shutdown_s: shut every daemon down after no job anywhere for this long.
         clock: monotonic clock.
     """
 
-    def __init__(self, peers: PeerChannel, modes: ModeController | None,
+    def __init__(self, peers: PeerChannel, new_modes: Callable[[], ModeController] | None,
                  aligner: PhaseAligner | None, idle_shutdown_s: float | None,
                  clock: Callable[[], float]) -> None:
-        self.peers, self.modes, self.aligner = peers, modes, aligner
+        self.peers, self.new_modes, self.aligner = peers, new_modes, aligner
         self.idle_shutdown_s, self.clock = idle_shutdown_s, clock
+        self.groups = Groups()
+        self._modes: dict[int, ModeController] = {}  # group -> its mode decision
         self._next_order = 0
         self._members: dict[str, set[int]] = {}  # job -> daemon ranks with its ranks
+        self._seen: dict[str, set[int]] = {}  # job -> daemon ranks told its order
         self._decided: dict[str, int] = {}  # job -> the order the leader gave it
         self._points: dict[str, int] = {}  # job -> its request points, reported
         self._idle_since: float | None = clock()
         self._shut = False
+        # A new leader answers no join before the members said what they hold (or
+        # until `_await_until`): an order given earlier could collide with one they hold.
+        self._awaiting: set[int] = set()
+        self._awaiting_since = self._await_until = 0.0
+        self._deferred: list[tuple[int, str]] = []
 
     def handle(self, source: int, msg: tuple) -> bool:
         """A message for the leader from daemon `source`; False if it is not one."""
         kind = msg[0]
         if kind == "join":
-            self._join(source, msg[1])
+            if self._awaiting:
+                self._deferred.append((source, msg[1]))
+            else:
+                self._join(source, msg[1])
+        elif kind == "hold":
+            self._hold(source, *msg[1:])
         elif kind == "leave":
             self._leave(source, msg[1])
         elif kind == "waited":
             self._align(msg[1], source, msg[2])
         elif kind == "progress":
-            if self.modes is not None and msg[1] in self._members:
+            group = self.groups.group_of(msg[1])
+            if group in self._modes and msg[1] in self._members:
                 self._points[msg[1]] = max(msg[4], self._points.get(msg[1], 0))
-                self._announce(self.modes.progress(msg[1], msg[2], msg[3]))
+                self._announce(group, self._modes[group].progress(msg[1], msg[2], msg[3]))
         else:
             return False
         return True
 
     def tick(self) -> None:
-        """The mode decision's clock: a probe window or a hold may have ended."""
-        if self.modes is not None:
-            self._announce(self.modes.tick())
+        """The mode decisions' clock: a probe window or a hold may have ended; the
+        members that were to say what they hold may have run out of time."""
+        if self._awaiting and self.clock() >= self._await_until:
+            log.warning("daemons %s did not say what they hold within %.0f s: answering "
+                        "joins without them", sorted(self._awaiting),
+                        self._await_until - self._awaiting_since)
+            self._awaiting.clear()
+            self._flush()
+        for group, modes in list(self._modes.items()):
+            self._announce(group, modes.tick())
 
     def next_deadline(self) -> float | None:
-        return self.modes.next_deadline() if self.modes is not None else None
+        ends = [self._await_until] if self._awaiting else []
+        ends += [m.next_deadline() for m in self._modes.values()]
+        return min((e for e in ends if e is not None), default=None)
 
     def snapshot(self) -> dict | None:
-        """The mode decision, for status."""
-        return self.modes.snapshot() if self.modes is not None else None
+        """Each group's mode decision and jobs, for status."""
+        if self.new_modes is None:
+            return None
+        return {str(g): {**m.snapshot(), "jobs": sorted(self.groups.jobs(g))}
+                for g, m in sorted(self._modes.items())}
 
     def check_idle(self, busy_here: bool) -> None:
         """Shut every daemon down once no job was anywhere for idle_shutdown_s."""
@@ -127,20 +175,86 @@ class Leader:
             self._shut = True  # once: the broadcast reaches this daemon too
             self.peers.broadcast(("shutdown",))
 
+    # --- succession and re-formation ------------------------------------------------------
+    def expect_holdings(self, ranks: set[int], within_s: float) -> None:
+        """Daemons `ranks` were asked what they hold (this leader is new, or they are
+        back): joins wait for their answers, at most `within_s`."""
+        self._awaiting |= set(ranks)
+        self._awaiting_since = self.clock()
+        self._await_until = self._awaiting_since + within_s
+
+    def _hold(self, source: int, orders: dict[str, int], present: list[str],
+              pending: list[str]) -> None:
+        """Daemon `source` says what it holds: take its jobs' orders and presence."""
+        for job, order in orders.items():
+            self._next_order = max(self._next_order, order + 1)
+            if job not in present:
+                continue
+            known = self._decided.setdefault(job, order)
+            if known != order:
+                log.warning("job %s has order %d on daemon %d but %d elsewhere (two "
+                            "leaders at once?): keeping %d", job, order, source, known, known)
+            self._add(job, source)
+        self._deferred.extend((source, job) for job in pending)
+        self._awaiting.discard(source)
+        self._flush()
+
+    def _flush(self) -> None:
+        if self._awaiting:
+            return
+        deferred, self._deferred = self._deferred, []
+        for source, job in deferred:
+            self._join(source, job)
+
+    def renumber(self, ranks_now: dict[int, int]) -> None:
+        """The world was re-formed: daemon ranks become `ranks_now[rank]` (a rank not in
+        it was lost, and left already)."""
+        def remap(ranks: set[int]) -> set[int]:
+            return {ranks_now[r] for r in ranks if r in ranks_now}
+        self._members = {job: remap(m) for job, m in self._members.items()}
+        self._seen = {job: remap(m) for job, m in self._seen.items()}
+        self.groups.renumber(ranks_now)
+        self._awaiting = remap(self._awaiting)
+        self._deferred = [(ranks_now[s], j) for s, j in self._deferred if s in ranks_now]
+
+    def member_lost(self, rank: int) -> None:
+        """Daemon `rank` is lost: its jobs leave its node, as if their ranks had closed
+        there (a job left on no node is forgotten)."""
+        self._awaiting.discard(rank)
+        self._deferred = [(s, j) for s, j in self._deferred if s != rank]
+        for job in [job for job, members in self._members.items() if rank in members]:
+            self._leave(rank, job)
+        self._flush()
+
+    # --- jobs -------------------------------------------------------------------------------
     def _join(self, source: int, job: str) -> None:
-        """A job's first rank arrived on daemon `source`."""
-        if job not in self._members:
+        """A job's first rank arrived on daemon `source`: tell it the job's order."""
+        if job not in self._decided:
             if self.aligner is not None:
                 self.aligner.reset()  # a new job mix: new phases
-            self._members[job] = set()
             self._decided[job] = self._next_order
             self._next_order += 1
-            self.peers.broadcast(("order", job, self._decided[job]))
-        else:
-            # Not the node's own orders: the leader's own "order" message may still be
-            # queued behind this second join (two nodes joined at once).
-            self.peers.send(source, ("order", job, self._decided[job]))
-        self._members[job].add(source)
+        self.peers.send(source, ("order", job, self._decided[job]))
+        self._add(job, source)
+
+    def _add(self, job: str, node: int) -> None:
+        """`job` has ranks on `node`: its group may grow or merge with others."""
+        members = self._members.setdefault(job, set())
+        self._seen.setdefault(job, set()).add(node)
+        if node in members:
+            return
+        members.add(node)
+        regroup = self.groups.join(job, node)
+        for ended in regroup.ended:
+            self._modes.pop(ended, None)
+        group = regroup.group
+        if self.new_modes is not None and group not in self._modes:
+            self._modes[group] = self.new_modes()
+        modes = self._modes.get(group)
+        if modes is not None and modes.state != "solo":
+            # a node new to the group serves in the group's mode from the start
+            self.peers.send(node, ("mode", modes.mode.value, modes.reason,
+                                   self._group_points(group)))
 
     def _leave(self, source: int, job: str) -> None:
         """A job's last rank on daemon `source` left."""
@@ -148,20 +262,38 @@ class Leader:
         if members is None:
             return  # forgotten already
         members.discard(source)
-        if not members:
-            self._members.pop(job, None)
-            self._decided.pop(job, None)
-            self._points.pop(job, None)
-            self.peers.broadcast(("forget", job))
-            if self.modes is not None:
-                self._announce(self.modes.leave(job))
+        group = self.groups.group_of(job)
+        regroup = self.groups.leave(job, source)
+        if members:
+            return
+        for node in self._seen.pop(job, set()):
+            self.peers.send(node, ("forget", job))
+        self._members.pop(job, None)
+        self._decided.pop(job, None)
+        self._points.pop(job, None)
+        modes = self._modes.get(group)
+        for number, part in regroup.split.items():
+            if modes is not None:  # the jobs that split off are decided apart
+                for moved in part:
+                    modes.leave(moved)
+                self._modes[number] = self.new_modes()
+        if modes is not None:
+            self._announce(group, modes.leave(job))
+        for ended in regroup.ended:
+            self._modes.pop(ended, None)
 
-    def _announce(self, switches: list[ModeSwitch]) -> None:
-        """Tell every daemon (this one included) the mode decisions."""
+    def _group_points(self, group: int) -> dict[str, int]:
+        return {j: p for j, p in self._points.items() if self.groups.group_of(j) == group}
+
+    def _announce(self, group: int, switches: list[ModeSwitch]) -> None:
+        """Tell the group's nodes its mode decisions."""
         for switch in switches:
-            log.info("mode %s: %s", switch.mode.value, switch.reason)
-            self.peers.broadcast(("mode", switch.mode.value, switch.reason,
-                                  dict(self._points)))
+            nodes = sorted(self.groups.nodes(group))
+            log.info("mode %s for group %d (nodes %s): %s", switch.mode.value, group,
+                     _ranges(nodes), switch.reason)
+            for node in nodes:
+                self.peers.send(node, ("mode", switch.mode.value, switch.reason,
+                                       self._group_points(group)))
 
     def _align(self, job: str, node: int, wait_s: float) -> None:
         """A rank of `job` on daemon `node` reported its allreduce waits; tell a node
@@ -172,3 +304,14 @@ class Leader:
         correction = self.aligner.report(job, node, wait_s, self._members)
         if correction is not None:
             self.peers.send(correction.node, ("delay", correction.delay_s, correction.lead_s))
+
+
+def _ranges(ranks: list[int]) -> str:
+    """0-3,7 for [0, 1, 2, 3, 7]: a group's nodes in one short log field."""
+    out: list[str] = []
+    for r in ranks:
+        if out and r == int(out[-1].split("-")[-1]) + 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{r}"
+        else:
+            out.append(str(r))
+    return ",".join(out)

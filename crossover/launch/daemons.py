@@ -25,11 +25,13 @@ import psutil
 
 from crossover import environment as E
 from crossover.backoff import Backoff, wait_until
-from crossover.probe import daemon_listens, daemon_status
+from crossover.probe import daemon_listens, daemon_status, grow_world
 from crossover.transport import runtime_dir, socket_path
 
 #: How often crossoverrun checks that the daemon it started is still there.
 WATCH_S = 2.0
+#: How long a launcher waits for a daemon world to take in its job's nodes.
+GROW_WAIT_S = 20.0
 #: What a daemon started by a launcher writes its process id to (mpirun's, for several
 #: hosts): `crossover stop` signals it.
 PID_FILE = "daemon.pid"
@@ -165,17 +167,56 @@ def _check_policy(nodes: dict, policy: str | None, rdir: Path) -> None:
                          f"(`crossover stop --runtime-dir {rdir}`) once its jobs end")
 
 
+def uncovered_hosts(nodes: dict, hosts: list[str]) -> list[str]:
+    """The job's hosts that have no node in a daemon world's status `nodes`, matched by
+    name (as given, short, or fully qualified; this host by the name its daemon takes),
+    never by count."""
+    names = set(nodes)
+    short = {n.split(".")[0] for n in names}
+    missing = []
+    for host in dict.fromkeys(hosts):
+        if is_local(host):
+            covered = E.node_name() in names
+        else:
+            fqdn = socket.getfqdn(host)
+            covered = bool({host, fqdn} & names) or {host.split(".")[0],
+                                                     fqdn.split(".")[0]} & short
+        if not covered:
+            missing.append(host)
+    return missing
+
+
 def _check_hosts(nodes: dict, hosts: list[str], rdir: Path) -> None:
-    """A running daemon world must have a node for each of the job's hosts, or the ranks
-    there would find no daemon and run uncoordinated."""
-    wanted = {h for h in hosts if not is_local(h)} | ({"this host"} if any(map(is_local, hosts))
-                                                     else set())
-    if len(wanted) > len(nodes):
-        raise UsageError(f"the daemon at {rdir} serves {len(nodes)} node(s) "
-                         f"({', '.join(sorted(nodes))}) but the job runs on "
-                         f"{', '.join(sorted(set(hosts)))}: stop it (`crossover stop "
-                         f"--runtime-dir {rdir}`) so that crossoverrun starts one daemon "
-                         f"per host")
+    """Bring the job's hosts that the running daemon world has no node for into it (its
+    leader starts their daemons), waiting at most GROW_WAIT_S; say once, naming them,
+    which are still missing and why: the job's ranks there find no daemon and train
+    uncoordinated (the job runs all the same: crossover never stops a job)."""
+    missing = uncovered_hosts(nodes, hosts)
+    if not missing:
+        return
+    why = "this host is not in it, so it cannot be asked to grow"
+    if E.node_name() in nodes:
+        try:
+            grow_world(missing, rdir)
+            seen: dict = nodes
+
+            def covered() -> bool:
+                nonlocal seen
+                with contextlib.suppress(ConnectionError):
+                    seen = daemon_status(rdir, timeout_s=2.0)
+                return not uncovered_hosts(seen, hosts)
+            if wait_until(covered, GROW_WAIT_S, Backoff(0.2, 1.0)):
+                print(f"crossoverrun: the daemon world at {rdir} took in "
+                      f"{', '.join(missing)}", file=sys.stderr, flush=True)
+                return
+            missing, nodes = uncovered_hosts(seen, hosts), seen
+            why = (f"their daemons did not join within {GROW_WAIT_S:g} s (see "
+                   f"{rdir / 'daemon.log'} on the leader's node)")
+        except ConnectionError as exc:
+            why = f"the daemon here did not answer ({exc})"
+    print(f"crossoverrun: the daemon world at {rdir} has no node for "
+          f"{', '.join(missing)} (its nodes: {', '.join(sorted(nodes))}; {why}): the "
+          f"job's ranks there train uncoordinated", file=sys.stderr, flush=True)
 
 
 def start_daemon(rdir: Path, policy: str, hosts: list[str], idle_shutdown_s: float,
@@ -188,8 +229,10 @@ def start_daemon(rdir: Path, policy: str, hosts: list[str], idle_shutdown_s: flo
     if remote:
         # this machine once, however many of its names the job gave
         everyone = remote + (["localhost"] if len(remote) < len(set(hosts)) else [])
-        cmd = ["mpirun", "--map-by", "ppr:1:node", "-H", ",".join(f"{h}:1" for h in everyone),
-               "-np", str(len(everyone)), *args]
+        # orte_enable_recovery: one daemon's death does not end the others
+        # (`crossover.daemon.membership` finds it and the world serves on)
+        cmd = ["mpirun", "--mca", "orte_enable_recovery", "1", "--map-by", "ppr:1:node",
+               "-H", ",".join(f"{h}:1" for h in everyone), "-np", str(len(everyone)), *args]
     else:
         cmd = args
     log = open(rdir / "daemon.log", "a")  # noqa: SIM115 - handed to the daemon

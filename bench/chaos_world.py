@@ -1,0 +1,270 @@
+"""Chaos on a daemon world of several nodes: members and the leader killed and stopped
+while jobs train on them.
+
+    .venv/bin/python bench/chaos_world.py [--nodes 4] [--minutes 8] [--fault-every 4]
+
+N fake-node daemons under one mpirun (Open MPI's recovery on, as crossoverrun starts a
+world); two 2-rank PyTorch jobs (examples/torch_mlp.py) at any time, each rank on a
+random node (so jobs share some nodes and not others), a new one when one ends. Every
+few seconds (exponentially distributed, mean --fault-every) one fault strikes:
+
+    member_kill   SIGKILL a daemon that does not lead (the leader starts a new one there)
+    leader_kill   SIGKILL the leader (a successor takes over, and starts a new one there)
+    member_stop   SIGSTOP a daemon that does not lead for 1-10 s, then SIGCONT (past the
+                  5 s silence it is lost; it comes back, or retires if replaced)
+    leader_stop   SIGSTOP the leader for 1-10 s, then SIGCONT
+    rank_stop     SIGSTOP one rank for up to lease + 1 s, then SIGCONT
+
+A daemon already down or stopped gets no second fault. Checked and written to
+bench/results/chaos_world.json (the keys of chaos.json, plus `nodes`):
+    mismatches      finished jobs whose weights differ from the same job trained alone
+                    without crossover (bit for bit): must be 0
+    hangs           jobs that ran past --job-timeout: must be 0
+    longest_stall_s the longest slot wait of any rank that overlaps no daemon fault
+                    (from the fault to 15 s after its end) nor a stop of its own
+    nodes_answering the fewest and the last count of nodes whose daemon answered
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from chaos import LENGTHS, SCRIPT, SEEDS, RunningJob, _load, same, solo_weights  # noqa: E402
+from common import write_result  # noqa: E402
+
+from crossover.launch.local import mpi_env, terminate_group  # noqa: E402
+from crossover.probe import daemon_status  # noqa: E402
+
+FAULTS = {"member_kill": 0.25, "leader_kill": 0.15, "member_stop": 0.2,
+          "leader_stop": 0.1, "rank_stop": 0.3}
+#: a daemon fault disturbs slot waits from its start to this long after its end
+SETTLE_S = 15.0
+
+
+class World:
+    """The daemons' world: who answers, who leads, and their processes."""
+
+    def __init__(self, nodes: int, runtime: Path, env: dict, log: Path) -> None:
+        self.names = [f"fake{i}" for i in range(nodes)]
+        self.runtime = runtime
+        cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "--mca",
+               "orte_enable_recovery", "1", "-np", str(nodes), sys.executable, "-m",
+               "crossover", "daemon", "--policy", "auto", "--lease", "3",
+               "--runtime-dir", str(runtime)]
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen(cmd, env={**env, "CROSSOVER_FAKE_NODES": str(nodes)},
+                                         stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        self.busy: set[str] = set()  # nodes whose daemon is down or stopped by a fault
+        deadline = time.monotonic() + 60
+        while len(self.status()) < nodes:
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise RuntimeError(f"the daemon world did not start; see {log}")
+            time.sleep(0.2)
+
+    def status(self) -> dict:
+        """The status as the first node that answers sees it."""
+        for name in self.names:
+            if name in self.busy:
+                continue
+            try:
+                return daemon_status(self.runtime, name, timeout_s=3.0)
+            except ConnectionError:
+                continue
+        return {}
+
+    def stop(self) -> None:
+        terminate_group(self.proc, grace_s=5)
+
+
+def start_job(n: int, rng: random.Random, world: World, env: dict, tmp: Path) -> RunningJob:
+    seed, steps = rng.choice(SEEDS), rng.choice(LENGTHS)
+    name = f"j{n}"
+    weights, log = tmp / f"{name}.pt", tmp / f"{name}.log"
+    script = [sys.executable, str(SCRIPT), "--seed", str(seed), "--steps", str(steps),
+              "--out", str(weights)]
+    cmd = ["mpirun", "--oversubscribe", "--bind-to", "none"]
+    for i, node in enumerate(rng.sample(world.names, 2)):
+        cmd += [*([":"] if i else []), "-np", "1", "-x", f"CROSSOVER_NODE={node}", *script]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env={**env, "CROSSOVER_JOB": name}, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    return RunningJob(name, seed, steps, proc, time.monotonic(), weights, log, False)
+
+
+def inject(kind: str, world: World, jobs: list[RunningJob], rng: random.Random,
+           later: list, windows: list, stops: list) -> str | None:
+    """Strike once; returns what happened (None: no target now)."""
+    if kind == "rank_stop":
+        live = [(j, r) for j in jobs if j.proc.poll() is None for r in j.ranks()
+                if r.pid not in j.stopped]
+        if not live:
+            return None
+        job, rank = rng.choice(live)
+        pause, at = rng.uniform(0.2, 4.0), time.time()
+        rank.send_signal(signal.SIGSTOP)
+        job.stopped.append(rank.pid)
+
+        def cont() -> None:
+            try:
+                rank.send_signal(signal.SIGCONT)
+            except Exception:  # noqa: BLE001 - it may have ended meanwhile
+                pass
+            job.stopped.remove(rank.pid)
+            stops.append((job.name, at, time.time()))
+        later.append((time.monotonic() + pause, cont))
+        return f"SIGSTOP {pause:.1f} s a rank of {job.name}"
+    nodes = world.status()
+    leader = next((s["world"]["leader_node"] for s in nodes.values()), None)
+    targets = [n for n in nodes if n not in world.busy
+               and (n == leader) == kind.startswith("leader")]
+    if not targets:
+        return None
+    node = rng.choice(targets)
+    pid = nodes[node]["daemon"]["pid"]
+    at = time.time()
+    world.busy.add(node)
+    if kind.endswith("kill"):
+        os.kill(pid, signal.SIGKILL)
+
+        def back() -> None:  # its new daemon: the leader's (after the loss is found)
+            world.busy.discard(node)
+            windows.append((at, time.time() + SETTLE_S))
+        later.append((time.monotonic() + 10.0, back))
+        return f"SIGKILL the daemon of {node}{' (the leader)' if node == leader else ''}"
+    pause = rng.uniform(1.0, 10.0)
+    os.kill(pid, signal.SIGSTOP)
+
+    def resume() -> None:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        world.busy.discard(node)
+        windows.append((at, time.time() + SETTLE_S))
+    later.append((time.monotonic() + pause, resume))
+    return f"SIGSTOP {pause:.1f} s the daemon of {node}" + \
+        (" (the leader)" if node == leader else "")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--nodes", type=int, default=4)
+    ap.add_argument("--minutes", type=float, default=8.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fault-every", type=float, default=4.0, metavar="S")
+    ap.add_argument("--job-timeout", type=float, default=240.0)
+    ap.add_argument("--out", default="chaos_world")
+    args = ap.parse_args()
+    rng = random.Random(args.seed)
+    tmp = Path(tempfile.mkdtemp(prefix="crossover-chaos-world-"))
+    runtime, traces = tmp / "run", tmp / "traces"
+    env = {**os.environ, **mpi_env(), "CROSSOVER_RUNTIME_DIR": str(runtime),
+           "CROSSOVER_TRACE": str(traces), "OMPI_MCA_mpi_yield_when_idle": "1"}
+    env.pop("CROSSOVER_FAKE_NODES", None)
+    world = World(args.nodes, runtime, env, tmp / "daemon.log")
+    jobs: list[RunningJob] = []
+    faults: Counter = Counter()
+    later: list = []
+    windows: list[tuple[float, float]] = []  # daemon faults: (from, settled)
+    stops: list[tuple[str, float, float]] = []  # rank stops: (job, from, to)
+    hangs, n, answering = [], 0, []
+    end = time.monotonic() + args.minutes * 60
+    next_fault = time.monotonic() + rng.expovariate(1 / args.fault_every)
+    print(f"chaos_world: {args.nodes} nodes, {args.minutes:g} min, a fault every "
+          f"~{args.fault_every:g} s, work in {tmp}", flush=True)
+    try:
+        while time.monotonic() < end:
+            for j in jobs:
+                if j.proc.poll() is None and time.monotonic() - j.started > args.job_timeout:
+                    hangs.append(j.name)
+                    terminate_group(j.proc, grace_s=2)
+                    print(f"chaos_world: HANG {j.name}", flush=True)
+            while len([j for j in jobs if j.proc.poll() is None]) < 2:
+                n += 1
+                jobs.append(start_job(n, rng, world, env, tmp))
+            if time.monotonic() >= next_fault:
+                kind = rng.choices(list(FAULTS), weights=list(FAULTS.values()))[0]
+                what = inject(kind, world, jobs, rng, later, windows, stops)
+                if what is not None:
+                    faults[kind] += 1
+                    answering.append(len(world.status()))
+                    print(f"chaos_world: fault {sum(faults.values())}: {what} "
+                          f"({answering[-1]} nodes answer, {len(jobs)} jobs so far, "
+                          f"{(end - time.monotonic()) / 60:.1f} min left)", flush=True)
+                next_fault = time.monotonic() + rng.expovariate(1 / args.fault_every)
+            for item in sorted(later, key=lambda x: x[0]):
+                if item[0] <= time.monotonic():
+                    later.remove(item)
+                    item[1]()
+            time.sleep(0.1)
+        for when, action in sorted(later, key=lambda x: x[0]):
+            time.sleep(max(0.0, when - time.monotonic()))
+            action()
+        print("chaos_world: time is up; letting the running jobs finish", flush=True)
+        for j in jobs:
+            try:
+                j.proc.wait(timeout=max(1.0, args.job_timeout - (time.monotonic() - j.started)))
+            except subprocess.TimeoutExpired:
+                hangs.append(j.name)
+                terminate_group(j.proc, grace_s=2)
+        time.sleep(SETTLE_S)
+        answering.append(len(world.status()))
+    finally:
+        for j in jobs:
+            if j.proc.poll() is None:
+                terminate_group(j.proc, grace_s=2)
+        world.stop()
+
+    finished = [j for j in jobs if j.name not in hangs]
+    mismatches, failed = [], []
+    for j in finished:
+        if j.proc.returncode != 0 or not j.weights.exists():
+            failed.append(j.name)
+            print(f"chaos_world: FAILED {j.name} (exit {j.proc.returncode}); see {j.log}",
+                  flush=True)
+        elif not same(j.weights, solo_weights(j.seed, j.steps, tmp, env)):
+            mismatches.append(j.name)
+    waits = []
+    for path in sorted(traces.glob("*.rank*.json")):
+        job = path.name.rsplit(".rank", 1)[0]
+        for e in _load(path):
+            if e.get("ph") == "X" and e["name"] == "slot wait":
+                a, b = e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6
+                quiet = not any(a < y and x < b for x, y in windows) and not any(
+                    a < y and x < b for jj, x, y in stops if jj == job)
+                waits.append((b - a, quiet))
+    result = {
+        "nodes": args.nodes, "minutes": args.minutes, "seed": args.seed,
+        "jobs_run": len(jobs), "jobs_compared": len(finished) - len(failed),
+        "jobs_failed": failed, "faults_injected": dict(faults),
+        "faults_total": sum(faults.values()), "mismatches": len(mismatches),
+        "mismatched_jobs": mismatches, "hangs": len(hangs),
+        "longest_stall_s": round(max((w for w, q in waits if q), default=0.0), 3),
+        "longest_stall_raw_s": round(max((w for w, _ in waits), default=0.0), 3),
+        "slot_waits": len(waits),
+        "nodes_answering": {"fewest": min(answering, default=0),
+                            "at_end": answering[-1] if answering else 0},
+        "reconnects": sum(j.log.read_text().count("is coordinated again") for j in jobs),
+    }
+    out = write_result(args.out, result)
+    print(json.dumps({k: result[k] for k in ("jobs_run", "faults_total", "mismatches",
+                                              "hangs", "longest_stall_s",
+                                              "nodes_answering")}))
+    print(f"chaos_world: wrote {out}")
+    return 0 if not (mismatches or hangs or failed) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
