@@ -228,6 +228,9 @@ class PeerChannel:
         self.leader = 0
         self.lost: set[int] = set()
         self.send_errors = 0
+        # when the receiving thread last looked (a collective call of a re-formation can
+        # hold MPI, and so this thread, for seconds: silence then is not the peers')
+        self.polled_at = time.monotonic()
         self.inbox: queue.Queue[tuple[int, Any]] = queue.Queue()
         self._wakeup = wakeup
         self._in_flight: list[Any] = []
@@ -316,6 +319,7 @@ class PeerChannel:
         backoff = Backoff(0.001, 0.05)
         status = MPI.Status()
         while not self._stop.is_set():
+            self.polled_at = time.monotonic()
             got = False
             for comm, ranks_now in self._receivers:
                 req = pending.get(id(comm))

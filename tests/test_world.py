@@ -103,7 +103,7 @@ def test_a_members_death_costs_only_its_node_and_a_new_daemon_rejoins(cluster: C
     jobs' fake1 ranks stay coordinated; the leader starts a new daemon on fake3, which
     joins the world, and the fake3 ranks are coordinated again within 15 s of it. Both
     jobs train to the weights they have alone."""
-    specs = [("A", 1, 1500), ("B", 2, 1500)]
+    specs = [("A", 1, 4000), ("B", 2, 4000)]  # long enough to outlast the rejoin
     with cluster.daemon(nodes=4):
         together = cluster.start_args(2)
         jobs = [job_on(cluster, name, ["fake1", "fake3"], seed, steps, together)
@@ -283,17 +283,19 @@ def test_a_join_in_one_group_changes_nothing_in_another(cluster: Cluster):
         together = cluster.start_args(2)
         jobs = [job_on(cluster, n, ["fake0", "fake1"], seed, steps, together)
                 for n, seed, steps in first]
-        wait_for(lambda: re.search(r"mode \w+ for group 0 \(nodes 0-1\): job [AB] joined",
+        wait_for(lambda: re.search(r"mode \w+ for group 0 \(nodes [^)]*\): job [AB] joined",
                                    log.read_text()), 120, "the first group's mode")
         decided = log.read_text().count(" for group ")
         together = cluster.start_args(2)
         jobs += [job_on(cluster, n, ["fake2", "fake3"], seed, steps, together)
                  for n, seed, steps in second]
-        wait_for(lambda: re.search(r"mode \w+ for group 1 \(nodes 2-3\): job [CD] joined",
+        wait_for(lambda: re.search(r"mode \w+ for group 1 \(nodes [^)]*\): job [CD] joined",
                                    log.read_text()), 120, "the second group's mode")
         modes = {node: status(cluster, node)[node]["mode"] for node in ("fake0", "fake1")}
         for job in jobs:
             job.wait(300)
     later = [line for line in log.read_text().splitlines() if " for group " in line]
-    assert all("for group 1 (nodes 2-3)" in line for line in later[decided:]), later
+    # (a group's first decision may come before its jobs' second node has joined)
+    assert all(re.search(r"for group 1 \(nodes (2|3|2-3)\)", line)
+               for line in later[decided:]), later
     assert set(modes.values()) == {"concurrent"}  # one host's CPU: served at once

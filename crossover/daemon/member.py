@@ -12,6 +12,7 @@ send to and, on the leader, a `Leader` that decides.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -67,8 +68,10 @@ class Member:
         self._respawn: dict[str, float] = {}  # lost node -> when to start its daemon
         self._tries: dict[str, int] = {}  # node -> daemons started since one served
         self._wanted: set[str] = set()  # nodes a job asked for
-        self._reform: tuple[int, float] | None = None  # (tag, since) while one runs
+        self._reform: tuple[int, float, list[int]] | None = None  # (tag, since, members)
         self._spawning: list[str] = []  # the nodes whose daemons it starts
+        self._threads: list[Reformation] = []  # re-formations given up, maybe stuck
+        self._wedged_said = False
         self._tag = 0
 
     # --- messages -----------------------------------------------------------------------
@@ -125,6 +128,8 @@ class Member:
     def tick(self) -> None:
         """Beat, act on peers lost, and (the leader) re-form the world when due."""
         if self.peers.size > 1:
+            if time.monotonic() - self.peers.polled_at > self.world.beat_s:
+                self.world.forgive()  # this daemon did not listen: nobody is to blame
             self._apply(self.world.tick())
         if self._reform is not None and self.clock() - self._reform[1] > REFORM_TIMEOUT_S:
             log.error("re-forming the world (%d) did not finish in %.0f s (a member lost "
@@ -177,6 +182,12 @@ class Member:
             if self.leader is not None:
                 self.leader.member_lost(rank)
                 self._respawn_later(node)
+                if self._reform is not None and rank in self._reform[2]:
+                    # its collective calls wait for that member for ever: start again
+                    log.warning("re-forming the world (%d) waits for the lost daemon %d: "
+                                "given up", self._reform[0], rank)
+                    self._reform = None
+                    self._retry_spawns()
         for rank in changes.back:
             log.warning("daemon %d (node %s) is back: taking in what it holds", rank,
                         self.names.get(rank, "?"))
@@ -218,6 +229,16 @@ class Member:
         nodes = sorted(due | self._wanted)
         if not nodes:
             return
+        if any(r.thread.is_alive() for r in self._threads):
+            # Open MPI 4.1 cannot cancel a spawn that lost a member, and the next one in
+            # this process waits behind it: starting more only piles them up.
+            if not self._wedged_said:
+                self._wedged_said = True
+                log.error("a re-formation that lost a member is stuck inside MPI: this "
+                          "leader cannot start daemons any more (nodes %s wait); the "
+                          "world serves on as it is; restart it to take them in",
+                          ", ".join(nodes))
+            return
         for node in nodes:
             self._respawn.pop(node, None)
             self._tries[node] = self._tries.get(node, 0) + 1
@@ -234,9 +255,11 @@ class Member:
                                    [(s.host, s.node, s.node_arg) for s in spawns]))
 
     def _retry_spawns(self) -> None:
-        """The leader: the nodes of a re-formation that did not happen are due again."""
+        """The leader: the nodes of a re-formation that did not happen are due again
+        (it was no try of theirs)."""
         if self.leader is not None:
             for node in self._spawning:
+                self._tries[node] = max(0, self._tries.get(node, 1) - 1)
                 self._respawn_later(node)
         self._spawning = []
 
@@ -245,10 +268,12 @@ class Member:
         from crossover.daemon.reform import Spawn
 
         if self._reform is not None:
-            log.warning("asked to re-form the world (%d) while re-forming it (%d): "
-                        "ignored", tag, self._reform[0])
-            return
-        self._reform = (tag, self.clock())
+            # The leader gave that one up (a member was lost in it), or a new leader
+            # starts afresh: its thread may wait for ever, but MPI tells concurrent
+            # group creations apart by their tags, so this one can go ahead.
+            log.warning("re-forming the world (%d) instead of (%d), which the leader gave "
+                        "up", tag, self._reform[0])
+        self._reform = (tag, self.clock(), members)
         peers = self.peers
 
         def done(world: Any, names: list[str] | None, exc: BaseException | None) -> None:
@@ -256,8 +281,10 @@ class Member:
                                           exc)))
             peers._wakeup()
 
-        Reformation(peers.comm, members, root, [Spawn(*s) for s in spawns], tag, self.name,
-                    self.argv, done).start()
+        reformation = Reformation(peers.comm, members, root, [Spawn(*s) for s in spawns],
+                                  tag, self.name, self.argv, done)
+        self._threads = [r for r in self._threads if r.thread.is_alive()] + [reformation]
+        reformation.start()
 
     def _reformed(self, tag: int, members: list[int], root: int, world: Any,
                   names: list[str] | None, exc: BaseException | None) -> None:

@@ -13,8 +13,10 @@ a succession (`membership`).
 A re-formation is collective, so it runs on a thread of its own: the serve loop goes on
 granting with the old world meanwhile, and switches when the thread is done. A member
 that dies in the middle leaves the others' threads waiting for ever: MPI cannot cancel
-a collective. The leader then gives up on that re-formation after `REFORM_TIMEOUT_S`
-and the world serves on as it was; the stuck threads are lost (and logged).
+a collective. The leader gives up on that re-formation when it finds the member lost (or
+after `REFORM_TIMEOUT_S`) and starts another without it, which the members join at
+once (concurrent group creations are told apart by their tags); the stuck threads are
+lost (and logged), and the world serves on as it was meanwhile.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from crossover import environment as E
 log = logging.getLogger("crossover.daemon")
 
 #: a re-formation not done by then is given up
-REFORM_TIMEOUT_S = 30.0
+REFORM_TIMEOUT_S = 20.0
 _FAKE = re.compile(r"fake\d+")
 
 

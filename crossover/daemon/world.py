@@ -283,7 +283,7 @@ class Leader:
             self._modes.pop(ended, None)
 
     def _group_points(self, group: int) -> dict[str, int]:
-        return {j: p for j, p in self._points.items() if self.groups.group_of(j) == group}
+        return {j: self._points[j] for j in self.groups.jobs(group) if j in self._points}
 
     def _announce(self, group: int, switches: list[ModeSwitch]) -> None:
         """Tell the group's nodes its mode decisions."""
@@ -291,9 +291,9 @@ class Leader:
             nodes = sorted(self.groups.nodes(group))
             log.info("mode %s for group %d (nodes %s): %s", switch.mode.value, group,
                      _ranges(nodes), switch.reason)
+            msg = ("mode", switch.mode.value, switch.reason, self._group_points(group))
             for node in nodes:
-                self.peers.send(node, ("mode", switch.mode.value, switch.reason,
-                                       self._group_points(group)))
+                self.peers.send(node, msg)
 
     def _align(self, job: str, node: int, wait_s: float) -> None:
         """A rank of `job` on daemon `node` reported its allreduce waits; tell a node
