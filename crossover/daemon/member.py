@@ -70,7 +70,8 @@ class Member:
         self._wanted: set[str] = set()  # nodes a job asked for
         self._reform: tuple[int, float, list[int]] | None = None  # (tag, since, members)
         self._spawning: list[str] = []  # the nodes whose daemons it starts
-        self._threads: list[Reformation] = []  # re-formations given up, maybe stuck
+        self._current: Reformation | None = None  # the re-formation under way here
+        self._stuck: list[Reformation] = []  # re-formations given up, maybe stuck
         self._wedged_said = False
         self._tag = 0
 
@@ -135,8 +136,7 @@ class Member:
             log.error("re-forming the world (%d) did not finish in %.0f s (a member lost "
                       "in the middle?): serving on in the world as it was",
                       self._reform[0], REFORM_TIMEOUT_S)
-            self._reform = None
-            self._retry_spawns()
+            self._give_up()
         if self.leader is not None and self._reform is None:
             self._start_reform()
 
@@ -186,8 +186,7 @@ class Member:
                     # its collective calls wait for that member for ever: start again
                     log.warning("re-forming the world (%d) waits for the lost daemon %d: "
                                 "given up", self._reform[0], rank)
-                    self._reform = None
-                    self._retry_spawns()
+                    self._give_up()
         for rank in changes.back:
             log.warning("daemon %d (node %s) is back: taking in what it holds", rank,
                         self.names.get(rank, "?"))
@@ -229,7 +228,7 @@ class Member:
         nodes = sorted(due | self._wanted)
         if not nodes:
             return
-        if any(r.thread.is_alive() for r in self._threads):
+        if any(r.thread.is_alive() for r in self._stuck):
             # Open MPI 4.1 cannot cancel a spawn that lost a member, and the next one in
             # this process waits behind it: starting more only piles them up.
             if not self._wedged_said:
@@ -253,6 +252,14 @@ class Member:
         for rank in members:
             self.peers.send(rank, ("reform", tag, members, self.peers.rank,
                                    [(s.host, s.node, s.node_arg) for s in spawns]))
+
+    def _give_up(self) -> None:
+        """Stop waiting for the re-formation under way (its thread may wait for ever)."""
+        self._reform = None
+        if self._current is not None:
+            self._stuck.append(self._current)
+            self._current = None
+        self._retry_spawns()
 
     def _retry_spawns(self) -> None:
         """The leader: the nodes of a re-formation that did not happen are due again
@@ -283,7 +290,10 @@ class Member:
 
         reformation = Reformation(peers.comm, members, root, [Spawn(*s) for s in spawns],
                                   tag, self.name, self.argv, done)
-        self._threads = [r for r in self._threads if r.thread.is_alive()] + [reformation]
+        if self._current is not None:  # superseded: its thread may wait for ever
+            self._stuck.append(self._current)
+        self._stuck = [r for r in self._stuck if r.thread.is_alive()]
+        self._current = reformation
         reformation.start()
 
     def _reformed(self, tag: int, members: list[int], root: int, world: Any,
@@ -291,7 +301,7 @@ class Member:
         if self._reform is None or self._reform[0] != tag:
             log.warning("re-formation %d finished after it was given up", tag)
             return
-        self._reform = None
+        self._reform, self._current = None, None
         if exc is not None:
             log.error("re-forming the world (%d) failed (%s): serving on as it was", tag, exc)
             self._retry_spawns()
