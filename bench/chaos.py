@@ -237,6 +237,33 @@ def inject(kind: str, jobs: list[RunningJob], daemon: Daemon, rng: random.Random
     return f"{kind}, back after {gap:.1f} s"
 
 
+def let_finish(jobs: list[RunningJob], job_timeout: float) -> list[str]:
+    """Wait for the jobs still running, each until `job_timeout` after its start;
+    returns the names of those stopped at that limit (hangs)."""
+    hangs = []
+    for j in jobs:
+        try:
+            j.proc.wait(timeout=max(1.0, job_timeout - (time.monotonic() - j.started)))
+        except subprocess.TimeoutExpired:
+            hangs.append(j.name)
+            terminate_group(j.proc, grace_s=2)
+    return hangs
+
+
+def compare_with_solo(finished: list[RunningJob], tmp: Path, env: dict,
+                      who: str) -> tuple[list[str], list[str]]:
+    """The finished jobs whose weights differ from a solo run, and those that failed."""
+    mismatches, failed = [], []
+    for j in finished:
+        if j.proc.returncode != 0 or not j.weights.exists():
+            failed.append(j.name)
+            print(f"{who}: FAILED {j.name} (exit {j.proc.returncode}); see {j.log}",
+                  flush=True)
+        elif not same(j.weights, solo_weights(j.seed, j.steps, tmp, env)):
+            mismatches.append(j.name)
+    return mismatches, failed
+
+
 def run_due() -> None:
     """Do the second halves of faults that are due (all of them at the end)."""
     now = time.monotonic()
@@ -303,12 +330,7 @@ def main() -> int:
             time.sleep(0.1)
             run_due()
         print("chaos: time is up; letting the running jobs finish", flush=True)
-        for j in jobs:
-            try:
-                j.proc.wait(timeout=max(1.0, args.job_timeout - (time.monotonic() - j.started)))
-            except subprocess.TimeoutExpired:
-                hangs.append(j.name)
-                terminate_group(j.proc, grace_s=2)
+        hangs += let_finish(jobs, args.job_timeout)
         daemon.sample()
     finally:
         for j in jobs:
@@ -318,13 +340,7 @@ def main() -> int:
 
     finished = [j for j in jobs if not j.killed and j.name not in hangs]
     print(f"chaos: comparing {len(finished)} jobs with their solo runs", flush=True)
-    mismatches, failed = [], []
-    for j in finished:
-        if j.proc.returncode != 0 or not j.weights.exists():
-            failed.append(j.name)
-            print(f"chaos: FAILED {j.name} (exit {j.proc.returncode}); see {j.log}", flush=True)
-        elif not same(j.weights, solo_weights(j.seed, j.steps, tmp, env)):
-            mismatches.append(j.name)
+    mismatches, failed = compare_with_solo(finished, tmp, env, "chaos")
     waits = slot_waits(traces)
     stalls = [s for s, _, _, stopped in waits if not stopped]
     stopped_daemon = [s for s, _, _, stopped in waits if stopped]

@@ -40,7 +40,15 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from chaos import LENGTHS, SCRIPT, SEEDS, RunningJob, _load, same, solo_weights  # noqa: E402
+from chaos import (  # noqa: E402
+    LENGTHS,
+    SCRIPT,
+    SEEDS,
+    RunningJob,
+    _load,
+    compare_with_solo,
+    let_finish,
+)
 from common import write_result  # noqa: E402
 
 from crossover.launch.local import mpi_env, terminate_group  # noqa: E402
@@ -213,12 +221,7 @@ def main() -> int:
             time.sleep(max(0.0, when - time.monotonic()))
             action()
         print("chaos_world: time is up; letting the running jobs finish", flush=True)
-        for j in jobs:
-            try:
-                j.proc.wait(timeout=max(1.0, args.job_timeout - (time.monotonic() - j.started)))
-            except subprocess.TimeoutExpired:
-                hangs.append(j.name)
-                terminate_group(j.proc, grace_s=2)
+        hangs += let_finish(jobs, args.job_timeout)
         time.sleep(SETTLE_S)
         answering.append(len(world.status()))
     finally:
@@ -228,14 +231,7 @@ def main() -> int:
         world.stop()
 
     finished = [j for j in jobs if j.name not in hangs]
-    mismatches, failed = [], []
-    for j in finished:
-        if j.proc.returncode != 0 or not j.weights.exists():
-            failed.append(j.name)
-            print(f"chaos_world: FAILED {j.name} (exit {j.proc.returncode}); see {j.log}",
-                  flush=True)
-        elif not same(j.weights, solo_weights(j.seed, j.steps, tmp, env)):
-            mismatches.append(j.name)
+    mismatches, failed = compare_with_solo(finished, tmp, env, "chaos_world")
     waits = []
     for path in sorted(traces.glob("*.rank*.json")):
         job = path.name.rsplit(".rank", 1)[0]
