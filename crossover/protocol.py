@@ -18,7 +18,7 @@ from enum import Enum
 from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
 
 #: Bumped on any incompatible change; a client and daemon that differ refuse each other.
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 
 class ErrorCode(str, Enum):
@@ -156,13 +156,17 @@ class Company(Message):
 @dataclass
 class Progress(Message):
     """Rank -> daemon, one-way: the job has made `steps` training steps and passed
-    `points` request points (`Acquire.pos`). The daemons measure step rates from these
-    to choose the mode, and restart antiphase turns from the points on every node alike
-    (only a job's rank 0 sends, and only while it has company)."""
+    `points` request points (`Acquire.pos`); its recent steps took `compute_s` on the
+    device and `gap_s` waiting for gradients, each per step (both 0: not measured). The
+    daemons measure step rates and predict the modes from these, and restart antiphase
+    turns from the points on every node alike (only a job's rank 0 sends: often while
+    it has company, once a second alone)."""
 
     kind: ClassVar[str] = "progress"
     steps: int
     points: int = 0
+    compute_s: float = 0.0
+    gap_s: float = 0.0
 
 
 @dataclass

@@ -16,10 +16,11 @@ M = Phase.COMMUNICATE
 
 
 def simulate(ctl: ModeController, clock: FakeClock, rates: dict, until: float,
-             steps: dict | None = None) -> list[tuple[float, str]]:
+             steps: dict | None = None, profiles: dict | None = None
+             ) -> list[tuple[float, str]]:
     """Jobs step at rates[job][mode] steps/s (the mode in force when a step starts; a
-    number, or a function of the time) and report every step; returns [(time, mode
-    switched to)]."""
+    number, or a function of the time) and report every step, with profiles[job] if
+    given; returns [(time, mode switched to)]."""
     steps = steps if steps is not None else {}
 
     def rate(job: str) -> float:
@@ -41,13 +42,16 @@ def simulate(ctl: ModeController, clock: FakeClock, rates: dict, until: float,
             return out
         clock.now = due[job]
         steps[job] = steps.get(job, 0) + 1
-        out += [(clock.now, s.mode.value) for s in ctl.progress(job, steps[job])]
+        profile = (profiles or {}).get(job)
+        out += [(clock.now, s.mode.value)
+                for s in ctl.progress(job, steps[job], profile=profile)]
         due[job] = clock.now + 1 / rate(job)
 
 
 def controller(**kw) -> tuple[ModeController, FakeClock]:
+    """A controller that only probes (tests/test_predict.py has the predictions)."""
     clock = FakeClock()
-    return ModeController(clock, **kw), clock
+    return ModeController(clock, **{"predict_clear": 0.0, **kw}), clock
 
 
 # Steps per second of each job in each mode.
@@ -414,8 +418,8 @@ def test_the_benchmarks_reading_of_the_decisions_recovers_each_pairs_speedup():
     reasons: list[str] = []
 
     class Logged(ModeController):
-        def progress(self, job, steps, local=False):
-            out = super().progress(job, steps, local)
+        def progress(self, job, steps, local=False, profile=None):
+            out = super().progress(job, steps, local, profile)
             reasons.extend(s.reason for s in out)
             return out
 

@@ -24,12 +24,13 @@ from crossover.client.link import (
     DaemonRefused,
 )
 from crossover.client.pinning import Pinning
+from crossover.client.profile import StepProfiler
 from crossover.protocol import Mode, Phase
 from crossover.trace import TraceRecorder
 from crossover.transport import readable, recv_msg, socket_path
 
-#: Shortest time between two progress reports of a rank.
-REPORT_S = 0.05
+#: Shortest time between two progress reports of a rank with company, and alone.
+REPORT_S, ALONE_REPORT_S = 0.05, 1.0
 #: Shortest time between two reports of a rank's allreduce waits, and the fewest waits
 #: one reports the median of (a single step's wait carries its hold's jitter).
 WAIT_REPORT_S, WAIT_REPORT_MIN = 0.5, 3
@@ -97,6 +98,7 @@ class SlotClient(DaemonLink):
         self._keep_when_alone = E.keep_when_alone()
         self.steps = 0  # training steps so far (step boundaries), reported for the mode
         self._last_report = 0.0
+        self._profiler = StepProfiler()  # what the steps are made of, reported with them
         self._waits: list[float] = []  # allreduce waits since the last report of them
         self._last_wait_report = 0.0
         self._wait_s = wait_s
@@ -156,6 +158,7 @@ class SlotClient(DaemonLink):
     # --- the slot ----------------------------------------------------------------------
     def acquire(self) -> None:
         """Block until this rank holds its device (or the wait limit passes)."""
+        self._profiler.computing()
         if not self.holding:
             self._request(release_first=False)
         elif self._kept:  # a point passed holding: a peer told of company asked here
@@ -186,6 +189,8 @@ class SlotClient(DaemonLink):
         """
         if phase == Phase.IDLE:
             self._count_step()  # the end of a `crossover.step()` block
+        elif phase == Phase.COMMUNICATE:
+            self._profiler.communicating()
         if phase == Phase.COMMUNICATE and not self._release_on_communicate:
             return
         if self.holding and not (phase != Phase.IDLE and self._keep_alone()):
@@ -240,17 +245,20 @@ class SlotClient(DaemonLink):
 
     # --- internals ---------------------------------------------------------------------
     def _count_step(self) -> None:
-        """A step boundary: count it, and report the count while the device is shared
-        (at most every REPORT_S; one small one-way message). Only the job's rank 0
-        reports: its ranks step together, and each report costs CPU on the cores the
-        jobs compute on (the rank's send, the daemon's forwarding to the leader)."""
+        """A step boundary: count it; rank 0 reports the count and the steps' profile
+        (one small one-way message, at most every REPORT_S with company, ALONE_REPORT_S
+        alone: a neighbour's arrival is decided on it). Its ranks step together, and a
+        report costs CPU on the cores the jobs compute on."""
         self.steps += 1
         if self.info.rank != 0:
             return
+        self._profiler.step()
         now = time.monotonic()
-        if self._sock is not None and not self._alone and now - self._last_report >= REPORT_S:
+        every = ALONE_REPORT_S if self._alone else REPORT_S
+        if self._sock is not None and now - self._last_report >= every:
             self._last_report = now
-            self._send(P.Progress(self.steps, self._points))
+            compute_s, gap_s = self._profiler.take()
+            self._send(P.Progress(self.steps, self._points, compute_s, gap_s))
 
     def _pass_point(self) -> None:
         """One more point of this rank's request sequence (asked at, or passed holding)."""
@@ -334,6 +342,7 @@ class SlotClient(DaemonLink):
             self._send(P.Acquire(self._seq, release_first, self._points))
             self._await_grant()
         self._asked = self._points
+        self._profiler.waited(time.time() - self._phase_start)  # (since "slot wait")
         self._enter("hold")
         self._last_renew = time.monotonic()
 

@@ -124,7 +124,7 @@ class Ranks:
             if self.deciding and msg.steps > self.steps.get(job, -1):
                 self.steps[job] = msg.steps
                 self.peers.send_leader(("progress", job, msg.steps, conn.on_host_cpu,
-                                    msg.points))
+                                        msg.points, msg.compute_s, msg.gap_s))
         else:
             raise P.ProtocolError(f"unexpected {msg.kind} from a client")
 
@@ -222,7 +222,7 @@ class Ranks:
             # The leader can serve it concurrently (and split the cores) now, not after
             # its first steps under the initial antiphase.
             self.steps[hello.job] = 0
-            self.peers.send_leader(("progress", hello.job, 0, True, 0))
+            self.peers.send_leader(("progress", hello.job, 0, True, 0, 0.0, 0.0))
         place = self.table.reserve(conn.key, device)
         table, slot, index = (self.table.path, *place) if place else ("", -1, -1)
         log.info("job %s rank %d on node %s -> %s (order %d)",

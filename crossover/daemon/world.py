@@ -7,7 +7,8 @@ daemon's (`serve`).
 Messages between daemons are small tuples on `transport.PeerChannel`:
     ("join", job) / ("leave", job)        to the leader: a job's first / last rank here
     ("order", job, n) / ("forget", job)   from the leader: the job's place, or it is gone
-    ("progress", job, steps, local, points)  to the leader: a job's step count (mode)
+    ("progress", job, steps, local, points, compute_s, gap_s)
+                                          to the leader: a job's step count and profile
     ("mode", mode, reason, points)        from the leader: serve devices in `mode`; to
                                           antiphase, turns restart from the jobs' points
     ("waited", job, wait_s)               to the leader: a rank's allreduce waits (phases)
@@ -36,6 +37,7 @@ from crossover import environment as E
 from crossover.scheduler import ModeController, ModeSwitch
 from crossover.scheduler.groups import Groups
 from crossover.scheduler.phase import PhaseAligner
+from crossover.scheduler.predict import Profile
 from crossover.transport import PeerChannel
 
 log = logging.getLogger("crossover.daemon")
@@ -132,7 +134,9 @@ class Leader:
             group = self.groups.group_of(msg[1])
             if group in self._modes and msg[1] in self._members:
                 self._points[msg[1]] = max(msg[4], self._points.get(msg[1], 0))
-                self._announce(group, self._modes[group].progress(msg[1], msg[2], msg[3]))
+                profile = Profile(*msg[5:7]) if len(msg) >= 7 else None
+                self._announce(group, self._modes[group].progress(msg[1], msg[2], msg[3],
+                                                                  profile))
         else:
             return False
         return True

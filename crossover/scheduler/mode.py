@@ -3,60 +3,48 @@
 Antiphase (exclusive grants in one global sequence) pays when a job's communication
 leaves the device idle: the other job computes in that gap. When communication is
 itself work on the same resource (shared-memory allreduce on the cores that compute,
-on one host), taking turns only adds waiting, and plain co-location is faster. Nothing
-tells the two apart in advance, so the controller measures.
+on one host), taking turns only adds waiting, and plain co-location is faster.
 
-Probing: when the set of co-located jobs changes, each mode gets a window; in a window
-every job's step rate is measured from the progress its ranks report (after settling
-steps, over at least `min_steps` steps and `probe_s` seconds). The first window, served
-concurrently as plain co-location would, settles for `warmup_steps`: a job that has
-just started (or whose neighbour has) runs its first steps slowly, and measuring them
-once made a run choose antiphase on one host, where it loses. A pair of windows (one
-per mode) gives each job's speedup under antiphase, its rate normalised by its own rate
-under concurrent grants. Antiphase is chosen when the jobs' mean speedup is at least
-1 + `margin`; otherwise concurrent, which is what plain co-location does (do no harm).
+Predicted first. Every job reports, with its steps, what a step is made of (compute
+on the device, the gap of its communication: `crossover.scheduler.predict`). When the
+jobs change, the controller bounds what antiphase can gain from the profiles the jobs
+showed alone or in antiphase (a newcomer without one is taken to be like the others).
+Below 1 + `margin` antiphase cannot pay: concurrent at once, which is what plain
+co-location does. At or above 1 + `predict_clear` it pays: antiphase at once, and the
+hold check (below) compares the hold's rates with the predicted concurrent ones. A
+newcomer's own profile, once it has one, updates the prediction; the held mode changes
+only if the prediction then says otherwise. Only between the two does it measure.
 
-One pair is noisy on a busy host (on this project's 2-core VM a single pair of 2 s
-windows chose concurrent in runs where antiphase was faster, and the pairs of one run
-differed by up to 0.23x; bench/pair_noise.py), so a mean speedup closer to the margin
-than `pair_noise` / sqrt(pairs) is measured again, by another pair in the reverse order
-(C A, A C, C A: a steady drift of the host's speed biases the pairs in opposite
-directions), up to `max_pairs`; the decision takes the mean over the pairs. A close
-call costs little: the two modes are then nearly as fast.
+Probing: each mode gets a window in which every job's step rate is measured from its
+progress reports (after settling steps, over at least `min_steps` steps and `probe_s`
+seconds). The first window, served concurrently as plain co-location would, settles
+for `warmup_steps`: a job that has just started runs its first steps slowly. A pair of
+windows gives each job's speedup under antiphase (its rate normalised by its rate under
+concurrent grants); antiphase is chosen when the jobs' mean speedup is at least
+1 + `margin`, else concurrent (do no harm).
 
-Unless the close call leans antiphase (a mean speedup of at least 1 + `margin`): then
-antiphase is taken at once, and the hold check (below) gives it up at its first watch
-window if the hold's own rates fall below 1 - `keep_margin` of the probe's concurrent
-ones. Measuring on would cost about as much (half of every pair runs in the mode that
-may lose), and a probe of three pairs takes some 15 s, the whole of a short run: where
-antiphase won, its gain came too late (measured without this rule on the emulated
-hosts: mlp+cnn at 2000 Mbit/s, always antiphase 1.07x sequential, auto 0.93-0.97x,
-probing to the end of every run). A close call that leans concurrent measures on: no
-check would find the gain a concurrent hold gives up.
+One pair is noisy on a busy host (bench/pair_noise.py), so a mean speedup closer to the
+margin than `pair_noise` / sqrt(pairs) is measured again, by another pair in the reverse
+order (C A, A C, C A: a steady drift of the host's speed biases the pairs in opposite
+directions), up to `max_pairs`; the decision takes the mean over the pairs. A close call
+that leans antiphase takes it at once (measuring on costs as much as it can save: half
+of every pair runs in the mode that may lose), and the hold check guards it; one that
+leans concurrent measures on (no check would find what a concurrent hold gives up).
 
 The decision holds for `hold_s`, doubled each time a re-probe confirms it (up to
-`max_hold_s`); meanwhile longer windows in the held mode (`watch_s`) watch the rates,
-and a job whose rate differs by more than `drift` from the first watch window after the
-decision (its phase lengths changed) starts a re-probe at once. Short probe windows
-are noisy on a busy host; watch windows compare like with like.
+`max_hold_s`); meanwhile windows of `watch_s` watch the rates, and a job whose rate
+moves by more than `drift` from the hold's first watch window starts a re-probe.
 
-Antiphase must keep paying while it holds. A probe's antiphase window starts with the
-nodes' turns aligned (a switch restarts them together), and across nodes only each
-job's allreduce ties the nodes' timing, so over a long hold their turns can drift apart
-and lose what the probe measured (docs/benchmarks.md, "The hosts' phases drift apart
-in antiphase"; at 2000 Mbit/s pairs once read 1.04-1.16x where always antiphase ran
-0.83-0.94x plain co-location end to end). So each watch window also compares the jobs'
-rates over the whole hold so far with the probe's concurrent rates (the mean over its
-pairs): when the mean speedup falls below 1 - `keep_margin`, the controller serves
-concurrently for a hold (the safe mode: what plain co-location does). The hold's rate
-accumulates, so its noise shrinks as the hold goes on. Concurrent is not checked
-against the probe's antiphase rates the same way: those read high (above), so the check
-would trade a mode measured over the long run for one measured in its best seconds.
+The hold check: across nodes only each job's allreduce ties the nodes' timing, so over
+a long hold their turns can drift apart and antiphase lose what the probe measured
+(docs/design.md, the limits). So each watch window compares the jobs' rates over the
+whole antiphase hold with the probe's (or the prediction's) concurrent rates: below
+1 - `keep_margin`, the controller serves concurrently (the safe mode). Concurrent is
+not checked the same way: a probe's antiphase rates read high, in its best seconds.
 
 Jobs whose ranks all share one host's CPU are not probed: their allreduce is memory
-copying on the very cores the other job computes on, so there is no gap to fill, and a
-probe in antiphase there cost one-host runs up to 2x (stragglers pinned while the rest
-had moved on). They are served concurrently at once (`probe_local` probes them anyway).
+copying on the very cores the other job computes on, so there is no gap to fill. They
+are served concurrently at once (`probe_local` probes them anyway).
 
 Pure: time comes from an injected clock; every call returns the switches it decided (a
 probe's decision is returned even when it keeps the mode), so the daemon only has to
@@ -66,9 +54,11 @@ apply and announce them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from crossover.protocol import Mode
+from crossover.scheduler.predict import Prediction, Profile, Profiles
+from crossover.scheduler.window import RateWindow, each_job
 
 
 @dataclass(frozen=True)
@@ -77,46 +67,6 @@ class ModeSwitch:
 
     mode: Mode
     reason: str
-
-
-@dataclass
-class _Window:
-    """A measurement of every job's step rate in one mode."""
-
-    mode: Mode
-    start: float
-    min_s: float  # the window's shortest length
-    settle: int  # steps ignored after the window opened
-    base: dict[str, int]  # each job's steps when the window opened
-    first: dict[str, tuple[int, float]] = field(default_factory=dict)  # after settling
-    last: dict[str, tuple[int, float]] = field(default_factory=dict)
-
-    def note(self, job: str, steps: int, now: float) -> None:
-        """`job` reached `steps` steps at `now` (steps before settling are not counted)."""
-        if job not in self.base:
-            return
-        if job in self.first:
-            self.last[job] = (steps, now)
-        elif steps >= self.base[job] + self.settle:
-            self.first[job] = self.last[job] = (steps, now)
-
-    def measured(self, job: str, min_steps: int) -> bool:
-        """Whether `job` made `min_steps` steps after settling in this window."""
-        return job in self.first and self.last[job][0] - self.first[job][0] >= min_steps
-
-    def rate(self, job: str, now: float) -> float:
-        """Steps per second of `job` in this window (from the window's start if it never
-        made two reports after settling)."""
-        if job in self.first and self.last[job][1] > self.first[job][1]:
-            (s0, t0), (s1, t1) = self.first[job], self.last[job]
-            return (s1 - s0) / (t1 - t0)
-        steps = self.last[job][0] - self.base.get(job, 0) if job in self.last else 0
-        return steps / max(now - self.start, 1e-9)
-
-
-def _each(per_job: dict[str, float]) -> str:
-    """Each job's figure, for a reason: "a 1.30x, b 1.25x"."""
-    return ", ".join(f"{j} {s:.2f}x" for j, s in per_job.items())
 
 
 class ModeController:
@@ -136,13 +86,15 @@ class ModeController:
         drift: relative change of a job's rate, in the held mode, that re-probes.
         keep_margin: a hold in antiphase ends, for concurrent, once the jobs' mean rate
             over the hold falls this fraction below the probe's concurrent rates.
-        pair_noise: the relative noise of one pair's speedup: a probe whose mean speedup
-            is below 1 + margin decides once it is this far below, divided by
-            sqrt(pairs); one at or above decides at once.
+        pair_noise: one pair's relative noise: a mean speedup below 1 + margin decides
+            once this far below it, divided by sqrt(pairs).
         max_pairs: a probe decides after this many pairs whatever they measured.
         cutoff: a probe window ends early, after `min_steps`, once every job runs slower
             than under the other mode by this fraction.
         probe_local: probe jobs that communicate inside one host's CPU too.
+        predict_clear: antiphase is taken without a probe when the profiles say it can
+            gain at least this fraction (module doc); 0 or less: always probe.
+        handover_s: what one hand-over of a device costs in antiphase (prediction).
     """
 
     def __init__(self, clock: Callable[[], float], probe_s: float = 2.0, min_steps: int = 3,
@@ -151,7 +103,8 @@ class ModeController:
                  watch_s: float = 5.0, max_hold_s: float = 240.0, margin: float = 0.03,
                  drift: float = 0.5, keep_margin: float = 0.03, cutoff: float = 0.25,
                  pair_noise: float = 0.1, max_pairs: int = 3,
-                 probe_local: bool = False) -> None:
+                 probe_local: bool = False, predict_clear: float = 0.2,
+                 handover_s: float = 0.0005) -> None:
         if not (0 < probe_s <= max_probe_s and min_steps >= 1 and settle_steps >= 0
                 and 0 < hold_s <= max_hold_s and margin >= 0 and drift > 0
                 and 0 <= keep_margin < 1 and pair_noise >= 0 and max_pairs >= 1):
@@ -168,10 +121,13 @@ class ModeController:
         self.warmup_steps = max(warmup_steps, settle_steps)
         self.max_probe_s, self.base_hold_s, self.max_hold_s = max_probe_s, hold_s, max_hold_s
         self.watch_s = max(watch_s, probe_s)
-        self.margin, self.drift, self.cutoff = margin, drift, cutoff
-        self.keep_margin = keep_margin
-        self.pair_noise, self.max_pairs = pair_noise, max_pairs
-        self.probe_local = probe_local
+        self.margin, self.drift, self.cutoff, self.keep_margin = margin, drift, cutoff, \
+            keep_margin
+        self.pair_noise, self.max_pairs, self.probe_local = pair_noise, max_pairs, probe_local
+        self.predict_clear, self.handover_s = predict_clear, handover_s
+        self._profiles = Profiles()  # from steps alone or in antiphase
+        self._prediction: Prediction | None = None  # the one the current hold came from
+        self._overruled = False  # the hold check gave a predicted antiphase up
         self._local: dict[str, bool] = {}  # job -> all its ranks on one host's CPU
         self.mode = Mode.ANTIPHASE
         self.state = "solo"  # solo (fewer than two jobs), fixed (local jobs), probe, hold
@@ -179,21 +135,23 @@ class ModeController:
         self._steps: dict[str, int] = {}  # each job's latest reported step count
         self._plan: list[Mode] = []  # the probe windows still to run in this pair
         self._order: list[Mode] = []  # the modes of this pair, in the order measured
-        self._window: _Window | None = None
+        self._window: RateWindow | None = None
         self._rates: dict[Mode, dict[str, float]] = {}  # the latest window of each mode
         self._measured: dict[Mode, set[str]] = {}  # its jobs that made min_steps steps
         self._pairs: list[dict[str, float]] = []  # each job's speedup in each pair so far
         self._concurrent: list[dict[str, float]] = []  # the concurrent rates of those pairs
-        self._held: _Window | None = None  # the whole hold so far, in antiphase
+        self._held: RateWindow | None = None  # the whole hold so far, in antiphase
         self._hold_s = hold_s
         self._hold_until: float | None = None
         self._decided: Mode | None = None  # the last probe's decision
         self._watched: dict[str, float] = {}  # rates of the first watch window of a hold
 
     # --- events ---------------------------------------------------------------------
-    def progress(self, job: str, steps: int, local: bool = False) -> list[ModeSwitch]:
+    def progress(self, job: str, steps: int, local: bool = False,
+                 profile: Profile | None = None) -> list[ModeSwitch]:
         """A rank of `job` reports that the job has made `steps` steps (`local`: all the
-        job's ranks compute on one host's CPU and allreduce in its memory)."""
+        job's ranks compute on one host's CPU and allreduce in its memory; `profile`:
+        what its recent steps were made of)."""
         if job not in self._steps:
             self._steps[job], self._local[job] = steps, local
             return self._restart(f"job {job} joined")
@@ -204,11 +162,16 @@ class ModeController:
         for w in (self._window, self._held):
             if w is not None:
                 w.note(job, steps, now)
+        if self._note_profile(job, steps, profile) and self._prediction is not None:
+            switches = self._repredict(f"job {job}'s first profile")
+            if switches is not None:
+                return switches
         return self._advance()
 
     def leave(self, job: str) -> list[ModeSwitch]:
         """`job` has no rank left anywhere."""
         self._local.pop(job, None)
+        self._profiles.forget(job)
         if self._steps.pop(job, None) is None:
             return []
         return self._restart(f"job {job} left")
@@ -228,12 +191,61 @@ class ModeController:
         """The current mode, state and measurements, JSON-ready (for status)."""
         return {"mode": self.mode.value, "state": self.state, "reason": self.reason,
                 "rates": {m.value: dict(r) for m, r in self._rates.items()},
-                "pairs": [dict(p) for p in self._pairs]}
+                "pairs": [dict(p) for p in self._pairs],
+                "profiles": self._profiles.snapshot()}
 
     # --- internals ------------------------------------------------------------------
+    def _note_profile(self, job: str, steps: int, profile: Profile | None) -> bool:
+        """Keep `job`'s profile if it shows its own step: alone, or in antiphase past the
+        settling steps (concurrent steps are stretched by the others'); True if first."""
+        w = self._window
+        own = self.state == "solo" or (
+            self.mode == Mode.ANTIPHASE and w is not None
+            and steps >= w.base.get(job, steps) + w.settle)
+        return profile is not None and own and self._profiles.note(job, profile)
+
+    def _verdict(self) -> tuple[Mode | None, str]:
+        """The mode the profiles favour (None: too close to call, or no profile), why."""
+        # Not once the hold check overruled a prediction (until the jobs change): else
+        # the two could take turns deciding.
+        self._prediction = self._profiles.predict(self._steps, self.handover_s) \
+            if self.predict_clear > 0 and not self._overruled else None
+        if self._prediction is None:
+            return None, ""
+        return self._prediction.favours(self.margin, self.predict_clear), \
+            self._prediction.reason
+
+    def _from_prediction(self, why: str) -> list[ModeSwitch] | None:
+        """Hold the mode the profiles favour; None where they cannot tell."""
+        mode, figures = self._verdict()
+        if mode is None:
+            return None
+        switches = self._hold(mode, f"{why}: {figures}: {mode.value}")
+        self._refer_to_prediction()  # (the prediction stays: a newcomer's profile updates it)
+        return switches
+
+    def _refer_to_prediction(self) -> None:
+        """An antiphase hold on a prediction is checked against its concurrent rates."""
+        pred = self._prediction
+        self._concurrent = [{j: 1 / pred.concurrent_s for j in self._steps}] \
+            if pred is not None and self.mode == Mode.ANTIPHASE else []
+
+    def _repredict(self, why: str) -> list[ModeSwitch] | None:
+        """A hold taken on a prediction, and a new profile: hold the other mode if the
+        prediction now favours it, probe if it cannot tell."""
+        held = self.mode
+        mode, figures = self._verdict()
+        if mode == held or self.state != "hold":
+            self._refer_to_prediction()
+            return None
+        if mode is not None:
+            return self._from_prediction(why)
+        return self._probe([held.other, held], f"{why}: {figures}: probing")
+
     def _restart(self, why: str) -> list[ModeSwitch]:
         self._rates, self._measured, self._pairs, self._concurrent = {}, {}, [], []
         self._hold_until, self._decided, self._held = None, None, None
+        self._prediction, self._overruled = None, False
         if len(self._steps) < 2:
             self.state, self.reason, self._plan, self._window = "solo", why, [], None
             return []
@@ -243,18 +255,24 @@ class ModeController:
             self.reason = (f"{why}: every job allreduces in this host's memory, on the cores "
                            f"that compute: nothing to fill; concurrent")
             return [ModeSwitch(Mode.CONCURRENT, self.reason)]
-        # Concurrent first: a newcomer computes at once instead of waiting for a turn.
-        return self._probe([Mode.CONCURRENT, Mode.ANTIPHASE], f"{why}: probing",
-                           self.warmup_steps)
+        predicted = self._from_prediction(why)
+        if predicted is not None:
+            return predicted
+        # Concurrent first: a newcomer computes at once instead of waiting for a turn;
+        # but jobs of unknown profile run antiphase first, which profiles them.
+        unknown = self._prediction is None and self.predict_clear > 0
+        first = Mode.ANTIPHASE if unknown else Mode.CONCURRENT
+        return self._probe([first, first.other], f"{why}: probing", self.warmup_steps)
 
     def _probe(self, plan: list[Mode], why: str, settle: int | None = None) -> list[ModeSwitch]:
+        self._prediction = None
         self.state, self._order, self._plan, self._hold_until = "probe", plan, plan[1:], None
         self._watched, self._pairs, self._concurrent, self._held = {}, [], [], None
         return self._open(plan[0], f"{why} {plan[0].value}", settle=settle)
 
     def _open(self, mode: Mode, why: str, min_s: float | None = None,
               settle: int | None = None) -> list[ModeSwitch]:
-        self._window = _Window(mode, self.clock(), min_s or self.probe_s,
+        self._window = RateWindow(mode, self.clock(), min_s or self.probe_s,
                                self.settle_steps if settle is None else settle,
                                dict(self._steps))
         if mode == self.mode:
@@ -278,11 +296,15 @@ class ModeController:
         self._rates[w.mode] = rates
         self._measured[w.mode] = {job for job in rates if w.measured(job, self.min_steps)}
         if self._plan:
+            if w.mode == Mode.ANTIPHASE and not self._pairs:  # the jobs' profiles are in
+                predicted = self._from_prediction("profiled in antiphase")
+                if predicted is not None:
+                    return predicted
             nxt = self._plan.pop(0)
             return self._open(nxt, f"probing {nxt.value}")
         return self._pair_done()
 
-    def _window_done(self, w: _Window, now: float) -> bool:
+    def _window_done(self, w: RateWindow, now: float) -> bool:
         if now - w.start >= self.max_probe_s:
             return True
         jobs = [job for job in w.base if job in self._steps]
@@ -344,34 +366,20 @@ class ModeController:
         best = Mode.ANTIPHASE if mean >= 1 + self.margin else Mode.CONCURRENT
         pairs = f" over {n} pairs" if n > 1 and not note else ""
         return self._hold(best, f"antiphase {mean:.2f}x concurrent{pairs} "
-                                f"({_each(self._per_job())}){note}: {best.value}")
+                                f"({each_job(self._per_job())}){note}: {best.value}")
 
     def _hold(self, mode: Mode, why: str) -> list[ModeSwitch]:
         # A re-probe that confirms the last decision holds it twice as long.
         self._hold_s = min(2 * self._hold_s, self.max_hold_s) if mode == self._decided \
             else self.base_hold_s
         self._decided, self.state = mode, "hold"
+        self._watched = {}  # the new hold's first watch window is its reference
         self._hold_until = self.clock() + self._hold_s
-        self._held = _Window(mode, self.clock(), 0.0, self.settle_steps, dict(self._steps)) \
+        self._held = RateWindow(mode, self.clock(), 0.0, self.settle_steps, dict(self._steps)) \
             if mode == Mode.ANTIPHASE else None
         self._open(mode, why, self.watch_s)
         self.reason = why
         return [ModeSwitch(mode, why)]  # announced even if unchanged: the reason is news
-
-    def _held_speedup(self, now: float) -> tuple[float, str] | None:
-        """The jobs' mean rate over the antiphase hold so far against the probe's mean
-        concurrent rates, and each job's figure; None before every job is measured."""
-        held, pairs = self._held, self._concurrent
-        if held is None or not pairs:
-            return None
-        jobs = [j for j in set.intersection(*(set(p) for p in pairs)) if j in self._steps]
-        if not jobs or not all(held.measured(j, self.min_steps) for j in jobs):
-            return None
-        per_job = {j: held.rate(j, now) * len(pairs) / sum(p[j] for p in pairs)
-                   for j in sorted(jobs) if all(p[j] > 0 for p in pairs)}
-        if not per_job:
-            return None
-        return sum(per_job.values()) / len(per_job), _each(per_job)
 
     def _watch(self, rates: dict[str, float]) -> list[ModeSwitch]:
         for job, rate in sorted(rates.items()):
@@ -381,9 +389,12 @@ class ModeController:
                     [self.mode.other, self.mode],
                     f"job {job}'s rate went from {ref:.2f} to {rate:.2f} steps/s: re-probing")
         self._watched = self._watched or rates  # the first watch window after a decision
-        held = self._held_speedup(self.clock())
+        held = self._held.against(self._concurrent, self._steps, self.min_steps,
+                                  self.clock()) if self._held is not None else None
         if held is not None and held[0] < 1 - self.keep_margin:
+            source = "the predicted" if self._prediction is not None else "the probe's"
+            self._overruled = self._overruled or self._prediction is not None
             return self._hold(Mode.CONCURRENT,
-                              f"antiphase held ran {held[0]:.2f}x the probe's concurrent "
+                              f"antiphase held ran {held[0]:.2f}x {source} concurrent "
                               f"rates ({held[1]}): concurrent")
         return self._open(self.mode, self.reason, self.watch_s)  # the next watch window

@@ -1,0 +1,206 @@
+"""The predicted mode decision: tables of step profiles (compute, gap) against the mode
+the measured runs chose, and the controller acting on predictions without probing."""
+
+from __future__ import annotations
+
+import pytest
+
+from crossover.client.profile import StepProfiler
+from crossover.protocol import Mode
+from crossover.scheduler import ModeController
+from crossover.scheduler.predict import Profile, predict
+from tests.test_mode import simulate
+from tests.test_scheduler import FakeClock
+
+A, C = Mode.ANTIPHASE, Mode.CONCURRENT
+
+
+def ms(compute: float, gap: float) -> Profile:
+    return Profile(compute / 1e3, gap / 1e3)
+
+
+# Per-step profiles of the benchmark rows in bench/results/crossover.json and
+# crossover_ddp.json (each row's compute and communication per job step), with the mode
+# that ran faster there: always antiphase against plain co-location. A row where the two
+# ran within a few percent of each other is a close call: the controller measures.
+TABLE = [
+    # (row, profiles, verdict: the mode taken at once, None: measure)
+    ("mlp, 500 Mbit/s: antiphase 1.12x plain", {"a": ms(70, 65), "b": ms(70, 65)}, A),
+    ("mlp+cnn, 500 Mbit/s: antiphase 1.16x", {"a": ms(70, 65), "b": ms(86, 51)}, A),
+    ("ddp-mlp, 500 Mbit/s: antiphase 1.22x", {"a": ms(61, 75), "b": ms(61, 75)}, A),
+    ("mlp, 1000 Mbit/s: antiphase 1.12x, within the bench's noise", {"a": ms(81, 25),
+                                                                      "b": ms(81, 25)}, None),
+    ("mlp+cnn, 2000 Mbit/s: plain 1.02x", {"a": ms(71, 20), "b": ms(75, 20)}, None),
+    ("compute-bound jobs: nothing to fill", {"a": ms(50, 0.5), "b": ms(60, 0.4)}, C),
+    ("link-bound jobs: neither mode changes the link", {"a": ms(10, 100), "b": ms(10, 100)},
+     None),
+    ("a newcomer not yet profiled is taken to be like the others", {"a": ms(70, 65),
+                                                                     "b": None}, A),
+]
+
+
+@pytest.mark.parametrize("row,profiles,verdict", TABLE, ids=[t[0] for t in TABLE])
+def test_prediction_table(row, profiles, verdict):
+    ctl = ModeController(FakeClock())
+    for job, profile in profiles.items():
+        if profile is not None:
+            ctl._profiles.note(job, profile)
+    ctl._steps = {j: 1 for j in profiles}
+    mode, why = ctl._verdict()
+    assert mode == verdict, why
+    assert why.startswith("antiphase at most ") and "ms" in why
+
+
+def test_round_lengths():
+    pred = predict({"a": ms(30, 10), "b": ms(50, 20)}, handover_s=0.001)
+    assert pred.antiphase_s == pytest.approx(0.082)  # max(80 + 2 x 1, 70 + 1) ms
+    assert pred.concurrent_s == pytest.approx(0.100)  # 80 + the longer gap, 20
+    assert pred.bound == pytest.approx(100 / 82)
+    assert pred.figures == "a 30.0/10.0 ms, b 50.0/20.0 ms"
+    # a gap longer than the others' compute: the job's own step bounds the round
+    assert predict({"a": ms(30, 10), "b": ms(50, 40)}, 0.001).antiphase_s == \
+        pytest.approx(0.091)
+    assert predict({"a": None, "b": None}) is None
+    assert predict({"a": ms(0, 0)}) is None
+
+
+def joined_alone(ctl: ModeController, clock: FakeClock, profile: Profile, steps: int = 10
+                 ) -> None:
+    """Job a alone for `steps` steps of 0.1 s, reporting `profile`."""
+    for s in range(1, steps + 1):
+        clock.now += 0.1
+        assert ctl.progress("a", s, profile=profile) == []
+    assert ctl.state == "solo"
+
+
+def test_a_clear_prediction_decides_the_arrival_without_a_probe():
+    clock = FakeClock()
+    ctl = ModeController(clock)
+    joined_alone(ctl, clock, ms(40, 40))
+    (switch,) = ctl.progress("b", 1)
+    assert ctl.state == "hold" and switch.mode == A, switch
+    assert switch.reason == ("job b joined: antiphase at most 1.48x concurrent "
+                             "(a 40.0/40.0 ms, b 40.0/40.0 ms (like the others)): antiphase")
+    # the hold check's reference is the predicted concurrent rate: one round of 120 ms
+    assert ctl._concurrent == [{"a": pytest.approx(1 / 0.12), "b": pytest.approx(1 / 0.12)}]
+
+
+def test_an_arrival_leaves_a_group_in_its_mode_when_the_prediction_is_clear():
+    clock = FakeClock()
+    ctl = ModeController(clock)
+    joined_alone(ctl, clock, ms(40, 40))
+    ctl.progress("b", 1)
+    for s in range(2, 6):  # b's own profile, in antiphase past the settling steps
+        clock.now += 0.1
+        ctl.progress("a", 10 + s, profile=ms(40, 40))
+        ctl.progress("b", s, profile=ms(40, 40))
+    assert ctl._profiles.known() == {"a", "b"}
+    (switch,) = ctl.progress("c", 1)
+    assert switch.mode == A and ctl.mode == A and ctl.state == "hold", switch
+    assert switch.reason.startswith("job c joined: antiphase at most"), switch.reason
+    assert ctl._window.mode == A, "no probe window was opened"
+
+
+def test_a_newcomers_own_profile_can_call_for_a_probe():
+    clock = FakeClock()
+    ctl = ModeController(clock)
+    joined_alone(ctl, clock, ms(40, 40))
+    assert ctl.progress("b", 1)[0].mode == A  # taken to be like a
+    got = []
+    for s in range(2, 6):  # b computes 300 ms a step with no gap: 1.11x at most
+        clock.now += 0.3
+        got += ctl.progress("b", s, profile=ms(300, 1))
+    assert ctl.state == "probe" and [s.mode for s in got] == [C], got
+    assert got[0].reason.startswith("job b's first profile: antiphase at most 1.11x"), got
+
+
+def test_a_predicted_antiphase_that_runs_slower_than_predicted_concurrent_is_given_up():
+    clock = FakeClock()
+    ctl = ModeController(clock, hold_s=100.0)
+    joined_alone(ctl, clock, ms(40, 40))
+    steps = {"a": 10, "b": 0}
+    # the profiles promised 8.3 rounds a second concurrently; antiphase runs 5
+    got = simulate(ctl, clock, {"a": {A: 5.0, C: 8.0}, "b": {A: 5.0, C: 8.0}},
+                   until=clock.now + 15.0, steps=steps)
+    # and no re-probe after: the concurrent hold's rates are its own reference, not the
+    # antiphase hold's (they differ by 60 %, past the drift that re-probes)
+    assert [m for _, m in got] == ["antiphase", "concurrent"], got
+    assert ctl.mode == C and ctl.reason.startswith("antiphase held ran 0.6") \
+        and "the predicted concurrent rates" in ctl.reason, ctl.reason
+
+
+def test_compute_bound_jobs_go_concurrent_at_once():
+    clock = FakeClock()
+    ctl = ModeController(clock)
+    joined_alone(ctl, clock, ms(50, 0.2))
+    (switch,) = ctl.progress("b", 1)
+    assert switch.mode == C and ctl.state == "hold", switch
+
+
+def test_jobs_without_profiles_are_profiled_in_antiphase_first():
+    """Two jobs start together: antiphase first, whose steps profile them; a clear
+    prediction then ends the probe without a concurrent window."""
+    ctl = ModeController(FakeClock())
+    got = simulate(ctl, ctl.clock, {"a": {A: 8.0, C: 6.0}, "b": {A: 8.0, C: 6.0}}, until=10.0,
+                   profiles={"a": ms(40, 40), "b": ms(45, 35)})
+    # (served in antiphase from the start: the decision is the only news)
+    assert [m for _, m in got] == ["antiphase"], got
+    assert ctl.state == "hold" and ctl.reason.startswith(
+        "profiled in antiphase: antiphase at most 1.4"), ctl.reason
+    assert got[0][0] < 3.5, "decided after one antiphase window (8 settling steps, 2 s)"
+
+
+def test_a_close_profile_measures_the_other_mode_too():
+    ctl = ModeController(FakeClock())
+    got = simulate(ctl, ctl.clock, {"a": {A: 8.0, C: 7.0}, "b": {A: 8.0, C: 7.0}}, until=10.0,
+                   profiles={"a": ms(81, 25), "b": ms(81, 25)})  # 1.15x at most
+    assert [m for _, m in got] == ["concurrent", "antiphase"], got
+    assert ctl.state == "hold" and ctl.reason.startswith("antiphase 1.14x concurrent"), \
+        ctl.reason
+
+
+def test_with_prediction_off_the_controller_probes_concurrent_first():
+    clock = FakeClock()
+    ctl = ModeController(clock, predict_clear=0)
+    joined_alone(ctl, clock, ms(40, 40))
+    (switch,) = ctl.progress("b", 1)
+    assert ctl.state == "probe" and switch.reason == "job b joined: probing concurrent"
+
+
+def test_concurrent_steps_do_not_make_a_profile():
+    clock = FakeClock()
+    ctl = ModeController(clock)
+    joined_alone(ctl, clock, ms(81, 25))  # a close call: probing, concurrent first
+    assert ctl.progress("b", 1)[0].mode == C
+    for s in range(11, 30):
+        clock.now += 0.1
+        ctl.progress("a", s, profile=ms(500, 1))
+    assert ctl._profiles.snapshot()["a"] == pytest.approx([0.081, 0.025])
+
+
+def test_a_prediction_the_hold_check_overruled_decides_no_more_until_the_jobs_change():
+    clock = FakeClock()
+    ctl = ModeController(clock, hold_s=10.0)
+    joined_alone(ctl, clock, ms(40, 40))
+    simulate(ctl, clock, {"a": {A: 5.0, C: 8.0}, "b": {A: 5.0, C: 8.0}},
+             until=clock.now + 30.0, steps={"a": 10, "b": 0},
+             profiles={"a": ms(40, 40), "b": ms(40, 40)})
+    # overruled at its first watch window, then the re-probe after the hold measured both
+    assert ctl.mode == C and ctl.reason.startswith("antiphase 0.63x concurrent"), ctl.reason
+
+
+def test_step_profiler_splits_a_step():
+    clock = FakeClock()
+    prof = StepProfiler(clock, skip=1)
+    for _ in range(3):  # compute 30 ms, release, gap 20 ms, wait 5 ms for the grant
+        prof.step()
+        clock.now += 0.030
+        prof.communicating()
+        clock.now += 0.020
+        prof.computing()
+        prof.waited(0.005)
+        clock.now += 0.005
+    prof.step()
+    compute, gap = prof.take()
+    assert compute == pytest.approx(0.030) and gap == pytest.approx(0.020)
+    assert prof.take() == (0.0, 0.0)
