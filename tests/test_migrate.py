@@ -151,13 +151,14 @@ import torch
 from crossover.freeze import state_hash
 from crossover.pipeline.models import build
 from crossover.pipeline.plan import Stage, make_plan
+from crossover.pipeline.ties import tied_copies
 from crossover.pipeline.train import PipelineTrainer
 from tests.test_migrate import OPTIMIZERS, SCHEDULERS, BatchNormChain
 
 mode, opt_name, steps, out, replicas, arg = sys.argv[1], sys.argv[2], int(sys.argv[3]), \\
     sys.argv[4], sys.argv[5], sys.argv[6]
 torch.set_num_threads(1)
-spec = build("chain", torch.float64, small=True)
+spec = build(os.environ.get("JOB_MODEL") or "chain", torch.float64, small=True)
 x, y = spec.make_batch(8, 7)  # one batch again and again: gradients settle
 reps = [int(r) for r in replicas.split(",")] if replicas else None
 freeze = {}
@@ -182,7 +183,7 @@ if mode == "cache_heavy":  # compute-bound costs: replicas pay
 t = PipelineTrainer(module, spec.loss, batch=8, num_micro=4, example=x,
                     replicas=reps, optimizer=OPTIMIZERS[opt_name], **freeze)
 rank = t.comm.Get_rank()
-losses, hashes = [], []
+losses, hashes, tied = [], [], []
 
 def ops_of(t):  # this rank's stage's ops (none on a spare rank)
     return list(t.plan.stages[t.stage].ops) if t.stage is not None else []
@@ -208,7 +209,9 @@ if mode.startswith("migrate"):  # arg: the cuts of the forced plan
                                  zip(bounds, bounds[1:], reps or [1] * len(bounds))],
                        t.plan.micro_batch, t.plan.num_micro)
     hashes.append(gathered_hash())
+    tied.append(tied_copies(t.graph, t.plan).get("embed.weight"))
     moved = t.repartition(forced)
+    tied.append(tied_copies(t.graph, t.plan).get("embed.weight"))
     hashes.append(gathered_hash())
     assert moved
     stages.append(ops_of(t))
@@ -217,7 +220,7 @@ state = t.state_dict()
 json.dump({"log": [[d.step, list(d.layers)] for d in t.freeze_log], "losses": losses,
            "hashes": hashes, "stages": stages, "repartitions": t.repartitions,
            "frozen_stages": sorted(t.runner.frozen_stages()) if t.runner else [],
-           "layouts": layouts,
+           "layouts": layouts, "tied": tied,
            "cache": [t.prefix.hits, t.prefix.misses] if t.prefix else None},
           open(f"{out}.rank{rank}.json", "w"))
 if rank == 0:
@@ -264,6 +267,31 @@ def test_a_migration_moves_parameters_and_optimizer_state_bit_exactly(
     losses, module = one_process(opt_name, 6, [])
     assert runs[0]["losses"] == pytest.approx(losses, rel=1e-12)
     assert_close(state, module)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("opt_name, np_, cuts, before, after", [
+    # tokens..mix_1_0 | mix_1_1..head, then tokens..mix_2_0 | mix_2_1 + head
+    ("sgd", 2, "7", [0, 1], [0, 1]),
+    # tokens..mix_0_1 | mix_1_0 | mix_1_1..head, then tokens | embed..mix_0_1 | mix_1_0..
+    # head: rank 1 holds a copy of the tied weight it never trained, rank 0 none
+    ("adam", 3, "1,4", [0, 2], [1, 2]),
+])
+def test_a_migration_keeps_tied_copies_equal(tmp_path, cluster, opt_name, np_, cuts,
+                                             before, after):
+    """A language model whose head is tied to its embedding, on different stages: a
+    forced re-partition moves the stages (and with them the ranks holding a copy);
+    the copies and their optimizer state stay the same (hashes before and after on
+    every rank), and training goes on to the weights of one uninterrupted process."""
+    runs, state = run_job(tmp_path, cluster, np_, "migrate", opt_name, "6", "", cuts,
+                          env={"JOB_MODEL": "tied_lm"})
+    assert runs[0]["tied"] == [before, after]
+    first, second = runs[0]["hashes"]
+    assert first == second and all(r["hashes"] == [first, second] for r in runs)
+    losses, module = one_process_with_freezing("tied_lm", 6, [], OPTIMIZERS[opt_name])
+    assert runs[0]["losses"] == pytest.approx(losses, rel=1e-12)
+    assert_close(state, module)
+    assert torch.equal(state["embed.weight"], state["head.weight"])
 
 
 @pytest.mark.mpi

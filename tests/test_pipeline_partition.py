@@ -207,8 +207,9 @@ def test_the_sp_search_runs_branches_on_their_own_devices():
 
 def test_the_simulator_decides_between_the_two_searches():
     """Parameter-count costs make Uno's join and head the heavy part: the chain plan
-    [towers + cat | top_0 | top_1 | rest] beats towers on their own devices when the
-    schedule runs, and is what the graph partitioner returns."""
+    [towers + cat | top_0 | top_1 + top_2 | rest] beats towers on their own devices
+    when the schedule runs, and is what the graph partitioner returns (not a stage of
+    the ReLU top_1 alone, which would train nothing)."""
     g = Graph.from_fx(build("uno", small=True).module)
     plan = plan_for(g, 4, 16, 4)
     table = graph_frontier(g, parameter_costs(g), 4, 4, 4, replicate=False)
@@ -216,7 +217,7 @@ def test_the_simulator_decides_between_the_two_searches():
     costs = parameter_costs(g)
     assert simulate(g, costs, plan, schedule_for(plan)).iteration_s < \
         simulate(g, costs, sp, schedule_for(sp)).iteration_s
-    assert [s.ops[-1] for s in plan.stages][1:3] == ["top_0", "top_1"]
+    assert [s.ops[-1] for s in plan.stages][1:3] == ["top_0", "top_2"]
 
 
 def test_sequential_plan_passes_tensors_through():

@@ -1,8 +1,11 @@
-"""Tied weights: ops that share a parameter always land in one stage, whoever plans."""
+"""Tied weights: ops that share a parameter may land on different stages, each holding a
+copy whose gradient is summed with the others'; and no stage without parameters unless
+nothing else fits."""
 
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -10,8 +13,6 @@ from torch import nn
 
 from crossover.pipeline import (
     Graph,
-    PartitionError,
-    Plan,
     Stage,
     graph_partition,
     make_plan,
@@ -21,7 +22,8 @@ from crossover.pipeline import (
     synthetic,
 )
 from crossover.pipeline.models import build
-from crossover.pipeline.partition import graph_frontier
+from crossover.pipeline.ties import gradient_groups, shared_parameters, tied_copies
+from crossover.pipeline.train_checks import EmptyStageWarning, empty_stages, warn_empty_stages
 
 
 class TiedHead(nn.Module):
@@ -72,106 +74,120 @@ def shared_ops(graph: Graph) -> list[set[str]]:
     return [ops for ops in holders.values() if len(ops) > 1]
 
 
-def assert_ties_kept(graph: Graph, plan) -> None:
-    where = {o: i for i, st in enumerate(plan.stages) for o in st.ops}
-    for ops in shared_ops(graph):
-        assert len({where[o] for o in ops}) == 1, (sorted(ops), plan.describe())
-
-
 def test_the_example_graphs_have_ties():
     g = graphs()
-    assert [sorted(s) for s in shared_ops(g["tied_lm"])] == [["embed", "embed_weight"]]
+    assert [sorted(s) for s in shared_ops(g["tied_lm"])] == [["embed", "head"]]
     assert [sorted(s) for s in shared_ops(g["tied_head"])] == [["embed", "head"]]
     assert len(shared_ops(g["two_towers"])) == 3  # shared's weight and bias, b.3.weight
 
 
 def test_a_tied_weight_has_one_name_in_every_op():
     """`head.weight` is `embed.weight`: both ops call it by the model's one name, so
-    the stage that trains it, the checkpoint and a migration all mean one tensor."""
+    the copies, the gradient sums, the checkpoint and a migration all mean one tensor."""
     g = graphs()["tied_head"]
     assert set(g.ops["head"].params) == {"embed.weight"}
     assert set(g.parameters()) == {n for n, _ in TiedHead().named_parameters()}
-    lm = graphs()["tied_lm"]
-    assert set(lm.ops["embed_weight"].params) == {"embed.weight"}
+    assert shared_parameters(g) == {"embed.weight": ("embed", "head")}
+
+
+def test_which_ranks_hold_copies_and_which_sums_each_rank_takes_part_in():
+    """A table: stage 0 on 2 replicas holds the embedding, stage 2 the tied head. The
+    replicas sum their untied parameters between themselves, the tied weight is summed
+    once over all three ranks (each replica adds its own share), and the middle stage
+    takes part in nothing."""
+    g = graphs()["tied_head"]
+    ops = g.order()  # tokens, embed, body_0, body_1, body_2, head
+    plan = make_plan(g, [Stage(tuple(ops[:3]), 2), Stage(tuple(ops[3:5])),
+                         Stage(tuple(ops[5:]))], 2, 4)
+    assert tied_copies(g, plan) == {"embed.weight": (0, 1, 3)}
+    names = {s: [n for o in st.ops for n in g.ops[o].params] for s, st in
+             enumerate(plan.stages)}
+    assert gradient_groups(g, plan, 0, names[0]) == [
+        ((0, 1), ("body.0.bias", "body.0.weight")), ((0, 1, 3), ("embed.weight",))]
+    assert gradient_groups(g, plan, 1, names[1]) == []
+    assert gradient_groups(g, plan, 2, names[2]) == [((0, 1, 3), ("embed.weight",))]
+    # a frozen (untrained) tied weight is summed by nobody
+    assert gradient_groups(g, plan, 2, []) == []
+    together = make_plan(g, [Stage(tuple(ops))], 2, 4)
+    assert tied_copies(g, together) == {}
 
 
 @pytest.mark.parametrize("name", ["tied_lm", "tied_head", "two_towers"])
 @pytest.mark.parametrize("partitioner", [graph_partition, sequential_partition])
-def test_the_partitioners_never_split_tied_ops(name, partitioner):
+def test_the_partitioners_may_split_tied_ops(name, partitioner):
     """Over device counts, replicas or not, every device used or not, cheap ops or
-    compute-bound ones (where cutting pays): a plan keeps tied ops together, or there
-    is no plan (too few units left for a stage per device)."""
+    compute-bound ones: a plan covers every op once, and where the graph has enough
+    ops with parameters no stage is without one."""
     graph = graphs()[name]
+    split = 0
     for costs in (parameter_costs(graph), synthetic(graph, {n: 1e-3 for n in graph.ops})):
         for devices, replicate, use_all in itertools.product((1, 2, 3, 4), (False, True),
                                                              (False, True)):
-            try:
-                plan = partitioner(graph, costs, devices, 8, replicate=replicate,
-                                   use_all=use_all)
-            except PartitionError:
-                assert use_all, (devices, replicate)
-                continue
-            assert_ties_kept(graph, plan)
-
-
-@pytest.mark.parametrize("name", ["tied_lm", "two_towers"])
-def test_every_plan_of_the_graph_frontier_keeps_ties(name):
-    graph = graphs()[name]
-    table = graph_frontier(graph, parameter_costs(graph), 4, 2, 4)
-    assert any(len(plan.stages) > 1 for _bn, _cr, plan in table.values())
-    for _bn, _cr, plan in table.values():
-        assert_ties_kept(graph, plan)
+            plan = partitioner(graph, costs, devices, 8, replicate=replicate,
+                               use_all=use_all)
+            assert sorted(o for st in plan.stages for o in st.ops) == sorted(graph.ops)
+            assert not empty_stages(graph, plan), plan.describe()
+            split += bool(tied_copies(graph, plan))
+    assert split, "no plan put tied ops on two stages: the test would prove nothing"
 
 
 @pytest.mark.parametrize("partitioner", ["graph", "sequential"])
-def test_a_tied_model_still_pipelines_over_two_stages(partitioner):
-    """The embedding and the weight read share a stage; the rest of the model may
-    still be cut (the weight travels to the output's stage as a value)."""
+def test_a_head_tied_to_the_embedding_pipelines_over_every_rank(partitioner):
+    """`head.weight = embed.weight` ties the two ends of a chain; the model still takes
+    a stage per device, the embedding on the first and the head on the last."""
     graph = graphs()["tied_lm"]
-    plan = plan_for(graph, 2, 8, 4, partitioner)
-    assert len(plan.stages) == 2
-    assert_ties_kept(graph, plan)
+    for devices in (2, 3, 4):
+        plan = plan_for(graph, devices, 8, 4, partitioner)
+        assert len(plan.stages) == devices
+        assert tied_copies(graph, plan) == {"embed.weight": (0, devices - 1)}
+        assert not empty_stages(graph, plan)
 
 
-def test_a_plan_that_splits_tied_ops_is_refused_naming_them():
-    graph = graphs()["tied_lm"]
-    ops = graph.order()
-    front = [o for o in ops if o != "embed_weight" and o != "linear"]
-    with pytest.raises(PartitionError, match=r"parameter 'embed.weight' is shared by ops "
-                                             r"'embed' \(stage 0\), 'embed_weight' \(stage 1\)"
-                                             r".*one stage"):
-        make_plan(graph, [Stage(tuple(front)), Stage(("embed_weight", "linear"))], 2, 4)
-
-
-def test_a_tie_across_the_whole_chain_leaves_one_stage_and_says_why():
-    """`head.weight = embed.weight` ties the two ends of a chain: everything between
-    must share their stage, so the model cannot use 3 devices; the error says why."""
-    graph = graphs()["tied_head"]
-    for partitioner in ("graph", "sequential"):
-        with pytest.raises(PartitionError, match=r"share a parameter.*'embed.weight' "
-                                                 r"\(embed, head\).*fewer"):
-            plan_for(graph, 3, 8, 4, partitioner)
-        plan = plan_for(graph, 3, 8, 4, partitioner, use_all=False)
-        assert_ties_kept(graph, plan)
-
-
-def test_the_repartition_planner_keeps_ties_and_refuses_a_split():
-    from crossover.freeze.cache import FrozenPrefix
+def test_a_plan_made_by_hand_may_split_tied_ops():
     from crossover.freeze.repartition import replan
 
-    graph = graphs()["two_towers"]
-    frozen = ["shared", "shared_1"]  # priced lower, as after they froze
-    for size in (2, 3, 4):
-        plan = replan(graph, size, batch=8, num_micro=4, partitioner="graph",
-                      frozen=frozen)
-        assert_ties_kept(graph, plan)
     lm = graphs()["tied_lm"]
-    prefix = FrozenPrefix(lm, ["tokens"])
-    plan = replan(lm, 3, batch=8, num_micro=4, partitioner="sequential", prefix=prefix,
-                  spare=True)
-    assert_ties_kept(prefix.rest, plan)
-    # a hand-made plan, not make_plan's: the planner checks what it is given
-    split = Plan([Stage(tuple(o for o in lm.order() if o != "embed_weight")),
-                  Stage(("embed_weight",))], {}, 2, 4)
-    with pytest.raises(PartitionError, match="'embed.weight' is shared"):
-        replan(lm, 2, batch=8, num_micro=4, partitioner="graph", plan=split)
+    split = [Stage(tuple(o for o in lm.order() if o != "head")), Stage(("head",))]
+    plan = make_plan(lm, split, 2, 4)
+    assert tied_copies(lm, plan) == {"embed.weight": (0, 1)}
+    assert replan(lm, 2, batch=8, num_micro=4, partitioner="graph", plan=plan) is plan
+    for size in (2, 3):  # the re-partition planner, frozen ops priced lower
+        plan = replan(graphs()["two_towers"], size, batch=8, num_micro=4,
+                      partitioner="graph", frozen=["shared", "shared_1"])
+        assert len(plan.stages) == size
+
+
+def two_linears() -> Graph:
+    """x -> Linear -> ReLU -> Linear: two ops with parameters, three ops in all."""
+    torch.manual_seed(0)
+    return Graph.from_fx(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)))
+
+
+@pytest.mark.parametrize("partitioner", [graph_partition, sequential_partition])
+def test_a_stage_without_parameters_only_where_nothing_else_fits(partitioner):
+    """On 2 devices the ReLU goes with a Linear; on 3, every device used, it must have
+    a stage of its own (nothing else fits), and the graph search says so."""
+    graph = two_linears()
+    costs = synthetic(graph, {n: 1e-3 for n in graph.ops})
+    plan = partitioner(graph, costs, 2, 8, replicate=False, use_all=True)
+    assert len(plan.stages) == 2 and not empty_stages(graph, plan)
+    plan = partitioner(graph, costs, 3, 8, replicate=False, use_all=True)
+    assert len(plan.stages) == 3 and len(empty_stages(graph, plan)) == 1
+    if partitioner is graph_partition:  # the ReLU alone (the input goes with its reader)
+        assert [plan.stages[s].ops for s in empty_stages(graph, plan)] == [("_1",)]
+        assert any("holds no parameters" in n for n in plan.notes), plan.notes
+
+
+@pytest.mark.parametrize("owns, fix", [
+    (False, r"torch.optim refuses an empty parameter list: pass optimizer=lambda ps"),
+    (True, r"the trainer builds no optimizer there"),
+])
+def test_a_stage_without_parameters_is_named_with_why_and_what_to_do(owns, fix):
+    graph = two_linears()
+    plan = make_plan(graph, [Stage(("input_1", "_0")), Stage(("_1",)), Stage(("_2",))], 2, 4)
+    with pytest.warns(EmptyStageWarning) as got:
+        warn_empty_stages(graph, plan, 3, owns)
+    msg = str(got[0].message)
+    assert re.search(r"stage 1 \(ranks \[1\]: _1\) holds no parameters: the model has 2 "
+                     r"ops with parameters for 3 ranks", msg), msg
+    assert re.search(fix, msg) and "launch fewer ranks" in msg, msg

@@ -18,6 +18,7 @@ JOB = """
 import json, sys
 import torch
 from crossover.pipeline.models import build
+from crossover.pipeline.ties import tied_copies
 from crossover.pipeline.train import PipelineTrainer
 
 name, steps, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
@@ -38,9 +39,18 @@ for x, y in batches[first:]:
     losses.append(t.step(x if t.needs_inputs else None, y if t.needs_target else None))
     opt.step()
 state = t.state_dict()
+tied = tied_copies(t.graph, t.plan)
+params = t.graph.parameters()
+# each rank's copy of every tied parameter it holds: the copies must be equal
+copies = t.comm.gather({n: params[n].detach().clone() for n, ranks in tied.items()
+                        if t.comm.Get_rank() in ranks})
 if t.comm.Get_rank() == 0:
     torch.save(state, out + ".pt")
-    json.dump({"losses": losses, "stages": len(t.plan.stages)}, open(out + ".json", "w"))
+    spread = {n: max(float((c[n] - params[n]).abs().max()) for c in copies if n in c)
+              for n in tied}
+    json.dump({"losses": losses, "stages": len(t.plan.stages), "tied": tied,
+               "copy_spread": spread},
+              open(out + ".json", "w"))
 """
 
 
@@ -88,15 +98,86 @@ def test_pipelined_training_equals_one_process_step_by_step(tmp_path, cluster, n
     module.load_state_dict(state)
 
 
-def test_tied_weights_train_like_one_process(tmp_path, cluster):
-    """A tied embedding and output layer (one parameter held by two ops) over 2 stages
-    ends with one process's weights: the two ops share a stage, so one copy trains
-    with both parts of its gradient (split, two copies would drift apart)."""
-    got, state = train(tmp_path, cluster, "tied_lm", 2, 5, "", "0.9")
+@pytest.mark.parametrize("np_", [2, 3])
+def test_tied_weights_across_stages_train_like_one_process(tmp_path, cluster, np_):
+    """A language model whose head is tied to its embedding (`head.weight =
+    embed.weight`), with plain SGD with momentum over `trainer.parameters()` on every
+    rank: the embedding and the head land on the first and the last stage, each holds a
+    copy, and the copies' summed gradients keep them bit-equal and equal to one
+    process's weight (without the sum each copy would take only its own op's part)."""
+    got, state = train(tmp_path, cluster, "tied_lm", np_, 5, "", "0.9")
     losses, module = one_process("tied_lm", 5, momentum=0.9)
-    assert got["stages"] == 2
+    assert got["stages"] == np_
+    assert got["tied"] == {"embed.weight": [0, np_ - 1]}
+    assert got["copy_spread"] == {"embed.weight": 0.0}
     assert got["losses"] == pytest.approx(losses, rel=1e-12)
     assert_close(state, module)
+    assert torch.equal(state["embed.weight"], state["head.weight"])  # one parameter
+
+
+# 3 ranks for two Linears and a ReLU: the ReLU's stage holds no parameters
+EMPTY_JOB = """
+import json, sys, warnings
+import torch
+from torch import nn
+from crossover.pipeline.train import PipelineTrainer
+
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).double()
+g = torch.Generator().manual_seed(1)
+x, y = torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randn(8, 2, generator=g,
+                                                                     dtype=torch.float64)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    t = PipelineTrainer(model, nn.functional.mse_loss, batch=8, num_micro=4,
+                        example={"input_1": x})
+opt = torch.optim.SGD(t.parameters(), lr=0.1) if t.has_parameters else None
+for _ in range(3):
+    if opt:
+        opt.zero_grad()
+    t.step({"input_1": x} if t.needs_inputs else None, y if t.needs_target else None)
+    if opt:
+        opt.step()
+state = t.state_dict()
+rank = t.comm.Get_rank()
+json.dump({"warnings": [str(w.message) for w in caught], "has": t.has_parameters,
+           "stage": t.stage}, open(f"{sys.argv[1]}.rank{rank}.json", "w"))
+if rank == 0:
+    torch.save(state, sys.argv[1] + ".pt")
+"""
+
+
+def test_a_stage_without_parameters_is_named_on_every_rank_and_trains_on(tmp_path, cluster):
+    """Two Linears and a ReLU on 3 ranks: nothing else fits, so the ReLU gets a stage of
+    its own; every rank is warned at construction (which stage, why, the fix), the
+    optimizer is built where `has_parameters`, and training equals one process."""
+    script = tmp_path / "job.py"
+    script.write_text(EMPTY_JOB)
+    out = tmp_path / "run"
+    proc = Proc(mpirun(3, PY, str(script), str(out)), dict(cluster.env, CROSSOVER_ENABLE="0"),
+                tmp_path / "empty.log")
+    cluster.procs.append(proc)
+    proc.wait(120)
+    runs = [json.loads((tmp_path / f"run.rank{r}.json").read_text()) for r in range(3)]
+    assert [r["has"] for r in runs] == [True, False, True]
+    for r in runs:
+        assert len(r["warnings"]) == 1, r
+        assert "stage 1 (ranks [1]: _1) holds no parameters: the model has 2 ops with " \
+               "parameters for 3 ranks" in r["warnings"][0]
+        assert "build your optimizer only where trainer.has_parameters" in r["warnings"][0]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(),
+                                torch.nn.Linear(4, 2)).double()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 4, generator=g, dtype=torch.float64)
+    y = torch.randn(8, 2, generator=g, dtype=torch.float64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    assert_close(torch.load(out.with_suffix(".pt")), model)
 
 
 def test_a_checkpoint_resumes_training(tmp_path, cluster):

@@ -3,7 +3,7 @@
 The pieces, one concept each:
 
     graph.py      model -> operator DAG (torch.fx, or an explicit graph of submodules)
-    ties.py       tied weights: ops sharing a parameter form one unit no plan may cut
+    ties.py       tied weights: a copy on each stage, gradients summed between them
     profile.py    per-op costs (measured or given) and the transfer model
     sptree.py     series-parallel decomposition (what the graph partitioner searches)
     plan.py       a partition plan: stages, stage edges, batch split

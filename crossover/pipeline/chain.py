@@ -25,7 +25,6 @@ import numpy as np
 from crossover.pipeline.graph import Graph
 from crossover.pipeline.pricing import replica_counts
 from crossover.pipeline.profile import Costs
-from crossover.pipeline.ties import units
 
 
 @dataclass
@@ -37,6 +36,7 @@ class Intervals:
             included); fixed, per_sample, params: the interval's op sums; act: bytes per
             sample kept per micro-batch in flight (own outputs and what it receives);
             comm: bytes per sample sent and received; messages: tensors sent and received.
+        trained: how many of the interval's ops hold parameters.
         exact: every cut position is a candidate (none thinned out).
     """
 
@@ -48,31 +48,29 @@ class Intervals:
     act: np.ndarray
     comm: np.ndarray
     messages: np.ndarray
+    trained: np.ndarray
     exact: bool = True
 
 
 def _order(graph: Graph, direct: bool) -> tuple[list[str], np.ndarray]:
-    """The units' topological order and where a cut may fall (between units). With
+    """The ops' topological order and where a cut may fall (between ops). With
     `direct`, each graph input moves to just before its first reader and no cut falls
     right after it, so no stage holds inputs only (a device and a hop for nothing)."""
-    groups = units(graph)
+    order = graph.order()
     if direct:
         inputs = {n for n, op in graph.ops.items() if op.is_input}
-        rest = [u for u in groups if not (len(u) == 1 and u[0] in inputs)]
         placed: set[str] = set()
-        moved: list[tuple[str, ...]] = []
-        for u in rest:
-            for o in u:
-                for src in graph.ops[o].inputs:
-                    if src in inputs and src not in placed:
-                        placed.add(src)
-                        moved.append((src,))
-            moved.append(u)
-        moved += [(n,) for n in graph.inputs if n not in placed]  # read by nobody
-        groups = moved
-    order = [o for u in groups for o in u]
-    cuttable = np.zeros(len(order) + 1, dtype=bool)
-    cuttable[np.cumsum([0] + [len(u) for u in groups])] = True
+        moved: list[str] = []
+        for o in order:
+            if o in inputs:
+                continue
+            for src in graph.ops[o].inputs:
+                if src in inputs and src not in placed:
+                    placed.add(src)
+                    moved.append(src)
+            moved.append(o)
+        order = moved + [n for n in graph.inputs if n not in placed]  # read by nobody
+    cuttable = np.ones(len(order) + 1, dtype=bool)
     if direct:
         for i, o in enumerate(order[:-1]):
             if graph.ops[o].is_input:
@@ -137,6 +135,7 @@ def intervals(graph: Graph, costs: Costs, direct: bool, max_cuts: int) -> Interv
     pos = _thin(cuttable, crossing, per + fixed, max_cuts)
     own_act = prefix(out_act)
     params = prefix([x.param_bytes for x in c])
+    trained = prefix([1.0 if graph.ops[o].params else 0.0 for o in order])
     a, b = pos[:, None], pos[None, :]
 
     def span(pre: np.ndarray) -> np.ndarray:
@@ -150,7 +149,7 @@ def intervals(graph: Graph, costs: Costs, direct: bool, max_cuts: int) -> Interv
         sent, sent_n, recv, recv_n = _direct_boundaries(pos, out_act, readers, last)
         comm, msgs, act = sent + recv, sent_n + recv_n, span(own_act) + recv
     return Intervals(order, pos, span(fixed), span(per), span(params), act, comm, msgs,
-                     exact=len(pos) == int(cuttable.sum()))
+                     span(trained), exact=len(pos) == int(cuttable.sum()))
 
 
 def _direct_boundaries(pos: np.ndarray, out_act: np.ndarray, readers: list[list[int]],
@@ -192,7 +191,7 @@ def _direct_boundaries(pos: np.ndarray, out_act: np.ndarray, readers: list[list[
 
 
 def chain_search(iv: Intervals, costs: Costs, devices: int, b: int, m: int,
-                 replicate: bool, use_all: bool
+                 replicate: bool, use_all: bool, require_params: bool = False
                  ) -> list[tuple[float, list[tuple[tuple[str, ...], int]]]]:
     """The best chain plan for each (stages, devices used), by least bottleneck (the
     critical path breaks ties), ordered by `critical path + (m - 1) * bottleneck`.
@@ -201,6 +200,7 @@ def chain_search(iv: Intervals, costs: Costs, devices: int, b: int, m: int,
         iv: the interval sums; costs: link, memory limit and parameter copies.
         devices, b, m: devices, micro-batch size, micro-batches; replicate: stages may
             run on data-parallel replicas; use_all: the plan must use every device.
+        require_params: every stage must hold an op with parameters.
 
     Returns:
         [(estimate, [(ops, replicas)] per stage)], least estimate first; empty if
@@ -210,6 +210,8 @@ def chain_search(iv: Intervals, costs: Costs, devices: int, b: int, m: int,
     p = len(iv.pos)
     last, rows = p - 1, np.arange(p)
     upper = rows[:, None] < rows[None, :]
+    if require_params:
+        upper = upper & (iv.trained > 0)
     rs = replica_counts(devices, b, replicate)
     times, fits = {}, {}
     for r in rs:

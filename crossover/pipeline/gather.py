@@ -17,7 +17,9 @@ def gather_grads(graph: Graph, comm: Any, root: int = 0, plan: Plan | None = Non
     """Every stage's parameter gradients, summed by name, on `root` (None elsewhere).
 
     With a plan, only the first replica of each stage contributes: after the step every
-    replica holds the whole stage gradient, and adding them all would count it r times.
+    replica holds the whole stage gradient, and adding them all would count it r times;
+    and a parameter tied across stages is taken once (after the step every copy holds
+    the whole gradient).
     """
     mine: dict[str, torch.Tensor] = {}
     if plan is None or stage_of_rank(plan, comm.Get_rank())[1] == 0:
@@ -30,5 +32,8 @@ def gather_grads(graph: Graph, comm: Any, root: int = 0, plan: Plan | None = Non
     out: dict[str, torch.Tensor] = {}
     for part in parts:
         for k, v in part.items():
-            out[k] = out[k] + v if k in out else v
+            if k not in out:
+                out[k] = v
+            elif plan is None:
+                out[k] = out[k] + v
     return out

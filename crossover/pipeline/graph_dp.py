@@ -101,10 +101,11 @@ def _bridge_groups(m: int) -> list[int]:
 class StageCache:
     """Candidate stages' sums, which do not depend on the micro-batch size, so the DPs
     for several sizes share them: (kind, ...) -> (SP nodes, info), and the ids of the infos
-    of stages made only of graph inputs."""
+    of stages made only of graph inputs and of stages without parameters."""
 
     infos: dict[tuple, tuple[tuple[SPNode, ...], StageInfo]] = field(default_factory=dict)
     input_only: set[int] = field(default_factory=set)
+    untrained: set[int] = field(default_factory=set)
     sums: NodeSums | None = None
 
 
@@ -116,11 +117,13 @@ class GraphDP:
     node: a stage holding the series children just before P plus a group of P's branches,
     and/or a stage holding another group of P's branches plus the series children just
     after P, with P's remaining branches on their own devices between the two. A stage
-    made only of graph inputs is never formed (its inputs go with their consumers)."""
+    made only of graph inputs is never formed (its inputs go with their consumers), nor,
+    with `require_params`, one whose ops hold no parameters."""
 
     def __init__(self, pricer: StagePricer, tree: SPNode, devices: int, b: int, m: int,
                  replicate: bool, cache: StageCache | None = None,
-                 bound: float = float("inf")) -> None:
+                 bound: float = float("inf"), require_params: bool = False) -> None:
+        self.require_params = require_params
         self.p, self.tree, self.D, self.b, self.M = pricer, tree, devices, b, m
         # Branch and bound: a plan's estimate `critical path + (M - 1) * bottleneck` is at
         # least that of any part of it (both terms only grow as parts are composed), so a
@@ -136,6 +139,9 @@ class GraphDP:
             self.cache.sums = NodeSums(pricer)
         self.sums = self.cache.sums
         self.inputs = {n for n, op in pricer.graph.ops.items() if op.is_input}
+        # bit i: op i (the pricer's index) holds parameters
+        self.trained = sum(1 << i for n, i in pricer.index.items()
+                           if pricer.graph.ops[n].params) if require_params else 0
 
     def stage(self, key: tuple, nodes_fn) -> tuple[tuple[SPNode, ...], StageInfo]:
         """The stage made of the SP nodes `nodes_fn()` (cached under `key`)."""
@@ -145,6 +151,9 @@ class GraphDP:
             got = self.cache.infos[key] = (nodes, self.sums.info(nodes))
             if all(o in self.inputs for n in nodes for o in n.ops):
                 self.cache.input_only.add(id(got[1]))
+            if self.require_params and \
+                    not any(self.sums.node(n).mask & self.trained for n in nodes):
+                self.cache.untrained.add(id(got[1]))
         return got
 
     def run(self, node: SPNode, i: int, j: int) -> tuple[tuple[SPNode, ...], StageInfo]:
@@ -161,7 +170,8 @@ class GraphDP:
         """Add `nodes` as one stage (any replica count) in front of every plan in `rest`
         (None: nothing downstream inside this node). Prices exactly as
         `StagePricer.price` (the replica counts already divide the micro-batch)."""
-        if id(info) in self.cache.input_only:
+        if id(info) in self.cache.input_only or \
+                (self.require_params and id(info) in self.cache.untrained):
             return  # an input-only stage: a device and a hop for nothing
         k1, m, m1, bound = k + 1, self.M, self.M1, self.bound
         prices = self.priced(info)

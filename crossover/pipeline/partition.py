@@ -16,14 +16,20 @@ import time
 from collections.abc import Sequence
 
 from crossover.pipeline import finalists as final
-from crossover.pipeline.chain import chain_search, intervals
+from crossover.pipeline.chain import Intervals, chain_search, intervals
 from crossover.pipeline.graph import Graph
 from crossover.pipeline.graph_dp import GraphDP, StageCache, flatten_stages
 from crossover.pipeline.plan import PartitionError, Plan, Stage, make_plan
-from crossover.pipeline.pricing import StagePricer, evaluate, micro_batch_sizes, no_fit
+from crossover.pipeline.pricing import (
+    StagePricer,
+    evaluate,
+    has_parameters,
+    micro_batch_sizes,
+    no_fit,
+)
 from crossover.pipeline.profile import Costs, synthetic
 from crossover.pipeline.sequential import sequential_partition, sequential_shortlist
-from crossover.pipeline.sptree import coarsen, decompose
+from crossover.pipeline.sptree import SPNode, coarsen, decompose
 
 #: Cut positions of the chain plans the graph search also holds (all of them up to this
 #: many; beyond, `chain._thin` keeps the cheapest crossing of each stretch).
@@ -79,22 +85,48 @@ def graph_partition(graph: Graph, costs: Costs, devices: int, batch: int,
     tree, notes = decompose(graph)
     tree, cnotes = coarsen(tree, costs, max_children)
     notes += cnotes
-    sizes = micro_batches or micro_batch_sizes(batch)
+    sizes = list(micro_batches or micro_batch_sizes(batch))
+    chains = intervals(graph, costs, direct=True, max_cuts=CHAIN_CUTS)
+    pricer = StagePricer(graph, costs)
+    cache = StageCache()
+    plans: list[Plan] = []
+    # no stage without parameters (an optimizer over none fails) unless nothing else fits
+    for require in ([True, False] if has_parameters(graph) else [False]):
+        plans = _finalists(graph, costs, devices, batch, sizes, replicate, use_all, tree,
+                           chains, pricer, cache, require)
+        if plans:
+            break
+        if require:
+            notes.append("no plan without a stage that holds no parameters fits: "
+                         "such a stage trains nothing")
+    if not plans:
+        raise PartitionError(no_fit(costs, devices, batch))
+    # The estimate ranks plans within the searches; the simulator, which runs the
+    # schedule, decides between the finalists (on a tie the earlier, best estimated)
+    plan = final.fastest(graph, costs, plans, devices if replicate else None, use_all)
+    plan.notes, plan.search_s = notes, time.perf_counter() - t0
+    return plan
+
+
+def _finalists(graph: Graph, costs: Costs, devices: int, batch: int, sizes: Sequence[int],
+               replicate: bool, use_all: bool, tree: SPNode, chains: Intervals,
+               pricer: StagePricer, cache: StageCache, require_params: bool) -> list[Plan]:
+    """The plans `graph_partition` simulates: the chain DP's and the SP DP's estimated
+    near the least, and on graphs searched exactly the sequential DP's, sent direct."""
     # Chain plans first, priced as graph stages (tensors go straight to their readers):
     # the space then holds every sequential plan, a branch cut part-way included, and
     # they bound the series-parallel DP (as loosely as the shortlist reaches).
     chain_found: list[tuple[float, tuple[int, list]]] = []
-    chains = intervals(graph, costs, direct=True, max_cuts=CHAIN_CUTS)
     for b in sizes:
         chain_found += [(est, (b, stages)) for est, stages in
-                        chain_search(chains, costs, devices, b, batch // b, replicate, use_all)]
+                        chain_search(chains, costs, devices, b, batch // b, replicate,
+                                     use_all, require_params)]
     bound = min((f[0] for f in chain_found), default=math.inf) * (1 + final.SHORTLIST_SLACK)
     found: list[tuple[float, tuple[int, list]]] = []
-    pricer = StagePricer(graph, costs)
-    cache = StageCache()
     for b in sizes:
         m = batch // b
-        dp = GraphDP(pricer, tree, devices, b, m, replicate, cache, bound=bound)
+        dp = GraphDP(pricer, tree, devices, b, m, replicate, cache, bound=bound,
+                     require_params=require_params)
         for d, row in dp.solve(tree, 0).items():
             if use_all and d != devices:
                 continue
@@ -113,7 +145,7 @@ def graph_partition(graph: Graph, costs: Costs, devices: int, batch: int,
         # joins the finalists.
         try:
             seqs = sequential_shortlist(graph, costs, devices, batch, sizes, replicate,
-                                        use_all)
+                                        use_all, require_params)
         except PartitionError:
             seqs = []
         direct = [make_plan(graph, seq.stages, seq.micro_batch, seq.num_micro, "graph")
@@ -121,18 +153,12 @@ def graph_partition(graph: Graph, costs: Costs, devices: int, batch: int,
         for p in direct:
             bn, cr = evaluate(graph, costs, p, pricer)
             p.estimate = cr + (p.num_micro - 1) * bn
-        # a stage of graph inputs alone trains nothing (an optimizer over no parameters
-        # fails): such plans only when nothing else fits
+        # a stage of graph inputs alone trains nothing: such plans only when nothing
+        # else fits
         trains = [p for p in direct
                   if not any(all(graph.ops[o].is_input for o in st.ops) for st in p.stages)]
         plans += trains if trains or plans else direct
-    if not plans:
-        raise PartitionError(no_fit(costs, devices, batch, graph))
-    # The estimate ranks plans within the searches; the simulator, which runs the
-    # schedule, decides between the finalists (on a tie the earlier, best estimated)
-    plan = final.fastest(graph, costs, plans, devices if replicate else None, use_all)
-    plan.notes, plan.search_s = notes, time.perf_counter() - t0
-    return plan
+    return plans
 
 
 def parameter_costs(graph: Graph) -> Costs:

@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from crossover.pipeline.graph import Graph
-from crossover.pipeline.ties import split_ties
 
 
 class PartitionError(ValueError):
@@ -95,9 +94,8 @@ def make_plan(graph: Graph, stages: Sequence[Stage], micro_batch: int, num_micro
         The plan.
 
     Raises:
-        PartitionError: ops missing or in two stages, ops that share a parameter in
-            different stages (tied weights), or the stages depend on each other in a
-            cycle.
+        PartitionError: ops missing or in two stages, or the stages depend on each
+            other in a cycle.
     """
     where: dict[str, int] = {}
     for i, st in enumerate(stages):
@@ -108,11 +106,6 @@ def make_plan(graph: Graph, stages: Sequence[Stage], micro_batch: int, num_micro
     missing = [n for n in graph.ops if n not in where]
     if missing:
         raise PartitionError(f"ops {missing[:5]} are in no stage: every op needs one")
-    ties = split_ties(graph, where)
-    if ties:  # each stage would train its own copy of the parameter: they would drift
-        raise PartitionError(f"{'; '.join(ties)}: ops that share a parameter must be in one "
-                             f"stage (with every op between them), or each stage trains "
-                             f"its own copy and they drift apart; move them into one stage")
     pos = {n: i for i, n in enumerate(graph.ops)}
     stages = [Stage(tuple(sorted(s.ops, key=pos.__getitem__)), s.replicas) for s in stages]
     if kind == "graph":

@@ -14,7 +14,6 @@ import numpy as np
 from crossover.pipeline.graph import Graph
 from crossover.pipeline.plan import Plan
 from crossover.pipeline.profile import Costs
-from crossover.pipeline.ties import describe_ties
 
 
 @dataclass(frozen=True)
@@ -161,9 +160,14 @@ def replica_counts(d: int, b: int, replicate: bool) -> list[int]:
     return [r for r in range(1, d + 1) if b % r == 0]
 
 
-def no_fit(costs: Costs, devices: int, batch: int, graph: Graph | None = None) -> str:
-    """The message when no plan fits: what to relax (and, where `graph` has tied
-    weights, that they bound how finely it can be cut)."""
+def has_parameters(graph: Graph) -> bool:
+    """Whether any op holds parameters: the searches then avoid stages without any
+    (an optimizer over no parameters fails), unless nothing else fits."""
+    return any(op.params for op in graph.ops.values())
+
+
+def no_fit(costs: Costs, devices: int, batch: int) -> str:
+    """The message when no plan fits: what to relax."""
     if math.isinf(costs.memory):  # nothing to fit: too few ops for a stage per device
         msg = (f"no partition of the model has a stage on each of {devices} devices: use "
                f"fewer devices, or let the search leave some out (use_all=False)")
@@ -171,7 +175,4 @@ def no_fit(costs: Costs, devices: int, batch: int, graph: Graph | None = None) -
         msg = (f"no partition of the model over {devices} devices fits {costs.memory:.3g} "
                f"bytes per device at batch {batch}: raise the memory limit, add devices, "
                f"or use smaller micro-batches")
-    ties = describe_ties(graph) if graph is not None else ""
-    if ties:
-        msg += f"; {ties}: fewer stages, or untie the weights"
     return msg

@@ -20,6 +20,8 @@ non-replicated neighbour scatters and gathers shards and replicated neighbours e
 matching ranges. Each replica weights its loss by its share of the micro-batch, so its
 parameter gradients are its part of the single-process sum; at the end of the step the
 replicas sum them with an MPI allreduce over one communicator per replicated stage.
+A parameter tied across stages (a copy on each) is summed over every rank holding a
+copy instead (`ties`), so the copies stay equal.
 
 Where stages run and how replicas split a micro-batch is `placement`, the messages'
 tags are `tags`, and the command line is `python -m crossover.pipeline` (`__main__`).
@@ -50,7 +52,8 @@ from crossover.pipeline.schedule import (
     ScheduleError,
 )
 from crossover.pipeline.tags import check_tags, edge_tensor_ids, message_tag, tag_upper_bound
-from crossover.pipeline.waits import InFlight, abandon, host_spin_budget, wait_requests
+from crossover.pipeline.ties import gradient_groups, group_comms, sum_gradients
+from crossover.pipeline.waits import InFlight, host_spin_budget, wait_requests
 from crossover.protocol import Phase
 
 Feeds = Callable[[int], Mapping[str, torch.Tensor]]
@@ -119,6 +122,19 @@ class StageRunner:
         if self.replicas > 1 and self.replica_comm is None:
             raise ValueError(f"stage {stage} has {self.replicas} replicas but no "
                              f"communicator was given for them")
+        # the sums at the end of a step: the replicas' and the tied copies' (`ties`)
+        self.grad_groups = gradient_groups(graph, plan, stage, list(self.params))
+        given = {tuple(plan.devices_of(stage)): self.replica_comm} if self.replica_comm \
+            else {}
+        self.grad_comms = group_comms(self.grad_groups, comm, given)
+        self._made = [c for r, c in self.grad_comms.items() if r not in given]
+
+    def close(self) -> None:
+        """Free the communicators this runner made for tied copies' gradient sums (a
+        re-plan builds a new runner; the replicas' communicator is its maker's)."""
+        for c in self._made:
+            c.Free()
+        self._made = []
 
     def _check_split(self) -> None:
         """Shards are rows of the batch dimension: refuse what cannot be split that way
@@ -292,8 +308,12 @@ class StageRunner:
             clock = self._spend(a.kind.value, clock)
         self.inflight.wait(self.timeout, self.spin_s)  # every send received
         clock = self._spend("drain", clock)
-        if self.replicas > 1:
-            self._sum_replica_grads()
+        # frozen parameters are left out of the sums (alike on every rank)
+        groups = [(r, live) for r, names in self.grad_groups
+                  if (live := tuple(n for n in names if self.params[n].requires_grad))]
+        if groups:
+            sum_gradients(self.params, groups, self.grad_comms, self.timeout, self._who(),
+                          self.spin_s)
             self._spend("allreduce", clock)
         if self.client is not None:
             # a step boundary, as a Horovod step's end: counted, and the device kept for
@@ -307,42 +327,6 @@ class StageRunner:
         now = time.perf_counter()
         self.spent[kind] = self.spent.get(kind, 0.0) + now - since
         return now
-
-    def _sum_replica_grads(self) -> None:
-        """Sum this stage's parameter gradients over its replicas (MPI, in place).
-
-        Each replica holds the gradient of its weighted share of the loss, so the sum
-        (not the mean) is the whole batch's. Parameters are taken in name order and
-        packed into one buffer per dtype, so all replicas submit the same allreduces;
-        a missing gradient is a zero one so that no replica skips a tensor the others
-        send.
-        """
-        from mpi4py import MPI
-
-        names = sorted(n for n, p in self.params.items() if p.requires_grad)  # not frozen
-        for n in names:
-            p = self.params[n]
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for n in names:
-            by_dtype.setdefault(self.params[n].grad.dtype, []).append(self.params[n].grad)
-        for dtype in sorted(by_dtype, key=str):
-            grads = by_dtype[dtype]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            req = self.replica_comm.Iallreduce(MPI.IN_PLACE, flat.numpy(), op=MPI.SUM)
-            try:
-                wait_requests([req], self.timeout,
-                              f"{self._who()}: the gradient allreduce of {len(grads)} "
-                              f"parameters with its replicas on ranks "
-                              f"{self.plan.devices_of(self.s)}", self.spin_s)
-            except BaseException:  # a timeout, an interrupt, an MPI error while polling
-                abandon(req, flat)  # a collective cannot be cancelled: keep its memory
-                raise
-            at = 0
-            for g in grads:
-                g.copy_(flat[at:at + g.numel()].view_as(g))
-                at += g.numel()
 
     def frozen_stages(self) -> set[int]:
         """Stages whose backward would do nothing: every parameter frozen and every

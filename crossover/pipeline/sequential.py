@@ -1,9 +1,8 @@
 """The sequential baseline (PipeDream-style): stages are intervals of a topological
 order, forming a chain; a tensor crossing several cuts travels through every stage in
 between (one message per tensor and hop). Priced by the same `StagePricer` terms as the
-graph partitioner (`chain.intervals`, vectorised with numpy). The order is that of
-`ties.units`, and cuts fall only between units, so ops that share a parameter (tied
-weights) always share a stage.
+graph partitioner (`chain.intervals`, vectorised with numpy). Ops that share a
+parameter (tied weights) may fall on different stages: each holds a copy (`ties`).
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from crossover.pipeline.chain import chain_search, intervals
 from crossover.pipeline.finalists import fastest, shortlist
 from crossover.pipeline.graph import Graph
 from crossover.pipeline.plan import PartitionError, Plan, Stage, make_plan
-from crossover.pipeline.pricing import micro_batch_sizes, no_fit
+from crossover.pipeline.pricing import has_parameters, micro_batch_sizes, no_fit
 from crossover.pipeline.profile import Costs
 
 #: Cut positions the baseline searches exactly; beyond, `chain._thin` picks this many.
@@ -36,8 +35,8 @@ def sequential_partition(graph: Graph, costs: Costs, devices: int, batch: int,
         the least, with replica counts dealt again (`finalists.fastest`).
 
     Raises:
-        PartitionError: nothing fits the memory limit, or (with `use_all`) tied ops
-            leave fewer units than stages.
+        PartitionError: nothing fits the memory limit, or (with `use_all`) the graph
+            has fewer ops than stages.
     """
     t0 = time.perf_counter()
     plans = sequential_shortlist(graph, costs, devices, batch, micro_batches, replicate,
@@ -49,16 +48,24 @@ def sequential_partition(graph: Graph, costs: Costs, devices: int, batch: int,
 
 def sequential_shortlist(graph: Graph, costs: Costs, devices: int, batch: int,
                          micro_batches: Sequence[int] | None = None, replicate: bool = True,
-                         use_all: bool = False) -> list[Plan]:
+                         use_all: bool = False, require_params: bool | None = None
+                         ) -> list[Plan]:
     """The sequential plans estimated near the least (`finalists.shortlist`), least
-    estimate first. Args and raises: as `sequential_partition`."""
+    estimate first. Args and raises: as `sequential_partition`; require_params: every
+    stage holds parameters (None: where the graph has any, unless nothing else fits).
+    """
     iv = intervals(graph, costs, direct=False, max_cuts=MAX_CUTS)
-    found = []
-    for b in micro_batches or micro_batch_sizes(batch):
-        found += [(est, (b, stages)) for est, stages in
-                  chain_search(iv, costs, devices, b, batch // b, replicate, use_all)]
+    found: list = []
+    for require in ([require_params] if require_params is not None
+                    else [True, False] if has_parameters(graph) else [False]):
+        for b in micro_batches or micro_batch_sizes(batch):
+            found += [(est, (b, stages)) for est, stages in
+                      chain_search(iv, costs, devices, b, batch // b, replicate, use_all,
+                                   require)]
+        if found:
+            break
     if not found:
-        raise PartitionError(no_fit(costs, devices, batch, graph))
+        raise PartitionError(no_fit(costs, devices, batch))
     plans = []
     for est, (b, stages) in shortlist(found):
         plans.append(make_plan(graph, [Stage(ops, r) for ops, r in stages], b, batch // b,

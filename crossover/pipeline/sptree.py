@@ -5,9 +5,6 @@ components, and in *series* at its bottleneck ops (ops every other op of the set
 or is reached from). Ancestor sets are Python-int bitsets, so a 1000-op graph decomposes
 in milliseconds.
 
-Ops that share a parameter (tied weights) must share a stage, so the tree is built over
-`ties.units`: a tied unit is one leaf, and no stage the search forms can split it.
-
 A connected set without a bottleneck is not series-parallel. It is cut at the
 topological position crossed by the fewest edges and the two parts are treated as in
 series: the search then never puts ops of both parts in parallel branches (it loses
@@ -21,7 +18,6 @@ from dataclasses import dataclass, field
 
 from crossover.pipeline.graph import Graph
 from crossover.pipeline.profile import Costs
-from crossover.pipeline.ties import units
 
 
 @dataclass(eq=False)
@@ -52,9 +48,7 @@ def decompose(graph: Graph) -> tuple[SPNode, list[str]]:
     Returns:
         (tree, notes): notes name every non-series-parallel part and how it was cut.
     """
-    # the DAG of units: a tied unit contracted to one node (closed under paths, so
-    # still acyclic); `order[v]` names unit v by its first op
-    groups = units(graph)
+    groups = [(o,) for o in graph.order()]
     order = [u[0] for u in groups]
     idx = {n: v for v, u in enumerate(groups) for n in u}
     preds = [sorted({idx[s] for n in u for s in graph.ops[n].inputs} - {v})

@@ -1,23 +1,34 @@
-"""Tied weights: parameters that several ops share, and the units no partition may cut.
+"""Tied weights: a parameter several ops share, a copy on each stage that runs one.
 
-A language model's embedding and output layer often share one weight. A pipeline stage
-trains its own copy of the parameters its ops hold, so ops that share a parameter must
-run in one stage: split over two, each copy gets only its op's part of the gradient, the
-copies drift apart, and a checkpoint keeps whichever copy it reads last. Stages also form
-a DAG, so every op on a path between two tied ops must be in that stage too (else the
-stage would feed a stage that feeds it back).
+A language model's embedding and output layer often share one weight
+(`head.weight = embed.weight`). As Megatron places a tied embedding, the ops that share
+a parameter may sit on different stages: each of those stages holds its own copy (every
+rank built the same model), the copies start equal (the trainer copies the first
+holder's to the others, `PipelineTrainer`), and after each step's backward the holders
+sum their parts of the gradient over a communicator of exactly their ranks, so every
+copy takes the same update and training equals one process.
 
-So the partitioners cut *units*, not ops: each tied group closed under such paths is one
-unit, every other op is a unit of its own, and `units` lists them in an order in which
-each unit's ops are contiguous and topological. `make_plan` refuses any plan that splits
-a shared parameter's ops (`split_ties`), whoever made it.
+The sums of a step are the *gradient groups* of a rank (`gradient_groups`): a set of
+ranks and the parameters whose gradients they sum. A replicated stage's replicas sum
+their stage's untied parameters; a tied parameter is summed once over every rank of
+every stage holding it, each replica contributing its own share, so nothing is counted
+twice. Groups are taken in one order on every rank (sorted by their ranks), so
+overlapping groups cannot wait on each other.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-from crossover.pipeline.graph import Graph, stable_order
+import torch
+
+from crossover.pipeline.graph import Graph
+from crossover.pipeline.plan import Plan
+from crossover.pipeline.waits import abandon, wait_requests
+
+#: (ranks that sum, parameter names they sum), as `gradient_groups` gives them
+Group = tuple[tuple[int, ...], tuple[str, ...]]
 
 
 def shared_parameters(graph: Graph) -> dict[str, tuple[str, ...]]:
@@ -43,113 +54,135 @@ def shared_parameters(graph: Graph) -> dict[str, tuple[str, ...]]:
     return {names[k]: tuple(ops) for k, ops in holders.items() if len(ops) > 1}
 
 
-def tied_units(graph: Graph) -> list[tuple[str, ...]]:
-    """The op sets that must share one stage: the ops of each shared parameter with
-    every op on a path between them, merged where they overlap.
+def tied_copies(graph: Graph, plan: Plan) -> dict[str, tuple[int, ...]]:
+    """Each parameter that `plan` puts on more than one stage, with the ranks holding a
+    copy (every replica of every stage that runs one of its ops).
 
     Args:
-        graph: the graph.
+        graph: the graph the plan covers.
+        plan: the plan.
 
     Returns:
-        The units of more than one op, each in topological order, ordered by first op.
+        {parameter name: sorted ranks}, only for parameters on two stages or more.
     """
-    shared = shared_parameters(graph)
-    if not shared:
-        return []
-    order = graph.order()
-    idx = {n: i for i, n in enumerate(order)}
-    # ancestor / descendant bitsets: the ops between two tied ops are desc(a) & anc(b)
-    anc = [0] * len(order)
-    for v, n in enumerate(order):
-        for s in graph.ops[n].inputs:
-            anc[v] |= anc[idx[s]] | (1 << idx[s])
-    desc = [0] * len(order)
-    for v in reversed(range(len(order))):
-        for s in graph.succ[order[v]]:
-            desc[v] |= desc[idx[s]] | (1 << idx[s])
-    groups = [sum(1 << idx[o] for o in ops) for ops in shared.values()]
-    while True:  # a hull may reach into another group: merge, close again, until stable
-        merged: list[int] = []
-        for h in (_hull(g, anc, desc) for g in groups):
-            for i, m in enumerate(merged):
-                if m & h:
-                    merged[i] = m | h
-                    break
-            else:
-                merged.append(h)
-        if merged == groups:
-            break
-        groups = merged
-    out = [tuple(order[v] for v in range(len(order)) if g >> v & 1) for g in groups]
-    return sorted(out, key=lambda u: idx[u[0]])
-
-
-def _hull(mask: int, anc: list[int], desc: list[int]) -> int:
-    """`mask` with every op that is both below one of its ops and above another."""
-    below = above = 0
-    v, m = 0, mask
-    while m:
-        if m & 1:
-            below |= desc[v]
-            above |= anc[v]
-        m >>= 1
-        v += 1
-    return mask | (below & above)
-
-
-def units(graph: Graph) -> list[tuple[str, ...]]:
-    """Every op in exactly one unit (tied units whole, other ops alone), the units in a
-    topological order of the graph with each unit contracted to one node.
-
-    Contracting a unit that is closed under paths leaves a DAG, so the order exists; it
-    follows the graph's own order where it can (each unit placed by its first op), so a
-    graph without ties gives `[(op,) for op in graph.order()]`.
-
-    Args:
-        graph: the graph.
-
-    Returns:
-        The units, in order; concatenated they are a topological order of the ops.
-    """
-    order = graph.order()
-    pos = {n: i for i, n in enumerate(order)}
-    unit_of = {n: (n,) for n in order}
-    for u in tied_units(graph):
-        for n in u:
-            unit_of[n] = u
-    preds: dict[tuple[str, ...], set[tuple[str, ...]]] = {}
-    for n in order:
-        u = unit_of[n]
-        preds.setdefault(u, set()).update(unit_of[s] for s in graph.ops[n].inputs)
-        preds[u].discard(u)
-    return stable_order(preds, lambda u: pos[u[0]])
-
-
-def split_ties(graph: Graph, where: Mapping[str, int]) -> list[str]:
-    """Each shared parameter whose ops `where` puts in different stages, described.
-
-    Args:
-        graph: the graph.
-        where: op name -> stage index (ops missing from it are ignored).
-
-    Returns:
-        One line per split parameter naming it, its ops and their stages; empty if none.
-    """
-    out = []
+    where = {o: s for s, st in enumerate(plan.stages) for o in st.ops}
+    out: dict[str, tuple[int, ...]] = {}
     for pname, ops in shared_parameters(graph).items():
-        stages = {where[o] for o in ops if o in where}
+        stages = sorted({where[o] for o in ops if o in where})
         if len(stages) > 1:
-            placed = ", ".join(f"{o!r} (stage {where[o]})" for o in ops if o in where)
-            out.append(f"parameter {pname!r} is shared by ops {placed}")
+            out[pname] = tuple(sorted(r for s in stages for r in plan.devices_of(s)))
     return out
 
 
-def describe_ties(graph: Graph) -> str:
-    """The tied units in a sentence, for messages that explain a search's limits
-    (empty when the graph has none)."""
-    shared = shared_parameters(graph)
-    if not shared:
-        return ""
-    parts = [f"{p!r} ({', '.join(ops)})" for p, ops in list(shared.items())[:4]]
-    return (f"ops that share a parameter stay in one stage with every op between them "
-            f"({'; '.join(parts)}), which leaves {len(units(graph))} units to cut")
+def gradient_groups(graph: Graph, plan: Plan, stage: int,
+                    trainable: Sequence[str]) -> list[Group]:
+    """The gradient sums a rank of `stage` takes part in at the end of a step.
+
+    Args:
+        graph: the graph the plan covers.
+        plan: the plan.
+        stage: the rank's stage.
+        trainable: the names of the stage's parameters that train (frozen ones are
+            left out on every rank alike: freezing is decided alike).
+
+    Returns:
+        [(ranks, parameter names)], sorted by ranks: the stage's replicas with its
+        untied parameters (if it is replicated and has any), then one group per set of
+        ranks holding tied copies. Every member of a group computes the same group.
+    """
+    tied = tied_copies(graph, plan)
+    mine = set(trainable)
+    by_ranks: dict[tuple[int, ...], list[str]] = {}
+    for pname, ranks in tied.items():
+        if pname in mine:
+            by_ranks.setdefault(ranks, []).append(pname)
+    own = sorted(n for n in mine if n not in tied)
+    devices = tuple(plan.devices_of(stage))
+    if len(devices) > 1 and own:
+        by_ranks.setdefault(devices, []).extend(own)
+    return [(ranks, tuple(sorted(names))) for ranks, names in sorted(by_ranks.items())]
+
+
+def group_comms(groups: Sequence[Group], comm: Any,
+                given: Mapping[tuple[int, ...], Any] | None = None) -> dict[tuple[int, ...], Any]:
+    """A communicator for each group's ranks (collective over each group's members
+    only, in the groups' order, which every member shares).
+
+    Args:
+        groups: this rank's groups (`gradient_groups`).
+        comm: the communicator the ranks are numbered in.
+        given: communicators made elsewhere, by ranks (a replicated stage's).
+
+    Returns:
+        {ranks: communicator}; the ones made here are the caller's to `Free`.
+    """
+    out: dict[tuple[int, ...], Any] = {}
+    for ranks, _names in groups:
+        if given and ranks in given:
+            out[ranks] = given[ranks]
+        else:
+            out[ranks] = comm.Create_group(comm.Get_group().Incl(list(ranks)))
+    return out
+
+
+def sum_gradients(params: Mapping[str, torch.Tensor], groups: Sequence[Group],
+                  comms: Mapping[tuple[int, ...], Any], timeout: float, who: str,
+                  spin_s: float = 0.0) -> None:
+    """Sum each group's parameter gradients over its ranks (MPI, in place).
+
+    Each member holds the gradient of its part of the loss (its ops, its share of the
+    rows), so the sum (not the mean) is the whole batch's. Parameters are packed into
+    one buffer per dtype in name order, so every member submits the same allreduces; a
+    missing gradient is a zero one, so no member skips a tensor the others send.
+
+    Args:
+        params: name -> this rank's tensor for every name in the groups.
+        groups: the groups, in the order every member takes them.
+        comms: ranks -> communicator, for each group.
+        timeout: seconds each allreduce may take.
+        who: this rank in words, for a timeout's message.
+        spin_s: how long a wait polls back to back (`waits`).
+
+    Raises:
+        TimeoutError: a sum did not finish in time (it names the ranks and parameters).
+    """
+    from mpi4py import MPI
+
+    for ranks, names in groups:
+        for n in names:
+            if params[n].grad is None:
+                params[n].grad = torch.zeros_like(params[n])
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for n in names:
+            by_dtype.setdefault(params[n].grad.dtype, []).append(params[n].grad)
+        for dtype in sorted(by_dtype, key=str):
+            grads = by_dtype[dtype]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            req = comms[ranks].Iallreduce(MPI.IN_PLACE, flat.numpy(), op=MPI.SUM)
+            what = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3
+                                            else "")
+            try:
+                wait_requests([req], timeout, f"{who}: the gradient sum of {what} with "
+                              f"ranks {list(ranks)}", spin_s)
+            except BaseException:  # a timeout, an interrupt, an MPI error while polling
+                abandon(req, flat)  # a collective cannot be cancelled: keep its memory
+                raise
+            at = 0
+            for g in grads:
+                g.copy_(flat[at:at + g.numel()].view_as(g))
+                at += g.numel()
+
+
+def split_ties(graph: Graph, where: Mapping[str, int]) -> list[str]:
+    """The tied parameters a placement cannot train: none, since every stage holding a
+    tied parameter keeps a copy and the copies' gradients are summed. Kept for the
+    callers that check a plan before running it.
+
+    Args:
+        graph: the graph; where: op name -> stage index.
+
+    Returns:
+        An empty list.
+    """
+    del graph, where
+    return []

@@ -32,7 +32,6 @@ layers freeze (`repartition`, or `repartition=True` after every freeze decision)
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -50,8 +49,6 @@ from crossover.freeze import (
     reads_gradients,
 )
 from crossover.freeze.cache import FrozenPrefix
-from crossover.freeze.migrate import State, optimizer_state
-from crossover.freeze.repartition import Repartitioning
 from crossover.pipeline.graph import Graph
 from crossover.pipeline.partition import plan_for
 from crossover.pipeline.placement import (
@@ -64,6 +61,13 @@ from crossover.pipeline.plan import Plan
 from crossover.pipeline.profile import Costs
 from crossover.pipeline.runner import StageRunner, output_shapes
 from crossover.pipeline.schedule import schedule_for
+from crossover.pipeline.train_checks import (
+    check_freeze_signal,
+    check_rows,
+    check_settings,
+    warn_empty_stages,
+)
+from crossover.pipeline.trainer_state import Checkpoints, TiedRepartitioning, sync_tied
 from crossover.pipeline.waits import from_rank_0
 from crossover.protocol import Phase
 
@@ -74,7 +78,7 @@ OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
 
 
-class PipelineTrainer(Repartitioning):
+class PipelineTrainer(Checkpoints, TiedRepartitioning):
     """A model cut into pipeline stages over the ranks of `comm`; this rank runs one.
 
     Args:
@@ -153,9 +157,9 @@ class PipelineTrainer(Repartitioning):
             from mpi4py import MPI
 
             comm = MPI.COMM_WORLD
-        _check_settings(model, batch, num_micro, optimizer, scheduler, freeze_every,
-                        freeze_sample_every, repartition, cache_frozen)
-        _check_freeze_signal(freeze_every, freeze_signal, freeze_loss_gate)
+        check_settings(model, batch, num_micro, optimizer, scheduler, freeze_every,
+                       freeze_sample_every, repartition, cache_frozen)
+        check_freeze_signal(freeze_every, freeze_signal, freeze_loss_gate, TRACKERS)
         self.model, self.loss_fn, self.comm = model, loss_fn, comm
         self.batch, self.num_micro, self.timeout = batch, num_micro, timeout
         self.partitioner, self.schedule, self.costs = partitioner, schedule, costs
@@ -184,13 +188,19 @@ class PipelineTrainer(Repartitioning):
         self.repartitions: list[tuple[int, str]] = []  # (after step, new plan)
         self.steps = 0
         self._interval_loss = 0.0  # this rank's part of the interval's loss (a loss gate)
+        warn_empty_stages(self.graph, plan, comm.Get_size(), optimizer is not None)
+        self.runner = None
         self._build(plan)
+        # tied copies start equal even where the ranks' seeds differed
+        sync_tied(self.graph, plan, comm, self.optimizer, timeout)
 
     def _build(self, plan: Plan) -> None:
         """This rank's stage of `plan`: runner, gradient tracker, optimizer. A rank past
         the plan's devices is spare: no stage (`stage` None), no runner, no work but
         the collectives; with slots its device goes to the jobs it shares with."""
         self.plan = plan
+        if self.runner is not None:
+            self.runner.close()
         self.stage = self.replica = self.runner = None
         ops: tuple[str, ...] = ()
         if self.comm.Get_rank() < plan.devices:
@@ -238,7 +248,7 @@ class PipelineTrainer(Repartitioning):
         if set(inputs) != set(self.graph.inputs):
             raise ValueError(f"the inputs are named {sorted(inputs)} but the model's traced "
                              f"forward takes {sorted(self.graph.inputs)}: name them so")
-        _check_rows(inputs, self.batch)
+        check_rows(inputs, self.batch)
 
     @property
     def run_graph(self) -> Graph:
@@ -247,8 +257,17 @@ class PipelineTrainer(Repartitioning):
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's stage's parameters: give them to the optimizer (they change when
-        the trainer re-partitions)."""
+        the trainer re-partitions). Empty on a stage without parameters (the trainer
+        warned at construction, `EmptyStageWarning`) and on a spare rank: torch.optim
+        refuses an empty list, so build an optimizer only where `has_parameters`, or
+        pass `optimizer=` and let the trainer build them."""
         return iter(self.runner.params.values() if self.runner else ())
+
+    @property
+    def has_parameters(self) -> bool:
+        """Whether this rank's stage holds parameters (an optimizer over
+        `parameters()` can be built)."""
+        return bool(self.runner and self.runner.params)
 
     def release_device(self) -> None:
         """Give this rank's device slot up until the next step (which takes it again).
@@ -300,7 +319,7 @@ class PipelineTrainer(Repartitioning):
         if self.needs_target:
             if target is None:
                 raise ValueError(f"stage {self.stage} holds the output: pass the target")
-            _check_rows({"target": target}, self.batch)
+            check_rows({"target": target}, self.batch)
 
         def feeds(m: int) -> dict[str, torch.Tensor]:
             if not self.needs_inputs:
@@ -351,98 +370,3 @@ class PipelineTrainer(Repartitioning):
         self.tracker.forget(decision.layers)
         self.freeze_log.append(decision)
         return decision
-
-    def optimizer_state(self) -> State:
-        """The whole model's optimizer state by parameter name, on every rank (each
-        from the first replica of the stage that trains it; copies). Collective."""
-        mine: State = {}
-        if self.replica == 0:
-            mine = {n: {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
-                        for k, v in s.items()}
-                    for n, s in optimizer_state(self.optimizer,
-                                                self.graph.parameters()).items()}
-        out: State = {}
-        for part in self.comm.allgather(mine):
-            out.update(part)
-        return out
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's state on every rank: each parameter and each op's buffer
-        (running statistics) from the first replica of the stage that holds it, other
-        buffers from this rank's copy. It loads into the unpipelined model.
-        Collective: every rank calls it."""
-        mine = {}
-        if self.replica == 0:
-            held = dict(self.runner.params)
-            for o in self.plan.stages[self.stage].ops:  # running statistics
-                held.update(self.run_graph.ops[o].buffers)
-            if self.prefix is not None and self.needs_inputs:  # the cut-off front's
-                held.update(self.prefix.tensors)
-            mine = {k: p.detach().clone() for k, p in held.items()}
-        trained: dict[str, torch.Tensor] = {}
-        for part in self.comm.allgather(mine):
-            trained.update(part)
-        return {k: trained.get(k, v.detach().clone())
-                for k, v in self.model.state_dict().items()}
-
-    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Restore the whole model (as `state_dict` or the unpipelined model gave it)."""
-        self.model.load_state_dict(state)
-
-
-def _check_freeze_signal(freeze_every: int | None, freeze_signal: str,
-                         freeze_loss_gate: float | None) -> None:
-    """Raise ValueError, naming the fix, for a freezing signal or gate that cannot work."""
-    if freeze_signal not in TRACKERS:
-        raise ValueError(f"freeze_signal={freeze_signal!r}: give one of {', '.join(TRACKERS)}")
-    for name, value, default in (("freeze_signal", freeze_signal, "gradient"),
-                                 ("freeze_loss_gate", freeze_loss_gate, None)):
-        if freeze_every is None and value != default:
-            raise ValueError(f"{name}={value!r} sets the freezing criterion: pass "
-                             f"freeze_every too")
-
-
-def _check_settings(model: nn.Module, batch: int, num_micro: int,
-                    optimizer: OptimizerFactory | None, scheduler: SchedulerFactory | None,
-                    freeze_every: int | None, freeze_sample_every: int | None,
-                    repartition: bool, cache_frozen: bool) -> None:
-    """Raise ValueError, naming the fix, for settings that cannot work together."""
-    if batch % num_micro:
-        raise ValueError(f"{num_micro} micro-batches do not divide the batch of {batch}")
-    for name, value in (("freeze_every", freeze_every),
-                        ("freeze_sample_every", freeze_sample_every)):
-        if value is not None and (not isinstance(value, numbers.Integral)
-                                  or isinstance(value, bool) or value < 1):
-            raise ValueError(f"{name}={value!r}: give 1 or more steps")
-    if freeze_sample_every is not None:
-        if freeze_every is None:
-            raise ValueError(f"freeze_sample_every={freeze_sample_every} samples the "
-                             f"freezing criterion's intervals: pass freeze_every too")
-        if freeze_sample_every > freeze_every:
-            raise ValueError(f"freeze_sample_every={freeze_sample_every} exceeds "
-                             f"freeze_every={freeze_every}: every interval would read one "
-                             f"step; give at most {freeze_every}")
-    if repartition and (optimizer is None or freeze_every is None):
-        raise ValueError("repartition=True needs optimizer=<factory> (the trainer "
-                         "rebuilds the optimizer over each new stage) and freeze_every")
-    if scheduler is not None and optimizer is None:
-        raise ValueError("scheduler=<factory> is built over the trainer's optimizer: pass "
-                         "optimizer=<factory> too")
-    if cache_frozen and not repartition:
-        raise ValueError("cache_frozen=True re-plans the model without its frozen front:"
-                         " pass repartition=True (with optimizer= and freeze_every=)")
-    batch_stats = [n for n, m in model.named_modules()
-                   if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
-    if cache_frozen and batch_stats:
-        raise ValueError(f"cache_frozen=True caches the frozen front's output per sample,"
-                         f" but batch norm in training mode mixes the samples of a batch "
-                         f"({', '.join(batch_stats[:3])}): train without cache_frozen, "
-                         f"or use a per-sample norm (GroupNorm, LayerNorm)")
-
-
-def _check_rows(tensors: Mapping[str, torch.Tensor], batch: int) -> None:
-    for name, t in tensors.items():
-        if t.shape[0] != batch:
-            raise ValueError(f"{name} has {t.shape[0]} rows, not the batch of {batch}: "
-                             f"give every step a whole batch (drop the last partial one)")
-
