@@ -253,8 +253,8 @@ def test_a_job_that_links_two_groups_merges_them_and_its_departure_splits_them()
 def test_a_node_new_to_a_decided_group_is_told_its_mode():
     lead, peers, clock = deciding_leader(3)
     join_and_step(lead, "A", [0])
-    join_and_step(lead, "B", [0])  # a probe starts: concurrent first
+    join_and_step(lead, "B", [0])  # a probe starts: antiphase first (no profiles yet)
     peers.sent.clear()
     lead.handle(2, ("join", "A"))
-    assert (2, ("mode", "concurrent", lead.snapshot()["0"]["reason"], {"A": 0, "B": 0})) \
+    assert (2, ("mode", "antiphase", lead.snapshot()["0"]["reason"], {"A": 0, "B": 0})) \
         in peers.sent

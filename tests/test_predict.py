@@ -143,18 +143,17 @@ def test_jobs_without_profiles_are_profiled_in_antiphase_first():
     ctl = ModeController(FakeClock())
     got = simulate(ctl, ctl.clock, {"a": {A: 8.0, C: 6.0}, "b": {A: 8.0, C: 6.0}}, until=10.0,
                    profiles={"a": ms(40, 40), "b": ms(45, 35)})
-    # (served in antiphase from the start: the decision is the only news)
-    assert [m for _, m in got] == ["antiphase"], got
+    assert [m for _, m in got] == ["antiphase", "antiphase"], got  # the probe, the decision
     assert ctl.state == "hold" and ctl.reason.startswith(
         "profiled in antiphase: antiphase at most 1.4"), ctl.reason
-    assert got[0][0] < 3.5, "decided after one antiphase window (8 settling steps, 2 s)"
+    assert got[1][0] < 3.5, "decided after one antiphase window (8 settling steps, 2 s)"
 
 
 def test_a_close_profile_measures_the_other_mode_too():
     ctl = ModeController(FakeClock())
     got = simulate(ctl, ctl.clock, {"a": {A: 8.0, C: 7.0}, "b": {A: 8.0, C: 7.0}}, until=10.0,
                    profiles={"a": ms(81, 25), "b": ms(81, 25)})  # 1.15x at most
-    assert [m for _, m in got] == ["concurrent", "antiphase"], got
+    assert [m for _, m in got] == ["antiphase", "concurrent", "antiphase"], got
     assert ctl.state == "hold" and ctl.reason.startswith("antiphase 1.14x concurrent"), \
         ctl.reason
 

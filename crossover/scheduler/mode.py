@@ -163,9 +163,7 @@ class ModeController:
             if w is not None:
                 w.note(job, steps, now)
         if self._note_profile(job, steps, profile) and self._prediction is not None:
-            switches = self._repredict(f"job {job}'s first profile")
-            if switches is not None:
-                return switches
+            return self._repredict(f"job {job}'s first profile") or self._advance()
         return self._advance()
 
     def leave(self, job: str) -> list[ModeSwitch]:
@@ -268,7 +266,9 @@ class ModeController:
         self._prediction = None
         self.state, self._order, self._plan, self._hold_until = "probe", plan, plan[1:], None
         self._watched, self._pairs, self._concurrent, self._held = {}, [], [], None
-        return self._open(plan[0], f"{why} {plan[0].value}", settle=settle)
+        self._open(plan[0], f"{why} {plan[0].value}", settle=settle)
+        self.reason = f"{why} {plan[0].value}"
+        return [ModeSwitch(plan[0], self.reason)]  # news even if kept (a node new to it)
 
     def _open(self, mode: Mode, why: str, min_s: float | None = None,
               settle: int | None = None) -> list[ModeSwitch]:
