@@ -191,7 +191,8 @@ def _direct_boundaries(pos: np.ndarray, out_act: np.ndarray, readers: list[list[
 
 
 def chain_search(iv: Intervals, costs: Costs, devices: int, b: int, m: int,
-                 replicate: bool, use_all: bool, require_params: bool = False
+                 replicate: bool, use_all: bool, require_params: bool = False,
+                 slack: float | None = None
                  ) -> list[tuple[float, list[tuple[tuple[str, ...], int]]]]:
     """The best chain plan for each (stages, devices used), by least bottleneck (the
     critical path breaks ties), ordered by `critical path + (m - 1) * bottleneck`.
@@ -201,6 +202,8 @@ def chain_search(iv: Intervals, costs: Costs, devices: int, b: int, m: int,
         devices, b, m: devices, micro-batch size, micro-batches; replicate: stages may
             run on data-parallel replicas; use_all: the plan must use every device.
         require_params: every stage must hold an op with parameters.
+        slack: leave out plans estimated above (1 + slack) x the least (None: keep
+            every state's best); a shortlist of that slack is then the same.
 
     Returns:
         [(estimate, [(ops, replicas)] per stage)], least estimate first; empty if
@@ -232,6 +235,7 @@ def chain_search(iv: Intervals, costs: Costs, devices: int, b: int, m: int,
     cr = np.full_like(bn, inf)
     arg = np.full((devices + 1, devices + 1, p, 2), -1, dtype=np.int64)
     bn[0, 0, last] = cr[0, 0, last] = 0.0
+    best = inf  # the least estimate of a whole plan so far
     for h in range(1, devices + 1):
         # a stage h stages from the end holds min(h, m) micro-batches in flight
         priced = {r: times[r] if fits[r] is None else
@@ -242,23 +246,21 @@ def chain_search(iv: Intervals, costs: Costs, devices: int, b: int, m: int,
                 if r > d - (h - 1):
                     break
                 prev_bn, prev_cr = bn[h - 1, d - r], cr[h - 1, d - r]
-                finite = np.flatnonzero(prev_bn < inf)
-                if not len(finite):
-                    continue
-                lo, hi = finite[0], finite[-1] + 1  # a view over the suffixes that exist
-                # rows past `hi` have no stage end left; the rest view the suffixes
-                v = np.maximum(t[:hi, lo:hi], prev_bn[lo:hi])
-                k = np.argmin(v, axis=1)
-                sub = rows[:hi]
-                val = v[sub, k]
-                k = k + lo
-                crit = t[sub, k] + prev_cr[k]
-                cur_bn, cur_cr = bn[h, d, :hi], cr[h, d, :hi]
-                better = (val < cur_bn) | ((val == cur_bn) & (crit < cur_cr))
-                better &= val < inf
-                cur_bn[better], cur_cr[better] = val[better], crit[better]
-                arg[h, d, :hi][better] = np.stack([k[better], np.full(better.sum(), r)],
-                                                  axis=1)
+                alive = np.flatnonzero(prev_bn < inf)
+                if len(alive):
+                    _extend(t, prev_bn, prev_cr, alive, bn[h, d], cr[h, d], arg[h, d], r)
+        if slack is None:
+            continue
+        # Branch and bound: a part's `critical path + (m - 1) * bottleneck` only grows
+        # as stages are added in front, so a part above the slack over the best whole
+        # plan cannot make the shortlist: dropped, its column is not searched again
+        ends = [d for d in range(h, devices + 1) if not use_all or d == devices]
+        best = min([best] + [float(cr[h, d, 0] + (m - 1) * bn[h, d, 0]) for d in ends])
+        if best < inf:
+            level_bn, level_cr = bn[h], cr[h]
+            dead = level_cr + (m - 1) * level_bn > best * (1 + slack) * (1 + 1e-12)
+            level_bn[dead] = inf
+            level_cr[dead] = inf
     found = []
     for h in range(1, devices + 1):
         for d in range(h, devices + 1):
@@ -272,3 +274,40 @@ def chain_search(iv: Intervals, costs: Costs, devices: int, b: int, m: int,
                 a, hh, dd = int(k), hh - 1, dd - int(r)
             found.append((est, stages))
     return sorted(found, key=lambda f: f[0])
+
+
+#: rows of the interval matrices taken at a time in `_extend` (a row's columns start
+#: after it: the matrices are upper triangular)
+ROW_BLOCK = 128
+
+
+def _extend(t: np.ndarray, prev_bn: np.ndarray, prev_cr: np.ndarray, alive: np.ndarray,
+            cur_bn: np.ndarray, cur_cr: np.ndarray, cur_arg: np.ndarray, r: int) -> None:
+    """One step of the chain DP: a stage [a, k) priced `t` on `r` replicas in front of
+    the best plans of the suffixes at k (`prev_*`, finite at `alive`), kept in `cur_*`
+    where it beats them (least bottleneck, then critical path). Only the columns of live
+    suffixes after each row are taken; the least k on a tie, as a full row's argmin."""
+    hi = int(alive[-1]) + 1  # rows at or past the last live suffix have no stage left
+    dense = len(alive) * 2 > hi - int(alive[0])
+    for a0 in range(0, hi, ROW_BLOCK):
+        a1 = min(a0 + ROW_BLOCK, hi)
+        if dense:
+            lo = max(int(alive[0]), a0 + 1)
+            if lo >= hi:
+                continue
+            cols = np.arange(lo, hi)
+            v = np.maximum(t[a0:a1, lo:hi], prev_bn[lo:hi])
+        else:
+            cols = alive[alive > a0]
+            if not len(cols):
+                continue
+            v = np.maximum(t[a0:a1][:, cols], prev_bn[cols])
+        j = np.argmin(v, axis=1)
+        rows = np.arange(a1 - a0)
+        val = v[rows, j]
+        k = cols[j]
+        crit = t[rows + a0, k] + prev_cr[k]
+        old_bn, old_cr = cur_bn[a0:a1], cur_cr[a0:a1]
+        better = ((val < old_bn) | ((val == old_bn) & (crit < old_cr))) & (val < math.inf)
+        old_bn[better], old_cr[better] = val[better], crit[better]
+        cur_arg[a0:a1][better] = np.stack([k[better], np.full(int(better.sum()), r)], axis=1)

@@ -120,7 +120,7 @@ def _finalists(graph: Graph, costs: Costs, devices: int, batch: int, sizes: Sequ
     for b in sizes:
         chain_found += [(est, (b, stages)) for est, stages in
                         chain_search(chains, costs, devices, b, batch // b, replicate,
-                                     use_all, require_params)]
+                                     use_all, require_params, final.SHORTLIST_SLACK)]
     bound = min((f[0] for f in chain_found), default=math.inf) * (1 + final.SHORTLIST_SLACK)
     found: list[tuple[float, tuple[int, list]]] = []
     for b in sizes:

@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 
 from crossover.pipeline.chain import chain_search, intervals
-from crossover.pipeline.finalists import fastest, shortlist
+from crossover.pipeline.finalists import SHORTLIST_SLACK, fastest, shortlist
 from crossover.pipeline.graph import Graph
 from crossover.pipeline.plan import PartitionError, Plan, Stage, make_plan
 from crossover.pipeline.pricing import has_parameters, micro_batch_sizes, no_fit
@@ -61,7 +61,7 @@ def sequential_shortlist(graph: Graph, costs: Costs, devices: int, batch: int,
         for b in micro_batches or micro_batch_sizes(batch):
             found += [(est, (b, stages)) for est, stages in
                       chain_search(iv, costs, devices, b, batch // b, replicate, use_all,
-                                   require)]
+                                   require, SHORTLIST_SLACK)]
         if found:
             break
     if not found:
