@@ -116,8 +116,9 @@ def test_which_ranks_hold_copies_and_which_sums_each_rank_takes_part_in():
 @pytest.mark.parametrize("partitioner", [graph_partition, sequential_partition])
 def test_the_partitioners_may_split_tied_ops(name, partitioner):
     """Over device counts, replicas or not, every device used or not, cheap ops or
-    compute-bound ones: a plan covers every op once, and where the graph has enough
-    ops with parameters no stage is without one."""
+    compute-bound ones: a plan covers every op once, and a stage without parameters is
+    taken only with a note saying how much faster the plan simulates than the best
+    without one."""
     graph = graphs()[name]
     split = 0
     for costs in (parameter_costs(graph), synthetic(graph, {n: 1e-3 for n in graph.ops})):
@@ -126,7 +127,9 @@ def test_the_partitioners_may_split_tied_ops(name, partitioner):
             plan = partitioner(graph, costs, devices, 8, replicate=replicate,
                                use_all=use_all)
             assert sorted(o for st in plan.stages for o in st.ops) == sorted(graph.ops)
-            assert not empty_stages(graph, plan), plan.describe()
+            if empty_stages(graph, plan):
+                assert any(re.search(r"holds no parameters .*: it simulates \d+% faster", n)
+                           for n in plan.notes), (plan.describe(), plan.notes)
             split += bool(tied_copies(graph, plan))
     assert split, "no plan put tied ops on two stages: the test would prove nothing"
 

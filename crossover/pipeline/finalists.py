@@ -41,6 +41,10 @@ SHORTLIST_SLACK, SHORTLIST_MOST = 0.25, 16
 #: distinct stages that simulate within `DEAL_WITHIN` of the fastest, each in its
 #: `DEAL_SIMULATED` deals of least busiest-stage time, if it has at most `DEAL_LIMIT`.
 DEAL_WITHIN, DEAL_MOST, DEAL_LIMIT, DEAL_SIMULATED = 0.15, 3, 1024, 32
+#: A plan with a stage that holds no parameters (it trains nothing, and a plain
+#: optimizer over its rank's parameters fails) is taken only if it simulates faster
+#: than the best plan without one by more than this share.
+UNTRAINED_GAIN = 0.05
 
 
 def shortlist(found: Iterable[tuple[float, T]], slack: float | None = None,
@@ -147,3 +151,25 @@ def fastest(graph: Graph, costs: Costs, plans: Sequence[Plan], devices: int | No
         for cand in _deals(graph, costs, plan, devices, use_all, pricer):
             best = min(best, (iteration_s(cand), len(plans) + i, cand), key=lambda x: x[:2])
     return best[2]
+
+
+def prefer_trained(graph: Graph, costs: Costs, trained: Plan | None, free: Plan | None
+                   ) -> Plan | None:
+    """The plan whose every stage holds parameters (`trained`), unless there is none or
+    `free` (searched without that rule) simulates faster by more than `UNTRAINED_GAIN`;
+    a `free` plan taken that has a stage without parameters says why in its notes."""
+    if trained is None or free is None:
+        chosen = trained or free
+        gain = None
+    else:
+        iteration_s = _timer(graph, costs, StagePricer(graph, costs))
+        t_trained, t_free = iteration_s(trained), iteration_s(free)
+        chosen = free if t_free < t_trained * (1 - UNTRAINED_GAIN) else trained
+        gain = t_trained / t_free - 1
+    if chosen is not None and chosen is free and any(
+            not any(graph.ops[o].params for o in st.ops) for st in chosen.stages):
+        why = ("no plan without one fits" if gain is None else
+               f"it simulates {gain:.0%} faster than the best plan without one")
+        chosen.notes = [*chosen.notes, f"a stage holds no parameters (it trains nothing): "
+                                       f"{why}"]
+    return chosen

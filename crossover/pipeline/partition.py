@@ -89,22 +89,20 @@ def graph_partition(graph: Graph, costs: Costs, devices: int, batch: int,
     chains = intervals(graph, costs, direct=True, max_cuts=CHAIN_CUTS)
     pricer = StagePricer(graph, costs)
     cache = StageCache()
-    plans: list[Plan] = []
-    # no stage without parameters (an optimizer over none fails) unless nothing else fits
+    found: dict[bool, Plan | None] = {}
+    # no stage without parameters (an optimizer over none fails) unless nothing else
+    # fits or it pays clearly (`finalists.prefer_trained`)
     for require in ([True, False] if has_parameters(graph) else [False]):
         plans = _finalists(graph, costs, devices, batch, sizes, replicate, use_all, tree,
                            chains, pricer, cache, require)
-        if plans:
-            break
-        if require:
-            notes.append("no plan without a stage that holds no parameters fits: "
-                         "such a stage trains nothing")
-    if not plans:
+        # the estimate ranks plans within the searches; the simulator, which runs the
+        # schedule, decides between the finalists (on a tie the earlier, best estimated)
+        found[require] = final.fastest(graph, costs, plans, devices if replicate else None,
+                                       use_all) if plans else None
+    plan = final.prefer_trained(graph, costs, found.get(True), found[False])
+    if plan is None:
         raise PartitionError(no_fit(costs, devices, batch))
-    # The estimate ranks plans within the searches; the simulator, which runs the
-    # schedule, decides between the finalists (on a tie the earlier, best estimated)
-    plan = final.fastest(graph, costs, plans, devices if replicate else None, use_all)
-    plan.notes, plan.search_s = notes, time.perf_counter() - t0
+    plan.notes, plan.search_s = notes + plan.notes, time.perf_counter() - t0
     return plan
 
 

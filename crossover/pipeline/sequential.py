@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 
 from crossover.pipeline.chain import chain_search, intervals
-from crossover.pipeline.finalists import SHORTLIST_SLACK, fastest, shortlist
+from crossover.pipeline.finalists import SHORTLIST_SLACK, fastest, prefer_trained, shortlist
 from crossover.pipeline.graph import Graph
 from crossover.pipeline.plan import PartitionError, Plan, Stage, make_plan
 from crossover.pipeline.pricing import has_parameters, micro_batch_sizes, no_fit
@@ -39,9 +39,19 @@ def sequential_partition(graph: Graph, costs: Costs, devices: int, batch: int,
             has fewer ops than stages.
     """
     t0 = time.perf_counter()
-    plans = sequential_shortlist(graph, costs, devices, batch, micro_batches, replicate,
+    found: dict[bool, Plan | None] = {}
+    for require in ([True, False] if has_parameters(graph) else [False]):
+        try:
+            plans = sequential_shortlist(graph, costs, devices, batch, micro_batches,
+                                         replicate, use_all, require)
+        except PartitionError:
+            found[require] = None
+            continue
+        found[require] = fastest(graph, costs, plans, devices if replicate else None,
                                  use_all)
-    plan = fastest(graph, costs, plans, devices if replicate else None, use_all)
+    plan = prefer_trained(graph, costs, found.get(True), found[False])
+    if plan is None:
+        raise PartitionError(no_fit(costs, devices, batch))
     plan.search_s = time.perf_counter() - t0
     return plan
 

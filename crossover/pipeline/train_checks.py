@@ -1,11 +1,11 @@
 """What a `PipelineTrainer` refuses or warns of before it trains: settings that cannot
 work together, batches of the wrong size, and a stage with nothing to train.
 
-Every check names the problem and the fix. A stage without parameters (the partitioner
-makes one only where nothing else fits: a graph with fewer parameterised ops than
-ranks, or a memory limit that leaves no other plan) is not an error, since it still
-runs its ops, but a plain `torch.optim.SGD(trainer.parameters())` on its rank fails
-with torch's "optimizer got an empty parameter list"; so every rank is told at
+Every check names the problem and the fix. A stage without parameters (the searches
+make one only where nothing else fits, as with fewer ops with parameters than ranks, or
+where it simulates clearly faster: `finalists.prefer_trained`) is not an error, since
+it still runs its ops, but a plain `torch.optim.SGD(trainer.parameters())` on its rank
+fails with torch's "optimizer got an empty parameter list"; so every rank is told at
 construction which stage it is, why, and what to do.
 """
 
@@ -42,8 +42,9 @@ def empty_stage_message(graph: Graph, plan: Plan, stages: Iterable[int], ranks: 
     names = "; ".join(f"stage {s} (ranks {plan.devices_of(s)}: "
                       f"{', '.join(plan.stages[s].ops[:3])}"
                       f"{', ...' if len(plan.stages[s].ops) > 3 else ''})" for s in stages)
+    said = [n.split(": ", 1)[-1] for n in plan.notes if "holds no parameters" in n]
     why = (f"the model has {trained} ops with parameters for {ranks} ranks"
-           if trained < len(plan.stages) else
+           if trained < len(plan.stages) else said[0] if said else
            "no plan over every rank without such a stage fits the costs and memory limit")
     fix = ("the trainer builds no optimizer there (trainer.optimizer is None)"
            if owns_optimizer else
