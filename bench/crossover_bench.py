@@ -196,6 +196,9 @@ def measure(launch: Callable[[list[str]], list[str]], runtimes: dict[str, Path],
         / spans["auto"],
         "auto_vs_best_baseline_reps": paired_vs_best(per_rep, arms["plain_together"],
                                                      arms["auto"]),
+        # what the decision costs: auto against the faster of its two modes held fixed
+        "auto_vs_best_fixed_mode": min(spans["crossover"], spans["plain_together"])
+        / spans["auto"],
         "auto_vs_sequential": sequential / spans["auto"],
         "auto_vs_plain": spans["plain_together"] / spans["auto"],
         "crossover_vs_sequential": sequential / spans["crossover"],

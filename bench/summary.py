@@ -106,6 +106,11 @@ def headline(rows: list[dict]) -> dict:
             f"{r['workload']}@{r['mbit']:g}" for r in rows
             if max(r.get("auto_vs_best_baseline_reps") or [1.0]) < 0.98],
         "single_job_overhead": med(r["single_job_overhead"] for r in rows),
+        # the decision's cost on rows with a link (one host's jobs are served
+        # concurrently with cores of their own: neither fixed mode)
+        "auto_vs_best_fixed_mode": min((r["auto_vs_best_fixed_mode"] for r in rows
+                                        if r["mbit"] and "auto_vs_best_fixed_mode" in r),
+                                       default=None),
         "headline_rows": [f"{r['workload']}@{r['mbit']:g}" for r in heavy],
     }
     if heavy:
