@@ -90,12 +90,14 @@ def alternate(models: Sequence[torch.nn.Module], optimizers: Sequence[torch.opti
         plain = [i for i in range(len(models)) if i != wrapped]
         roles = dict(zip(ROLES, [*plain, wrapped], strict=True))
         med = statistics.median
-        client = session.init()  # the wrapped model's (the process has one)
+        # the wrapped model's client (the process has one; none with CROSSOVER_ENABLE=0)
+        client = session.init() if session.enabled() else None
         print(json.dumps({"step_cost": {role: {"wall_us": med(wall[i]) * 1e6,
                                                 "cpu_us": med(cpu[i]) * 1e6}
                                          for role, i in roles.items()},
-                          "coordinated": client.coordinated,
-                          "kept_device": client.keeps_device()}), flush=True)
+                          "coordinated": client is not None and client.coordinated,
+                          "kept_device": client is not None and client.keeps_device()}),
+              flush=True)
 
 
 def main() -> None:
