@@ -66,7 +66,8 @@ def good_round_trip(c: Cluster) -> float:
 def served(c: Cluster) -> bool:
     """Whether a well-behaved rank that connects now is coordinated (a job of its own
     each time: a rank just closed may still be registered)."""
-    ok = SlotClient(f"good-{time.monotonic_ns()}", RankInfo(0, 1, 0, 1), runtime_dir=c.runtime, pin_cpu=False)
+    ok = SlotClient(f"good-{time.monotonic_ns()}", RankInfo(0, 1, 0, 1),
+                    runtime_dir=c.runtime, pin_cpu=False)
     try:
         return ok.coordinated
     finally:
