@@ -17,8 +17,9 @@ only if the prediction then says otherwise. Only between the two does it measure
 
 Probing: each mode gets a window in which every job's step rate is measured from its
 progress reports (after settling steps, over at least `min_steps` steps and `probe_s`
-seconds). The first window, served concurrently as plain co-location would, settles
-for `warmup_steps`: a job that has just started runs its first steps slowly. A pair of
+seconds). The first window (concurrent, so a newcomer computes at once; antiphase for
+jobs without profiles, which it profiles) settles for `warmup_steps`: a job that has
+just started runs its first steps slowly. A pair of
 windows gives each job's speedup under antiphase (its rate normalised by its rate under
 concurrent grants); antiphase is chosen when the jobs' mean speedup is at least
 1 + `margin`, else concurrent (do no harm).
@@ -85,7 +86,8 @@ class ModeController:
         margin: antiphase must beat concurrent by this fraction to be chosen.
         drift: relative change of a job's rate, in the held mode, that re-probes.
         keep_margin: a hold in antiphase ends, for concurrent, once the jobs' mean rate
-            over the hold falls this fraction below the probe's concurrent rates.
+            over the hold falls this fraction below the concurrent rates (probed or
+            predicted).
         pair_noise: one pair's relative noise: a mean speedup below 1 + margin decides
             once this far below it, divided by sqrt(pairs).
         max_pairs: a probe decides after this many pairs whatever they measured.
@@ -121,9 +123,9 @@ class ModeController:
         self.warmup_steps = max(warmup_steps, settle_steps)
         self.max_probe_s, self.base_hold_s, self.max_hold_s = max_probe_s, hold_s, max_hold_s
         self.watch_s = max(watch_s, probe_s)
-        self.margin, self.drift, self.cutoff, self.keep_margin = margin, drift, cutoff, \
-            keep_margin
-        self.pair_noise, self.max_pairs, self.probe_local = pair_noise, max_pairs, probe_local
+        self.margin, self.drift, self.cutoff = margin, drift, cutoff
+        self.keep_margin, self.pair_noise, self.max_pairs = keep_margin, pair_noise, max_pairs
+        self.probe_local = probe_local
         self.predict_clear, self.handover_s = predict_clear, handover_s
         self._profiles = Profiles()  # from steps alone or in antiphase
         self._prediction: Prediction | None = None  # the one the current hold came from
@@ -256,9 +258,7 @@ class ModeController:
         predicted = self._from_prediction(why)
         if predicted is not None:
             return predicted
-        # Concurrent first: a newcomer computes at once instead of waiting for a turn;
-        # but jobs of unknown profile run antiphase first, which profiles them.
-        unknown = self._prediction is None and self.predict_clear > 0
+        unknown = self._prediction is None and self.predict_clear > 0  # (module doc)
         first = Mode.ANTIPHASE if unknown else Mode.CONCURRENT
         return self._probe([first, first.other], f"{why}: probing", self.warmup_steps)
 
