@@ -69,6 +69,8 @@ from crossover.launch.local import DaemonProcess  # noqa: E402
 POLICY_ARMS = {"together": "off", "crossover": "crossover", "auto": "auto"}
 #: `--aligned-arm`: always antiphase with the nodes' phases kept in step (emulated hosts).
 ALIGNED_ARM = ("aligned", "crossover --align-phases")
+#: `--turns-arm`: whole-step turns (a job holds its devices through its allreduce).
+TURNS_ARM = ("turns", "round-robin")
 
 
 def measure(launch: Callable[[list[str]], list[str]], runtimes: dict[str, Path], wl: str,
@@ -152,7 +154,8 @@ def measure(launch: Callable[[list[str]], list[str]], runtimes: dict[str, Path],
               f"{makespan(arms['together'][-1]):.2f} s, crossover "
               f"{makespan(arms['crossover'][-1]):.2f} s, auto "
               f"{makespan(arms['auto'][-1]):.2f} s"
-              + (f", aligned {makespan(arms['aligned'][-1]):.2f} s" if "aligned" in arms else "")
+              + "".join(f", {a} {makespan(arms[a][-1]):.2f} s" for a in ("aligned", "turns")
+                        if a in arms)
               + (f" ({decisions[-1][-1]})" if decisions and decisions[-1] else ""), flush=True)
     med = statistics.median
     per_rep = list(zip(*(arms[a] for a in solo_arms), strict=True))  # the solos of a rep
@@ -186,7 +189,8 @@ def measure(launch: Callable[[list[str]], list[str]], runtimes: dict[str, Path],
         "sequential_wall_s": sequential_wall,
         "uncoordinated_s": spans["together"],
         "plain_uncoordinated_s": spans["plain_together"], "crossover_s": spans["crossover"],
-        "auto_s": spans["auto"], "aligned_s": spans.get("aligned"), "bound_s": bound,
+        "auto_s": spans["auto"], "aligned_s": spans.get("aligned"),
+        "turns_s": spans.get("turns"), "bound_s": bound,
         "compute_s": compute, "comm_s": comm, "comm_share": comm / (compute + comm),
         "link_bound_s": link, "bound_with_link_s": max(bound, link),
         "bound_with_link_fraction": max(bound, link) / spans["auto"],
@@ -280,8 +284,12 @@ def main() -> None:
     parser.add_argument("--aligned-arm", action="store_true",
                         help="add an arm: always antiphase with the nodes' phases aligned "
                              "(daemon --align-phases; emulated hosts only)")
+    parser.add_argument("--turns-arm", action="store_true",
+                        help="add an arm: whole-step turns (daemon --policy round-robin)")
     args = parser.parse_args()
     policy_arms = dict(POLICY_ARMS)
+    if args.turns_arm:
+        policy_arms[TURNS_ARM[0]] = TURNS_ARM[1]
     if args.aligned_arm:
         policy_arms[ALIGNED_ARM[0]] = ALIGNED_ARM[1]
         if args.one_host:
@@ -362,7 +370,11 @@ def main() -> None:
                            "plain_uncoordinated": "the jobs at once, plain Horovod "
                                                   "(CROSSOVER_ENABLE=0)",
                            "crossover": "daemon --policy crossover (always antiphase)",
-                           "auto": "daemon --policy auto (the default)"},
+                           "auto": "daemon --policy auto (the default)",
+                           "aligned": "--aligned-arm: daemon --policy crossover "
+                                      "--align-phases",
+                           "turns": "--turns-arm: daemon --policy round-robin (whole-step "
+                                    "turns)"},
                   "transport_used": TRANSPORT,
                   "workloads": WORKLOADS},
         "gantt": {"png": gantt.name, "workload": first, "mbit": pick["mbit"], **gaps},
