@@ -136,6 +136,21 @@ def simulated(g: Graph, costs: Costs, devices: int, runs: list[Costs] | None = N
     return row
 
 
+def wider_space(g: Graph, costs: Costs, devices: int = 8) -> dict:
+    """The graph search with and without stages that cut inside branches, each
+    simulated against the sequential plan (`gpp_vs_spp`) on the same costs."""
+    seq = sequential_partition(g, costs, devices, BATCH)
+    seq_s = simulate(g, costs, seq, schedule_for(seq)).iteration_s
+    row: dict[str, Any] = {"devices": devices, "sequential_iteration_s": seq_s}
+    for key, wider in (("with", True), ("without", False)):
+        plan = graph_partition(g, costs, devices, BATCH, wider=wider)
+        sim = simulate(g, costs, plan, schedule_for(plan)).iteration_s
+        row[key] = {"plan": plan.describe(), "iteration_s": sim, "gpp_vs_spp": seq_s / sim,
+                    "search_s": plan.search_s}
+    row["with_over_without"] = row["without"]["iteration_s"] / row["with"]["iteration_s"]
+    return row
+
+
 def mpi_env() -> dict[str, str]:
     return {**os.environ, **local.mpi_env(), "PYTHONWARNINGS": "ignore"}
 
@@ -516,6 +531,11 @@ def main() -> None:
             "ops": len(g), "param_state_bytes": state, "memory_limit": costs.memory,
             "simulated": {str(d): simulated(g, costs, d, runs if profiles > 1 else None)
                           for d in (2, 4, 8)}}
+        if name in ("uno", "dlrm"):
+            entry["wider_space"] = wider_space(g, costs)
+            print(name, "8 devices, with and without cuts inside branches",
+                  {k: round(entry["wider_space"][k]["gpp_vs_spp"], 3)
+                   for k in ("with", "without")}, flush=True)
         if not args.quick:
             # real runs are planned and predicted with what this machine's runner and
             # transport pay (4 ranks on fewer cores: the stretch is modelled)
@@ -561,6 +581,9 @@ def main() -> None:
                                        if "gpp_vs_spp" in v}, flush=True)
     models = result["models"]
     result["gpp_vs_spp_8_dev"] = {n: m["simulated"]["8"]["gpp_vs_spp"] for n, m in models.items()}
+    result["wider_space_8_dev"] = {
+        n: {k: m["wider_space"][k]["gpp_vs_spp"] for k in ("with", "without")}
+        for n, m in models.items() if "wider_space" in m}
     if not args.quick:
         result.update(real_summary(models, real_ranks))
     if args.real_only:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import random
@@ -413,8 +414,10 @@ def test_a_plan_with_too_many_deals_is_not_dealt():
 
 
 @pytest.mark.parametrize("fn,name,share,devices,off", [
-    # each needs what is switched off: the shortlist (graph), the deals (sequential)
-    (graph_partition, "dlrm", 0.2, 8, {"SHORTLIST_MOST": 1, "DEAL_MOST": 0}),
+    # each needs what is switched off: the shortlist (graph), the deals (sequential);
+    # with cuts inside branches the graph search's best estimate is DLRM's fastest plan
+    (functools.partial(graph_partition, wider=False), "dlrm", 0.2, 8,
+     {"SHORTLIST_MOST": 1, "DEAL_MOST": 0}),
     (sequential_partition, "uno", 0.35, 6, {"DEAL_MOST": 0}),
 ])
 def test_the_searches_simulate_their_shortlists_and_deal_again(monkeypatch, fn, name,

@@ -38,6 +38,9 @@ class Intervals:
             comm: bytes per sample sent and received; messages: tensors sent and received.
         trained: how many of the interval's ops hold parameters.
         exact: every cut position is a candidate (none thinned out).
+        valid: which (a, b) may be a stage (None: every a < b); members: the ops
+            before each position (None: `order[:pos[a]]`). Set by `ideals.py`, whose
+            positions are downsets of the graph rather than prefixes of one order.
     """
 
     order: list[str]
@@ -50,6 +53,15 @@ class Intervals:
     messages: np.ndarray
     trained: np.ndarray
     exact: bool = True
+    valid: np.ndarray | None = None
+    members: list[frozenset[str]] | None = None
+
+    def ops_between(self, a: int, b: int) -> tuple[str, ...]:
+        """The ops of stage [a, b), topologically."""
+        if self.members is None:
+            return tuple(self.order[self.pos[a]:self.pos[b]])
+        inside = self.members[b] - self.members[a]
+        return tuple(o for o in self.order if o in inside)
 
 
 def _order(graph: Graph, direct: bool) -> tuple[list[str], np.ndarray]:
@@ -212,7 +224,7 @@ def chain_search(iv: Intervals, costs: Costs, devices: int, b: int, m: int,
     link, limit, pf, rt = costs.link, costs.memory, costs.param_factor, costs.runtime
     p = len(iv.pos)
     last, rows = p - 1, np.arange(p)
-    upper = rows[:, None] < rows[None, :]
+    upper = rows[:, None] < rows[None, :] if iv.valid is None else iv.valid
     if require_params:
         upper = upper & (iv.trained > 0)
     rs = replica_counts(devices, b, replicate)
@@ -270,7 +282,7 @@ def chain_search(iv: Intervals, costs: Costs, devices: int, b: int, m: int,
             stages, a, hh, dd = [], 0, h, d
             while a < last:
                 k, r = arg[hh, dd, a]
-                stages.append((tuple(iv.order[iv.pos[a]:iv.pos[k]]), int(r)))
+                stages.append((iv.ops_between(a, k), int(r)))
                 a, hh, dd = int(k), hh - 1, dd - int(r)
             found.append((est, stages))
     return sorted(found, key=lambda f: f[0])

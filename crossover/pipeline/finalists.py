@@ -87,7 +87,7 @@ def deal_count(counts: Sequence[int], stages: int, devices: int, exact: bool) ->
     return n(stages, devices)
 
 
-def _timer(graph: Graph, costs: Costs, pricer: StagePricer) -> Callable[[Plan], float]:
+def timer(graph: Graph, costs: Costs, pricer: StagePricer) -> Callable[[Plan], float]:
     """Simulated 1F1B iteration seconds of a plan; plans with the same stage DAG and
     micro-batch count share one schedule (replica counts do not change it)."""
     schedules: dict[tuple, Schedule] = {}
@@ -134,7 +134,7 @@ def fastest(graph: Graph, costs: Costs, plans: Sequence[Plan], devices: int | No
     dealt again (on at most, or with `use_all` exactly, that many devices; module doc).
     """
     pricer = StagePricer(graph, costs)
-    iteration_s = _timer(graph, costs, pricer)
+    iteration_s = timer(graph, costs, pricer)
     timed = [(iteration_s(p), i, p) for i, p in enumerate(plans)]
     best = min(timed, key=lambda t: t[:2])
     if devices is None:
@@ -162,7 +162,7 @@ def prefer_trained(graph: Graph, costs: Costs, trained: Plan | None, free: Plan 
         chosen = trained or free
         gain = None
     else:
-        iteration_s = _timer(graph, costs, StagePricer(graph, costs))
+        iteration_s = timer(graph, costs, StagePricer(graph, costs))
         t_trained, t_free = iteration_s(trained), iteration_s(free)
         chosen = free if t_free < t_trained * (1 - UNTRAINED_GAIN) else trained
         gain = t_trained / t_free - 1

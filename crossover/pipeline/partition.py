@@ -19,6 +19,7 @@ from crossover.pipeline import finalists as final
 from crossover.pipeline.chain import Intervals, chain_search, intervals
 from crossover.pipeline.graph import Graph
 from crossover.pipeline.graph_dp import GraphDP, StageCache, flatten_stages
+from crossover.pipeline.ideals import ideal_intervals, wider_tree
 from crossover.pipeline.plan import PartitionError, Plan, Stage, make_plan
 from crossover.pipeline.pricing import (
     StagePricer,
@@ -28,6 +29,7 @@ from crossover.pipeline.pricing import (
     no_fit,
 )
 from crossover.pipeline.profile import Costs, synthetic
+from crossover.pipeline.refine import refine
 from crossover.pipeline.sequential import sequential_partition, sequential_shortlist
 from crossover.pipeline.sptree import SPNode, coarsen, decompose
 
@@ -62,7 +64,8 @@ def graph_frontier(graph: Graph, costs: Costs, devices: int, micro_batch: int,
 
 def graph_partition(graph: Graph, costs: Costs, devices: int, batch: int,
                     micro_batches: Sequence[int] | None = None, replicate: bool = True,
-                    max_children: int = 16, use_all: bool = False) -> Plan:
+                    max_children: int = 16, use_all: bool = False,
+                    wider: bool = True) -> Plan:
     """GraphPipe-style search: series-parallel DP over the graph.
 
     Args:
@@ -73,6 +76,8 @@ def graph_partition(graph: Graph, costs: Costs, devices: int, batch: int,
         replicate: allow data-parallel replicas of a stage.
         max_children: series runs longer than this are coarsened into blocks first.
         use_all: plans must use every device (the runner's tests want one stage a rank).
+        wider: also search stages that cut inside branches (chains of downsets,
+            `ideals.py`), where the graph's downsets are few enough.
 
     Returns:
         The plan whose iteration simulates shortest among those estimated near the
@@ -83,6 +88,13 @@ def graph_partition(graph: Graph, costs: Costs, devices: int, batch: int,
     """
     t0 = time.perf_counter()
     tree, notes = decompose(graph)
+    downsets = None
+    if wider:
+        shaped, note = wider_tree(tree, costs)
+        if shaped is None:
+            notes.append(note)
+        else:
+            downsets = ideal_intervals(graph, costs, shaped)
     tree, cnotes = coarsen(tree, costs, max_children)
     notes += cnotes
     sizes = list(micro_batches or micro_batch_sizes(batch))
@@ -94,11 +106,15 @@ def graph_partition(graph: Graph, costs: Costs, devices: int, batch: int,
     # fits or it pays clearly (`finalists.prefer_trained`)
     for require in ([True, False] if has_parameters(graph) else [False]):
         plans = _finalists(graph, costs, devices, batch, sizes, replicate, use_all, tree,
-                           chains, pricer, cache, require)
+                           chains, pricer, cache, require, downsets)
         # the estimate ranks plans within the searches; the simulator, which runs the
         # schedule, decides between the finalists (on a tie the earlier, best estimated)
         found[require] = final.fastest(graph, costs, plans, devices if replicate else None,
                                        use_all) if plans else None
+        if downsets is not None and found[require] is not None:
+            # small graphs (the wider space was searched): single-op moves by simulation
+            found[require] = refine(graph, costs, found[require],
+                                    final.timer(graph, costs, pricer), pricer, require)
     plan = final.prefer_trained(graph, costs, found.get(True), found[False])
     if plan is None:
         raise PartitionError(no_fit(costs, devices, batch))
@@ -108,9 +124,11 @@ def graph_partition(graph: Graph, costs: Costs, devices: int, batch: int,
 
 def _finalists(graph: Graph, costs: Costs, devices: int, batch: int, sizes: Sequence[int],
                replicate: bool, use_all: bool, tree: SPNode, chains: Intervals,
-               pricer: StagePricer, cache: StageCache, require_params: bool) -> list[Plan]:
-    """The plans `graph_partition` simulates: the chain DP's and the SP DP's estimated
-    near the least, and on graphs searched exactly the sequential DP's, sent direct."""
+               pricer: StagePricer, cache: StageCache, require_params: bool,
+               downsets: Intervals | None = None) -> list[Plan]:
+    """The plans `graph_partition` simulates: the chain DP's, the SP DP's and (with
+    `downsets`) the wider space's estimated near the least, and on graphs searched
+    exactly the sequential DP's, sent direct."""
     # Chain plans first, priced as graph stages (tensors go straight to their readers):
     # the space then holds every sequential plan, a branch cut part-way included, and
     # they bound the series-parallel DP (as loosely as the shortlist reaches).
@@ -119,6 +137,9 @@ def _finalists(graph: Graph, costs: Costs, devices: int, batch: int, sizes: Sequ
         chain_found += [(est, (b, stages)) for est, stages in
                         chain_search(chains, costs, devices, b, batch // b, replicate,
                                      use_all, require_params, final.SHORTLIST_SLACK)]
+    if downsets is not None:
+        chain_found += _wider(graph, costs, devices, batch, sizes, replicate, use_all,
+                              downsets, pricer, require_params)
     bound = min((f[0] for f in chain_found), default=math.inf) * (1 + final.SHORTLIST_SLACK)
     found: list[tuple[float, tuple[int, list]]] = []
     for b in sizes:
@@ -157,6 +178,25 @@ def _finalists(graph: Graph, costs: Costs, devices: int, batch: int, sizes: Sequ
                   if not any(all(graph.ops[o].is_input for o in st.ops) for st in p.stages)]
         plans += trains if trains or plans else direct
     return plans
+
+
+def _wider(graph: Graph, costs: Costs, devices: int, batch: int, sizes: Sequence[int],
+           replicate: bool, use_all: bool, downsets: Intervals, pricer: StagePricer,
+           require_params: bool) -> list[tuple[float, tuple[int, list]]]:
+    """Plans whose stages cut inside branches: the chain DP over chains of downsets
+    (`ideals.py`), each plan estimated again on its own stage DAG (the chain prices
+    every stage on one path and as deep as its place in the chain)."""
+    out = []
+    for b in sizes:
+        # no slack: the chain's estimates are above the plans' own, so none is dropped
+        # for them
+        for _est, stages in chain_search(downsets, costs, devices, b, batch // b, replicate,
+                                         use_all, require_params):
+            plan = make_plan(graph, [Stage(ops, r) for ops, r in stages], b, batch // b)
+            bn, cr = evaluate(graph, costs, plan, pricer)
+            if bn < math.inf:
+                out.append((cr + (batch // b - 1) * bn, (b, stages)))
+    return out
 
 
 def parameter_costs(graph: Graph) -> Costs:
