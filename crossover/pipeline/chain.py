@@ -229,13 +229,13 @@ def chain_search(iv: Intervals, costs: Costs, devices: int, b: int, m: int,
         upper = upper & (iv.trained > 0)
     rs = replica_counts(devices, b, replicate)
     times, fits = {}, {}
+    sending = iv.messages * (link.latency + 2 * rt.message_s)  # (the same for every r)
+    spare = limit - iv.params * pf
     for r in rs:
         share = b / r
-        t = (iv.fixed + iv.per_sample * share + 2 * rt.action_s
-             + iv.messages * (link.latency + 2 * rt.message_s)
+        t = (iv.fixed + iv.per_sample * share + 2 * rt.action_s + sending
              + iv.comm * share / link.bandwidth + link.allreduce(iv.params, r) / m)
         times[r] = np.where(upper, t, math.inf)
-        spare = limit - iv.params * pf
         per = iv.act * share
         with np.errstate(divide="ignore", invalid="ignore"):
             most = np.where(per > 0, np.floor(spare / per), math.inf)
@@ -248,11 +248,21 @@ def chain_search(iv: Intervals, costs: Costs, devices: int, b: int, m: int,
     arg = np.full((devices + 1, devices + 1, p, 2), -1, dtype=np.int64)
     bn[0, 0, last] = cr[0, 0, last] = 0.0
     best = inf  # the least estimate of a whole plan so far
+    priced: dict[int, np.ndarray] = {}
+    scratch = np.empty(ROW_BLOCK * p)
     for h in range(1, devices + 1):
-        # a stage h stages from the end holds min(h, m) micro-batches in flight
-        priced = {r: times[r] if fits[r] is None else
-                  np.where(fits[r] < min(h, m), inf, times[r])
-                  for r in rs if r <= devices - (h - 1)}
+        # a stage h stages from the end holds min(h, m) micro-batches in flight: the
+        # stages that no longer fit are priced out as h grows, until h reaches m
+        if h <= m:
+            for r in rs:
+                if fits[r] is None:
+                    priced[r] = times[r]
+                elif h == 1:
+                    priced[r] = np.where(fits[r] < 1, inf, times[r])
+                else:
+                    np.putmask(priced[r], fits[r] == h - 1, inf)
+        reach = {r: _reach(iv, b / r, best * (1 + slack) * (1 + 1e-12) / m)
+                 for r in priced} if slack is not None and best < inf else {}
         for d in range(h, devices + 1):
             for r, t in priced.items():
                 if r > d - (h - 1):
@@ -260,7 +270,9 @@ def chain_search(iv: Intervals, costs: Costs, devices: int, b: int, m: int,
                 prev_bn, prev_cr = bn[h - 1, d - r], cr[h - 1, d - r]
                 alive = np.flatnonzero(prev_bn < inf)
                 if len(alive):
-                    _extend(t, prev_bn, prev_cr, alive, bn[h, d], cr[h, d], arg[h, d], r)
+                    # with every device used, only whole plans (row 0) can be finished
+                    _extend(t, prev_bn, prev_cr, alive, bn[h, d], cr[h, d], arg[h, d], r,
+                            1 if d == devices else p, scratch, reach.get(r))
         if slack is None:
             continue
         # Branch and bound: a part's `critical path + (m - 1) * bottleneck` only grows
@@ -288,29 +300,52 @@ def chain_search(iv: Intervals, costs: Costs, devices: int, b: int, m: int,
     return sorted(found, key=lambda f: f[0])
 
 
+def _reach(iv: Intervals, share: float, most: float) -> np.ndarray | None:
+    """Per start position a: the first position whose stage [a, k) computes longer than
+    `most` at `share` samples a replica (None where positions are downsets, whose sums
+    do not grow along them). A stage's time is at least its compute, and a plan's
+    estimate at least m times its bottleneck, so with `most` = the branch-and-bound
+    limit / m a longer stage makes a part that the bound drops: not searched."""
+    if iv.members is not None:
+        return None
+    # compute from position 0: sums of non-negative costs, so it never falls
+    grows = iv.fixed[0] + iv.per_sample[0] * share
+    margin = 1e-9 * (float(grows[-1]) + most)  # the matrix sums round differently
+    return np.searchsorted(grows, grows + most + margin, side="right")
+
+
 #: rows of the interval matrices taken at a time in `_extend` (a row's columns start
 #: after it: the matrices are upper triangular)
-ROW_BLOCK = 128
+ROW_BLOCK = 256
 
 
 def _extend(t: np.ndarray, prev_bn: np.ndarray, prev_cr: np.ndarray, alive: np.ndarray,
-            cur_bn: np.ndarray, cur_cr: np.ndarray, cur_arg: np.ndarray, r: int) -> None:
+            cur_bn: np.ndarray, cur_cr: np.ndarray, cur_arg: np.ndarray, r: int,
+            rows_hi: int, scratch: np.ndarray, reach: np.ndarray | None = None) -> None:
     """One step of the chain DP: a stage [a, k) priced `t` on `r` replicas in front of
     the best plans of the suffixes at k (`prev_*`, finite at `alive`), kept in `cur_*`
     where it beats them (least bottleneck, then critical path). Only the columns of live
-    suffixes after each row are taken; the least k on a tie, as a full row's argmin."""
-    hi = int(alive[-1]) + 1  # rows at or past the last live suffix have no stage left
-    dense = len(alive) * 2 > hi - int(alive[0])
+    suffixes after each row are taken; the least k on a tie, as a full row's argmin.
+    Rows from `rows_hi` on are not needed; `scratch` (ROW_BLOCK x P values) holds a
+    dense block, contiguous (a fresh megabyte a block costs more than its arithmetic).
+    `reach` (see `_reach`): per row, the first column not worth taking."""
+    # rows at or past the last live suffix have no stage left
+    hi = min(int(alive[-1]) + 1, rows_hi)
+    end = int(alive[-1]) + 1  # the columns: up to the last live suffix
+    dense = len(alive) * 2 > end - int(alive[0])
     for a0 in range(0, hi, ROW_BLOCK):
         a1 = min(a0 + ROW_BLOCK, hi)
+        # the block's last row reaches furthest (its stages are the shortest)
+        stop = end if reach is None else min(end, int(reach[a1 - 1]))
         if dense:
             lo = max(int(alive[0]), a0 + 1)
-            if lo >= hi:
+            if lo >= stop:
                 continue
-            cols = np.arange(lo, hi)
-            v = np.maximum(t[a0:a1, lo:hi], prev_bn[lo:hi])
+            cols = np.arange(lo, stop)
+            out = scratch[:(a1 - a0) * (stop - lo)].reshape(a1 - a0, stop - lo)
+            v = np.maximum(t[a0:a1, lo:stop], prev_bn[lo:stop], out=out)
         else:
-            cols = alive[alive > a0]
+            cols = alive[(alive > a0) & (alive < stop)]
             if not len(cols):
                 continue
             v = np.maximum(t[a0:a1][:, cols], prev_bn[cols])
@@ -322,4 +357,6 @@ def _extend(t: np.ndarray, prev_bn: np.ndarray, prev_cr: np.ndarray, alive: np.n
         old_bn, old_cr = cur_bn[a0:a1], cur_cr[a0:a1]
         better = ((val < old_bn) | ((val == old_bn) & (crit < old_cr))) & (val < math.inf)
         old_bn[better], old_cr[better] = val[better], crit[better]
-        cur_arg[a0:a1][better] = np.stack([k[better], np.full(int(better.sum()), r)], axis=1)
+        block = cur_arg[a0:a1]
+        block[better, 0] = k[better]
+        block[better, 1] = r
