@@ -249,7 +249,7 @@ def chain_search(iv: Intervals, costs: Costs, devices: int, b: int, m: int,
     bn[0, 0, last] = cr[0, 0, last] = 0.0
     best = inf  # the least estimate of a whole plan so far
     priced: dict[int, np.ndarray] = {}
-    scratch = np.empty(ROW_BLOCK * p)
+    buffer = np.empty(ROW_BLOCK * p)
     for h in range(1, devices + 1):
         # a stage h stages from the end holds min(h, m) micro-batches in flight: the
         # stages that no longer fit are priced out as h grows, until h reaches m
@@ -272,7 +272,7 @@ def chain_search(iv: Intervals, costs: Costs, devices: int, b: int, m: int,
                 if len(alive):
                     # with every device used, only whole plans (row 0) can be finished
                     _extend(t, prev_bn, prev_cr, alive, bn[h, d], cr[h, d], arg[h, d], r,
-                            1 if d == devices else p, scratch, reach.get(r))
+                            1 if d == devices else p, buffer, reach.get(r))
         if slack is None:
             continue
         # Branch and bound: a part's `critical path + (m - 1) * bottleneck` only grows
@@ -321,12 +321,12 @@ ROW_BLOCK = 256
 
 def _extend(t: np.ndarray, prev_bn: np.ndarray, prev_cr: np.ndarray, alive: np.ndarray,
             cur_bn: np.ndarray, cur_cr: np.ndarray, cur_arg: np.ndarray, r: int,
-            rows_hi: int, scratch: np.ndarray, reach: np.ndarray | None = None) -> None:
+            rows_hi: int, buffer: np.ndarray, reach: np.ndarray | None = None) -> None:
     """One step of the chain DP: a stage [a, k) priced `t` on `r` replicas in front of
     the best plans of the suffixes at k (`prev_*`, finite at `alive`), kept in `cur_*`
     where it beats them (least bottleneck, then critical path). Only the columns of live
     suffixes after each row are taken; the least k on a tie, as a full row's argmin.
-    Rows from `rows_hi` on are not needed; `scratch` (ROW_BLOCK x P values) holds a
+    Rows from `rows_hi` on are not needed; `buffer` (ROW_BLOCK x P values) holds a
     dense block, contiguous (a fresh megabyte a block costs more than its arithmetic).
     `reach` (see `_reach`): per row, the first column not worth taking."""
     # rows at or past the last live suffix have no stage left
@@ -342,7 +342,7 @@ def _extend(t: np.ndarray, prev_bn: np.ndarray, prev_cr: np.ndarray, alive: np.n
             if lo >= stop:
                 continue
             cols = np.arange(lo, stop)
-            out = scratch[:(a1 - a0) * (stop - lo)].reshape(a1 - a0, stop - lo)
+            out = buffer[:(a1 - a0) * (stop - lo)].reshape(a1 - a0, stop - lo)
             v = np.maximum(t[a0:a1, lo:stop], prev_bn[lo:stop], out=out)
         else:
             cols = alive[(alive > a0) & (alive < stop)]
