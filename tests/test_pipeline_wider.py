@@ -207,7 +207,23 @@ def test_big_graphs_leave_the_wider_space_out():
     assert any("not searched" in n for n in plan.notes)
     same = graph_partition(g, costs, 4, 32, micro_batches=[8], wider=False)
     assert [st.ops for st in plan.stages] == [st.ops for st in same.stages]
-    long = Graph.from_modules(["x"], [(f"o{i}", ident, [f"o{i - 1}" if i else "x"])
-                                      for i in range(MAX_OPS + 1)])
+    chain = [(f"o{i}", ident, [f"o{i - 1}" if i else "x"]) for i in range(MAX_OPS + 1)]
+    # a side branch beside the chain, joined at its end
+    long = Graph.from_modules(["x"], chain + [("side", ident, ["x"]),
+                                              ("join", ident, [f"o{MAX_OPS}", "side"])])
     shaped, note = wider_tree(decompose(long)[0], parameter_costs(long))
     assert shaped is None and f"more than {MAX_OPS} ops" in note
+
+
+def test_a_chain_is_searched_as_before():
+    """A graph without branches has no cut inside one: its downsets are the chain's
+    prefixes, so the wider space (and its single-op moves) is left out, without a note."""
+    chain = Graph.from_modules(["x"], [(f"o{i}", ident, [f"o{i - 1}" if i else "x"])
+                                       for i in range(12)])
+    costs = synthetic(chain, {n: 1e-4 * (1 + i % 3) for i, n in enumerate(chain.ops)},
+                      link=Link(1e9, 1e-5))
+    assert wider_tree(decompose(chain)[0], costs) == (None, "")
+    plan = graph_partition(chain, costs, 4, 32, micro_batches=[8])
+    same = graph_partition(chain, costs, 4, 32, micro_batches=[8], wider=False)
+    assert [st.ops for st in plan.stages] == [st.ops for st in same.stages]
+    assert plan.notes == same.notes

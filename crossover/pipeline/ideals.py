@@ -82,8 +82,11 @@ def _mask(ops: tuple[str, ...], bit: dict[str, int]) -> int:
 def wider_tree(tree: SPNode, costs: Costs, limit: int = MAX_IDEALS
                ) -> tuple[SPNode | None, str]:
     """The SP tree coarsened as little as lets its downsets fit `limit`, or None if
-    even blocks of two do not, or the graph has more than `MAX_OPS` ops; and a note
-    saying which."""
+    even blocks of two do not, the graph has more than `MAX_OPS` ops, or no branches
+    (its downsets are the chain's prefixes: the chain search has every plan); and a
+    note saying which (empty for a chain)."""
+    if not _branches(tree):
+        return None, ""
     if len(tree.ops) > MAX_OPS:
         return None, (f"cuts inside branches not searched: more than {MAX_OPS} ops "
                       f"({len(tree.ops)})")
@@ -95,6 +98,10 @@ def wider_tree(tree: SPNode, costs: Costs, limit: int = MAX_IDEALS
             return shaped, f"cuts inside branches searched over {n} downsets{how}"
     return None, (f"cuts inside branches not searched: more than {limit} downsets even "
                   f"with series coarsened to {COARSENINGS[-1]} blocks")
+
+
+def _branches(node: SPNode) -> bool:
+    return node.kind == "parallel" or any(_branches(c) for c in node.children)
 
 
 def ideal_intervals(graph: Graph, costs: Costs, tree: SPNode) -> Intervals:

@@ -91,10 +91,10 @@ def graph_partition(graph: Graph, costs: Costs, devices: int, batch: int,
     downsets = None
     if wider:
         shaped, note = wider_tree(tree, costs)
-        if shaped is None:
-            notes.append(note)
-        else:
+        if shaped is not None:
             downsets = ideal_intervals(graph, costs, shaped)
+        elif note:
+            notes.append(note)
     tree, cnotes = coarsen(tree, costs, max_children)
     notes += cnotes
     sizes = list(micro_batches or micro_batch_sizes(batch))
