@@ -330,6 +330,29 @@ def test_a_planning_error_on_rank_0_reaches_every_rank(tmp_path, cluster):
                      "model's traced forward takes ['x']: name them so") == 2, out
 
 
+def test_a_bug_in_rank_0s_planning_ends_every_rank(tmp_path, cluster):
+    """An error rank 0's planning was not written to expect (here an AttributeError)
+    is raised there with its traceback, and the other ranks raise it by name instead
+    of waiting in the broadcast for ever."""
+    script = tmp_path / "bug.py"
+    script.write_text(
+        "from mpi4py import MPI\n"
+        "from crossover.pipeline.waits import from_rank_0\n"
+        "try:\n"
+        "    from_rank_0(MPI.COMM_WORLD, 'planning', lambda: None.kind)\n"
+        "except AttributeError as exc:\n"
+        "    print('rank 0 raised', exc, flush=True)\n"
+        "except ValueError as exc:\n"
+        "    print('told:', exc, flush=True)\n")
+    proc = Proc(mpirun(2, PY, str(script)), dict(cluster.env, CROSSOVER_ENABLE="0"),
+                tmp_path / "bug.log")
+    cluster.procs.append(proc)
+    out = proc.wait(120)
+    assert "rank 0 raised 'NoneType' object has no attribute 'kind'" in out, out
+    assert ("told: planning on rank 0 failed: AttributeError: 'NoneType' object has no "
+            "attribute 'kind'") in out, out
+
+
 FREEZE_JOB = """
 import json, sys
 import torch

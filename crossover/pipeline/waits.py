@@ -271,15 +271,22 @@ def from_rank_0(comm: Any, what: str, make: Callable[[], Any]) -> Any:
         Rank 0's result, on every rank.
 
     Raises:
-        ValueError: on every rank, if `make` raised ValueError, KeyError or RuntimeError.
+        ValueError: on every rank, if `make` raised ValueError, KeyError or RuntimeError;
+            on the other ranks, if it raised anything else, which rank 0 raises itself
+            (a bug there must not leave the others in the broadcast for ever).
     """
     value: Any = None
+    failed: BaseException | None = None
     if comm.Get_rank() == 0:
         try:
             value = make()
         except (ValueError, KeyError, RuntimeError) as exc:
             value = exc
+        except Exception as exc:  # noqa: BLE001 - raised here once the others know
+            failed, value = exc, RuntimeError(f"{type(exc).__name__}: {exc}")
     value = comm.bcast(value, root=0)
+    if failed is not None:
+        raise failed
     if isinstance(value, Exception):
         raise ValueError(f"{what} on rank 0 failed: {value}") from None
     return value
