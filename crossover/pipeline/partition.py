@@ -19,7 +19,7 @@ from crossover.pipeline import finalists as final
 from crossover.pipeline.chain import Intervals, chain_search, intervals
 from crossover.pipeline.graph import Graph
 from crossover.pipeline.graph_dp import GraphDP, StageCache, flatten_stages
-from crossover.pipeline.ideals import ideal_intervals, wider_tree
+from crossover.pipeline.ideals import MAX_OPS, ideal_intervals, wider_tree
 from crossover.pipeline.plan import PartitionError, Plan, Stage, make_plan
 from crossover.pipeline.pricing import (
     StagePricer,
@@ -88,13 +88,18 @@ def graph_partition(graph: Graph, costs: Costs, devices: int, batch: int,
     """
     t0 = time.perf_counter()
     tree, notes = decompose(graph)
-    downsets = None
+    downsets, moves = None, False
     if wider:
         shaped, note = wider_tree(tree, costs)
         if shaped is not None:
             downsets = ideal_intervals(graph, costs, shaped)
         elif note:
             notes.append(note)
+        # single-op moves by simulation on small graphs with branches: those searched
+        # wider, and those whose SP tree has no parallel node though the graph branches
+        # (not series-parallel, searched as if in series: the moves cut inside branches)
+        moves = downsets is not None or (not note and len(graph.ops) <= MAX_OPS
+                                         and _branches(graph))
     tree, cnotes = coarsen(tree, costs, max_children)
     notes += cnotes
     sizes = list(micro_batches or micro_batch_sizes(batch))
@@ -111,8 +116,7 @@ def graph_partition(graph: Graph, costs: Costs, devices: int, batch: int,
         # schedule, decides between the finalists (on a tie the earlier, best estimated)
         found[require] = final.fastest(graph, costs, plans, devices if replicate else None,
                                        use_all) if plans else None
-        if downsets is not None and found[require] is not None:
-            # small graphs (the wider space was searched): single-op moves by simulation
+        if moves and found[require] is not None:
             found[require] = refine(graph, costs, found[require],
                                     final.timer(graph, costs, pricer), pricer, require)
     plan = final.prefer_trained(graph, costs, found.get(True), found[False])
@@ -120,6 +124,13 @@ def graph_partition(graph: Graph, costs: Costs, devices: int, batch: int,
         raise PartitionError(no_fit(costs, devices, batch))
     plan.notes, plan.search_s = notes + plan.notes, time.perf_counter() - t0
     return plan
+
+
+def _branches(graph: Graph) -> bool:
+    """Whether an op reads two ops, or two ops read it (graph inputs aside)."""
+    real = {n for n, op in graph.ops.items() if not op.is_input}
+    return any(sum(s in real for s in graph.succ[o]) > 1
+               or sum(s in real for s in graph.ops[o].inputs) > 1 for o in real)
 
 
 def _finalists(graph: Graph, costs: Costs, devices: int, batch: int, sizes: Sequence[int],
