@@ -591,3 +591,17 @@ def test_branches_searched_as_if_in_series_take_single_op_moves():
     plan = graph_partition(g, costs, devices, 2)
     assert iteration_s(moved) < iteration_s(narrow) * 0.95
     assert iteration_s(plan) <= iteration_s(moved) * (1 + 1e-9)
+
+
+def test_plans_that_cost_nothing_are_compared_without_dividing_by_zero():
+    """Costs all zero (a stand-in profile): the plan with a stage of no parameters and
+    the plan without one both simulate in 0 s; the trained plan is kept."""
+    import torch
+
+    g = Graph.from_modules(["x"], [("a", ident, ["x"]), ("b", ident, ["a"]),
+                                   ("c", ident, ["b"])])
+    g.ops["a"].params = {"w": torch.nn.Parameter(torch.zeros(1))}
+    costs = synthetic(g, {n: 0.0 for n in g.ops}, fixed=0.0, act_per_sample=0.0,
+                      link=Link(1e12, 0.0))
+    plan = graph_partition(g, costs, 2, 4, micro_batches=[1])
+    assert all(any(g.ops[o].params for o in st.ops) for st in plan.stages)

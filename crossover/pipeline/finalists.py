@@ -165,7 +165,7 @@ def prefer_trained(graph: Graph, costs: Costs, trained: Plan | None, free: Plan 
         iteration_s = timer(graph, costs, StagePricer(graph, costs))
         t_trained, t_free = iteration_s(trained), iteration_s(free)
         chosen = free if t_free < t_trained * (1 - UNTRAINED_GAIN) else trained
-        gain = t_trained / t_free - 1
+        gain = t_trained / t_free - 1 if t_free > 0 else 0.0  # (costs all zero)
     if chosen is not None and chosen is free and any(
             not any(graph.ops[o].params for o in st.ops) for st in chosen.stages):
         why = ("no plan without one fits" if gain is None else

@@ -32,8 +32,8 @@ class Op:
         run: computes the op's output from a mapping of op name -> value.
         params: the parameters this op owns, by qualified name (for gradients). A
             parameter several ops share (tied weights) has one name in all of them;
-            the partitioners keep those ops in one stage and `make_plan` refuses a
-            plan that splits them (`crossover.pipeline.ties`).
+            those ops may sit on different stages, each holding a copy whose
+            gradients are summed between them (`crossover.pipeline.ties`).
         buffers: the buffers this op's module owns (batch norm's running statistics),
             by qualified name: state that is not trained but must move with the op.
         is_input: True for a model input (fed from the batch, not computed).

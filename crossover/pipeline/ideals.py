@@ -82,9 +82,10 @@ def _mask(ops: tuple[str, ...], bit: dict[str, int]) -> int:
 def wider_tree(tree: SPNode, costs: Costs, limit: int = MAX_IDEALS
                ) -> tuple[SPNode | None, str]:
     """The SP tree coarsened as little as lets its downsets fit `limit`, or None if
-    even blocks of two do not, the graph has more than `MAX_OPS` ops, or no branches
-    (its downsets are the chain's prefixes: the chain search has every plan); and a
-    note saying which (empty for a chain)."""
+    even blocks of two do not, the graph has more than `MAX_OPS` ops, or the tree has
+    no parallel node (a chain, whose downsets are its prefixes, or a graph that is not
+    series-parallel, decomposed as one series: the chain search covers its space);
+    and a note saying which (empty for a tree without a parallel node)."""
     if not _branches(tree):
         return None, ""
     if len(tree.ops) > MAX_OPS:
