@@ -308,11 +308,21 @@ def test_the_digits_example_fine_tunes(tmp_path, body_cache, cluster, task, epoc
     assert list((body_cache / "crossover").glob("strokes-mlp-6x256-pretrained-*.pt"))
 
 
+def two_ranks(tmp_path, cluster, name: str, code: str) -> str:
+    """`code` as a script on 2 ranks under mpirun (crossover off); its output, within
+    120 s."""
+    script = tmp_path / f"{name}.py"
+    script.write_text(code)
+    proc = Proc(mpirun(2, PY, str(script)), dict(cluster.env, CROSSOVER_ENABLE="0"),
+                tmp_path / f"{name}.log")
+    cluster.procs.append(proc)
+    return proc.wait(120)
+
+
 def test_a_planning_error_on_rank_0_reaches_every_rank(tmp_path, cluster):
     """Rank 0 plans; if it fails (here: inputs named unlike the model's forward), every
     rank raises the reason instead of waiting for a plan that never comes."""
-    script = tmp_path / "bad.py"
-    script.write_text(
+    out = two_ranks(tmp_path, cluster, "bad",
         "import sys, torch\n"
         "from crossover.pipeline.models import build\n"
         "from crossover.pipeline.train import PipelineTrainer\n"
@@ -322,10 +332,6 @@ def test_a_planning_error_on_rank_0_reaches_every_rank(tmp_path, cluster):
         "    PipelineTrainer(spec.module, spec.loss, batch=8, example={'pixels': x['x']})\n"
         "except ValueError as exc:\n"
         "    print('refused:', exc, flush=True)\n")
-    proc = Proc(mpirun(2, PY, str(script)), dict(cluster.env, CROSSOVER_ENABLE="0"),
-                tmp_path / "bad.log")
-    cluster.procs.append(proc)
-    out = proc.wait(120)
     assert out.count("planning on rank 0 failed: the inputs are named ['pixels'] but the "
                      "model's traced forward takes ['x']: name them so") == 2, out
 
@@ -334,8 +340,7 @@ def test_a_bug_in_rank_0s_planning_ends_every_rank(tmp_path, cluster):
     """An error rank 0's planning was not written to expect (here an AttributeError)
     is raised there with its traceback, and the other ranks raise it by name instead
     of waiting in the broadcast for ever."""
-    script = tmp_path / "bug.py"
-    script.write_text(
+    out = two_ranks(tmp_path, cluster, "bug",
         "from mpi4py import MPI\n"
         "from crossover.pipeline.waits import from_rank_0\n"
         "try:\n"
@@ -344,10 +349,6 @@ def test_a_bug_in_rank_0s_planning_ends_every_rank(tmp_path, cluster):
         "    print('rank 0 raised', exc, flush=True)\n"
         "except ValueError as exc:\n"
         "    print('told:', exc, flush=True)\n")
-    proc = Proc(mpirun(2, PY, str(script)), dict(cluster.env, CROSSOVER_ENABLE="0"),
-                tmp_path / "bug.log")
-    cluster.procs.append(proc)
-    out = proc.wait(120)
     assert "rank 0 raised 'NoneType' object has no attribute 'kind'" in out, out
     assert ("told: planning on rank 0 failed: AttributeError: 'NoneType' object has no "
             "attribute 'kind'") in out, out
