@@ -8,11 +8,15 @@ world); two 2-rank PyTorch jobs (examples/torch_mlp.py) at any time, each rank o
 random node (so jobs share some nodes and not others), a new one when one ends. Every
 few seconds (exponentially distributed, mean --fault-every) one fault strikes:
 
-    member_kill   SIGKILL a daemon that does not lead (the leader starts a new one there)
-    leader_kill   SIGKILL the leader (a successor takes over, and starts a new one there)
-    member_stop   SIGSTOP a daemon that does not lead for 1-10 s, then SIGCONT (past the
-                  5 s silence it is lost; it comes back, or retires if replaced)
-    leader_stop   SIGSTOP the leader for 1-10 s, then SIGCONT
+    member_kill   SIGKILL a node service that does not lead (the leader's next
+                  generation of the world starts a new one there)
+    leader_kill   SIGKILL the leader's service (a successor takes over, and starts a new
+                  one there)
+    member_stop   SIGSTOP a service that does not lead for 1-10 s, then SIGCONT (past the
+                  5 s silence it is lost; a new generation takes it back)
+    leader_stop   SIGSTOP the leader's service for 1-10 s, then SIGCONT
+    relay_kill    SIGKILL a node's relay, its MPI process (the service serves on; a new
+                  generation takes the node back)
     rank_stop     SIGSTOP one rank for up to lease + 1 s, then SIGCONT
 
 A daemon already down or stopped gets no second fault. Checked and written to
@@ -23,11 +27,14 @@ bench/results/chaos_world.json (the keys of chaos.json, plus `nodes`):
     longest_stall_s the longest slot wait of any rank that overlaps no daemon fault
                     (from the fault to 15 s after its end) nor a stop of its own
     nodes_answering the fewest and the last count of nodes whose daemon answered
+    world_whole_at_end  every node in the world, none lost, once the faults stopped
+    generations     how many generations of the world formed
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -38,6 +45,8 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from chaos import (  # noqa: E402
@@ -54,8 +63,8 @@ from common import write_result  # noqa: E402
 from crossover.launch.local import mpi_env, terminate_group  # noqa: E402
 from crossover.probe import daemon_status  # noqa: E402
 
-FAULTS = {"member_kill": 0.25, "leader_kill": 0.15, "member_stop": 0.2,
-          "leader_stop": 0.1, "rank_stop": 0.3}
+FAULTS = {"member_kill": 0.2, "leader_kill": 0.1, "member_stop": 0.15,
+          "leader_stop": 0.1, "relay_kill": 0.2, "rank_stop": 0.25}
 #: a daemon fault disturbs slot waits from its start to this long after its end
 SETTLE_S = 15.0
 
@@ -93,7 +102,24 @@ class World:
         return {}
 
     def stop(self) -> None:
+        """Stop the world: its first mpirun, and the services and generations that
+        outlive it (each names the runtime directory on its command line)."""
         terminate_group(self.proc, grace_s=5)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            procs = [p for p in psutil.process_iter(["cmdline"])
+                     if str(self.runtime) in (p.info["cmdline"] or [])]
+            for p in procs:
+                with contextlib.suppress(psutil.Error):
+                    p.send_signal(sig)
+            psutil.wait_procs(procs, timeout=5)
+
+    def whole(self) -> bool:
+        """Every node in the world under one leader, none lost."""
+        nodes = self.status()
+        return sorted(nodes) == sorted(self.names) and len(
+            {(s["world"]["leader_node"], s["world"]["generation"]) for s in nodes.values()}
+        ) == 1 and all(not s["world"]["lost"] and s["world"]["relay"]
+                       for s in nodes.values())
 
 
 def start_job(n: int, rng: random.Random, world: World, env: dict, tmp: Path) -> RunningJob:
@@ -142,6 +168,14 @@ def inject(kind: str, world: World, jobs: list[RunningJob], rng: random.Random,
     node = rng.choice(targets)
     pid = nodes[node]["daemon"]["pid"]
     at = time.time()
+    if kind == "relay_kill":
+        relay = nodes[node]["world"].get("relay_pid")
+        if relay is None:
+            return None
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(relay, signal.SIGKILL)
+        windows.append((at, time.time() + SETTLE_S))
+        return f"SIGKILL the relay of {node}{' (the leader)' if node == leader else ''}"
     world.busy.add(node)
     if kind.endswith("kill"):
         os.kill(pid, signal.SIGKILL)
@@ -222,8 +256,12 @@ def main() -> int:
             action()
         print("chaos_world: time is up; letting the running jobs finish", flush=True)
         hangs += let_finish(jobs, args.job_timeout)
-        time.sleep(SETTLE_S)
+        deadline = time.monotonic() + 60
+        while not world.whole() and time.monotonic() < deadline:
+            time.sleep(1.0)
+        whole = world.whole()
         answering.append(len(world.status()))
+        generations = daemon_log(tmp).count("forming generation")
     finally:
         for j in jobs:
             if j.proc.poll() is None:
@@ -252,14 +290,23 @@ def main() -> int:
         "slot_waits": len(waits),
         "nodes_answering": {"fewest": min(answering, default=0),
                             "at_end": answering[-1] if answering else 0},
+        "world_whole_at_end": whole, "generations": generations,
         "reconnects": sum(j.log.read_text().count("is coordinated again") for j in jobs),
     }
     out = write_result(args.out, result)
     print(json.dumps({k: result[k] for k in ("jobs_run", "faults_total", "mismatches",
                                               "hangs", "longest_stall_s",
-                                              "nodes_answering")}))
+                                              "nodes_answering", "world_whole_at_end")}))
     print(f"chaos_world: wrote {out}")
-    return 0 if not (mismatches or hangs or failed) else 1
+    return 0 if not (mismatches or hangs or failed) and whole else 1
+
+
+def daemon_log(tmp: Path) -> str:
+    """The world's log: its first mpirun's output, and its services' (they log to the
+    runtime directory)."""
+    return "".join(p.read_text(errors="replace") for p in (tmp / "daemon.log",
+                                                         tmp / "run" / "daemon.log")
+                   if p.exists())
 
 
 if __name__ == "__main__":

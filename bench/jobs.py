@@ -96,7 +96,12 @@ class Daemons:
         self.runtime, self.policy = runtime, policy
         cmd = cluster.mpirun([sys.executable, "-m", "crossover", "daemon", "--policy",
                               *policy.split(), "--runtime-dir", str(runtime)])
-        self._log = log.open("w")
+        # one file with the node services' own log (they write the runtime directory's
+        # daemon.log: they outlive the mpirun that started them)
+        runtime.mkdir(mode=0o700, parents=True, exist_ok=True)
+        log.unlink(missing_ok=True)
+        log.symlink_to(runtime / "daemon.log")
+        self._log = log.open("a")
         env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1",
                "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "PYTHONPATH": str(REPO)}
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,

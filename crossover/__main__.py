@@ -79,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "fake or emulated node)")
     d.add_argument("--hello-timeout", type=_seconds(), default=10.0, metavar="S",
                    help="drop a connection that sends no hello within S seconds (default 10)")
+    # how the parts of a world start each other (`crossover.daemon.relay`), not for users
+    d.add_argument("--service", action="store_true", help=argparse.SUPPRESS)
+    d.add_argument("--generation", type=int, default=0, help=argparse.SUPPRESS)
+    d.add_argument("--leader", default=None, help=argparse.SUPPRESS)
+    d.add_argument("--nodes", default=None, help=argparse.SUPPRESS)
 
     s = sub.add_parser("status", help="devices, holders, queues")
     once = s.add_mutually_exclusive_group()
@@ -179,19 +184,26 @@ def _stop(args: argparse.Namespace) -> int:
 
 def _daemon(args: argparse.Namespace) -> int:
     from crossover.daemon import Daemon
-    from crossover.daemon.serve import DaemonRunning
+    from crossover.daemon.sockets import DaemonRunning
 
-    logging.basicConfig(level=logging.INFO, format="crossover-daemon %(asctime)s %(message)s",
-                        stream=sys.stderr)
     if args.node is not None:
         os.environ[E.NODE] = args.node  # read as CROSSOVER_NODE is, by node_identity
+    if not args.service and ("OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ):
+        # under mpirun: this node's relay, which starts the node's service if need be
+        from crossover.daemon.relay import run_relay
+
+        return run_relay(args.generation, args.leader,
+                         args.nodes.split(",") if args.nodes else None, sys.argv[1:],
+                         args.runtime_dir)
+    logging.basicConfig(level=logging.INFO, format="crossover-daemon %(asctime)s %(message)s",
+                        stream=sys.stderr)
     try:
         daemon = Daemon(policy=args.policy, lease_s=args.lease, patience_s=args.patience,
                         idle_shutdown_s=args.idle_shutdown, runtime_dir=args.runtime_dir,
                         cpu_devices=args.cpu_devices, mode_probe_s=args.mode_probe,
                         mode_hold_s=args.mode_hold, mode_probe_local=args.mode_probe_local,
                         align_phases=args.align_phases, hello_timeout_s=args.hello_timeout,
-                        argv=sys.argv[1:])
+                        relayed=args.service, argv=sys.argv[1:])
     except (ValueError, PermissionError) as exc:  # a bad setting, or runtime directory
         print(f"crossover daemon: {exc}", file=sys.stderr)
         return 2

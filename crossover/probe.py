@@ -32,6 +32,16 @@ def grow_world(nodes: list[str], runtime_dir: str | os.PathLike | None = None,
     return sorted(_ask(P.Grow(list(nodes)), runtime_dir, node, timeout_s))
 
 
+def stop_world(runtime_dir: str | os.PathLike | None = None, node: str | None = None,
+               timeout_s: float = 5.0) -> list[str]:
+    """Ask a node's daemon to stop its whole world; returns the world's nodes.
+
+    Raises:
+        ConnectionError: no daemon answers there.
+    """
+    return sorted(_ask(P.StopWorld(), runtime_dir, node, timeout_s))
+
+
 def _ask(msg: P.Message, runtime_dir: str | os.PathLike | None, node: str | None,
          timeout_s: float) -> dict:
     path = socket_path(node or E.node_name(), runtime_dir)

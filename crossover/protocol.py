@@ -206,6 +206,14 @@ class Grow(Message):
 
 
 @dataclass
+class StopWorld(Message):
+    """`crossover stop` asks a node's daemon to stop every daemon of its world (answered
+    by a StatusReport of the nodes in it: each stops once the leader's word reaches it)."""
+
+    kind: ClassVar[str] = "stop_world"
+
+
+@dataclass
 class StatusReport(Message):
     kind: ClassVar[str] = "status_report"
     nodes: dict[str, Any] = field(default_factory=dict)
@@ -222,14 +230,14 @@ class Error(Message):
 #: or a duration: finite, >= 0 and within 64 bits, or the decoder refuses it (a NaN
 #: wait once reached the leader's phase aligner and stopped a peer daemon).
 REQUESTS = frozenset({"hello", "acquire", "attached", "ring", "progress", "waited",
-                      "release", "renew", "status", "grow"})
+                      "release", "renew", "status", "grow", "stop_world"})
 #: The largest number a request may carry.
 MAX_NUMBER = 2**63 - 1
 
 KINDS: dict[str, type[Message]] = {
     cls.kind: cls
     for cls in (Hello, Welcome, Acquire, Attached, Ring, Grant, Company, Progress, Waited,
-                Release, Renew, Status, Grow, StatusReport, Error)
+                Release, Renew, Status, Grow, StopWorld, StatusReport, Error)
 }
 
 

@@ -67,7 +67,8 @@ class Proc:
         self.log = log
         self.cmd = cmd
         self.reference = reference
-        self._out = open(log, "w")  # noqa: SIM115 - closed in wait/kill
+        # appended to: a world's node services write the same file (`Cluster.daemon`)
+        self._out = open(log, "a")  # noqa: SIM115 - closed in wait/kill
         self.popen = subprocess.Popen(cmd, env=env, stdout=self._out, stderr=subprocess.STDOUT,
                                       cwd=REPO, start_new_session=True)
 
@@ -156,6 +157,10 @@ class Cluster:
             # as crossoverrun starts a world: one daemon's death does not end the others
             cmd = mpirun(nodes, "--mca", "orte_enable_recovery", "1", PY, *args)
             names = [f"fake{i}" for i in range(nodes)]
+            # the nodes' services log to the runtime directory's daemon.log (they outlive
+            # the mpirun that started them): one file with mpirun's own output
+            self.runtime.mkdir(mode=0o700, parents=True, exist_ok=True)
+            (self.tmp / "daemon.log").symlink_to(self.runtime / "daemon.log")
         else:
             cmd = [*prefix, PY, *args]
             names = [os.uname().nodename]
@@ -167,6 +172,7 @@ class Cluster:
             yield proc
         finally:
             proc.kill(signal.SIGTERM)
+            self.stop_world()
 
     def job(self, name: str, seed: int, steps: int, np: int = 2, crossover: bool = True,
             extra: tuple[str, ...] = ()) -> Proc:
@@ -204,6 +210,28 @@ class Cluster:
         for p in self.procs:
             if p.popen.poll() is None:
                 p.kill()
+        self.stop_world()
+
+    def stop_world(self) -> None:
+        """End every daemon process of this runtime directory: node services and the
+        mpiruns of generations a leader started are no children of the first mpirun."""
+        def ours() -> list[psutil.Process]:
+            found = []
+            for proc in psutil.process_iter(["cmdline"]):
+                try:
+                    cmd = proc.info["cmdline"] or []
+                    if "crossover" in cmd and "daemon" in cmd and proc.environ().get(
+                            "CROSSOVER_RUNTIME_DIR") == str(self.runtime):
+                        found.append(proc)
+                except psutil.Error:
+                    pass
+            return found
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            procs = ours()
+            for proc in procs:
+                with contextlib.suppress(psutil.Error):
+                    proc.send_signal(sig)
+            psutil.wait_procs(procs, timeout=5)
 
 
 @pytest.fixture

@@ -394,7 +394,7 @@ def test_a_rank_that_leaves_before_its_job_has_an_order_is_forgotten(cluster: Cl
     finally:
         if daemons.poll() is None:
             daemons.kill()
-    assert "no job for 3 s: shutting down" in log.read_text()
+    assert "no job for 3 s: shutting down" in (cluster.runtime / "daemon.log").read_text()
 
 
 def test_a_busy_mutex_on_one_device_does_not_hold_the_leases_of_another(cluster: Cluster):

@@ -156,10 +156,3 @@ def test_status_names_the_lost_nodes_and_each_groups_jobs():
                          "uncoordinated until a daemon is back there)")
 
 
-def test_a_stall_of_its_own_is_forgiven():
-    leader, clock = world(0)
-    clock.t = 10.0  # nobody heard for 10 s, but this daemon was not listening
-    leader.forgive()
-    assert leader.tick().lost == []
-    clock.t = 14.5
-    assert leader.tick().lost == [1, 2, 3]

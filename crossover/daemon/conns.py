@@ -58,7 +58,7 @@ class RankConn:
         return h is not None and h.gpu is None and h.local_size == h.size
 
 
-def _peer(sock: socket.socket) -> tuple[int | None, int | None]:
+def peer_credentials(sock: socket.socket) -> tuple[int | None, int | None]:
     """The user id and process id of a Unix socket's other end (Linux), else Nones."""
     try:
         pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET,
@@ -100,7 +100,7 @@ class Connections:
             sock, _ = listener.accept()
         except OSError:  # gone already, or out of descriptors: the listener stays
             return
-        uid, pid = _peer(sock)
+        uid, pid = peer_credentials(sock)
         if uid is not None and uid != os.geteuid():
             # The 0700 runtime directory keeps other users out; should it have been
             # opened up, this keeps them out all the same (and says who tried).

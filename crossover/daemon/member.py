@@ -1,86 +1,92 @@
-"""This daemon as a member of the world: its channel to the others, who leads, who is
-lost, and the world's re-formation when nodes join or come back.
+"""This daemon as a member of the world: who leads, who is lost, and (the leader) the
+world's new generations when nodes join, are lost, or come back.
 
 `membership` holds the rules (pure); this part applies them: it beats, follows a new
 leader and tells it what this node holds, becomes the leader when it is next in line,
-and, as the leader, re-forms the world (`reform`) to take in the nodes a job asked for
-(`grow`) and to start a new daemon on a lost node (after `RESPAWN_S`, then backing off,
-`RESPAWN_TRIES` times). The node's own service (`serve`, `ranks`) sees only a leader to
-send to and, on the leader, a `Leader` that decides.
+and, as the leader, forms a new generation of the world (`generation`) to take in the
+nodes a job asked for (`grow`), to start a lost node's service again (after
+`RESPAWN_S`, then backing off, `RESPAWN_TRIES` times), and to take back a node whose
+relay died. A relay's hello switches this node to its generation (`attached`); with no
+relay (`detached`) the node serves on and its membership waits for one. The node's own
+service (`serve`, `ranks`) sees only a leader to send to and, on the leader, a `Leader`
+that decides.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
 
+from crossover.daemon.generation import GENERATION_TIMEOUT_S, Generation
 from crossover.daemon.membership import Changes, Membership
-from crossover.daemon.reform import REFORM_TIMEOUT_S, Reformation, spawn_for
+from crossover.daemon.uplink import Uplink
 from crossover.daemon.world import Leader
-from crossover.transport import PeerChannel
 
 log = logging.getLogger("crossover.daemon")
 
-#: a lost node's new daemon is started this long after the loss, then twice as long
+#: a lost node's new service is started this long after the loss, then twice as long
 #: after each try that did not bring one back
 RESPAWN_S = 2.0
 RESPAWN_TRIES = 6
+#: a leader whose relay is gone forms a new generation this long after (then backing
+#: off while they fail)
+DETACHED_S = 1.0
 
 #: what only the leader a daemon follows may tell it
-FROM_LEADER = frozenset({"order", "forget", "mode", "delay", "shutdown", "members",
-                         "reform"})
+FROM_LEADER = frozenset({"order", "forget", "mode", "delay", "shutdown", "members"})
 #: what only a leader acts on
-TO_LEADER = frozenset({"join", "leave", "waited", "progress", "hold", "grow"})
+TO_LEADER = frozenset({"join", "leave", "waited", "progress", "hold", "grow",
+                       "stop_world"})
 
 
 class Member:
     """This daemon's membership of the world.
 
     Args:
-        comm: the daemons' communicator.
+        peers: the other nodes' services, through this node's relay.
         name: this daemon's node name.
         clock: monotonic clock.
         new_leader: makes the leader's decision-maker (this daemon leads, or took over).
         holdings: what this node holds (`Ranks.holdings`), for a new leader.
-        wakeup: wakes the serve loop (a message or a re-formation is in).
-        stop: stops this daemon (it was left out of a re-formed world).
-        argv: this daemon's arguments after `-m crossover`, for the daemons it starts.
+        argv: this daemon's arguments after `-m crossover`, for the generations it forms.
+        log_path: where the generations it forms write their output (None: inherited).
         beat_s, dead_after_s: see `Membership`.
     """
 
-    def __init__(self, comm: Any, name: str, clock: Callable[[], float],
-                 new_leader: Callable[[PeerChannel], Leader],
-                 holdings: Callable[[], tuple], wakeup: Callable[[], None],
-                 stop: Callable[[], None], argv: list[str],
-                 beat_s: float = 1.0, dead_after_s: float = 5.0) -> None:
-        self.name, self.clock, self.argv = name, clock, argv
-        self._new_leader, self._holdings, self._stop = new_leader, holdings, stop
-        self.peers = PeerChannel(comm, wakeup)
-        self.world = Membership(self.peers.rank, self.peers.size, clock, beat_s, dead_after_s)
-        # Every daemon's node name, for the log and status once it is lost: gathered at
-        # the start (and at each re-formation), before any member can be lost.
-        self.names: dict[int, str] = dict(enumerate(comm.allgather(name))) \
-            if self.peers.size > 1 else {0: name}
+    def __init__(self, peers: Uplink, name: str, clock: Callable[[], float],
+                 new_leader: Callable[[Uplink], Leader],
+                 holdings: Callable[[], tuple], argv: list[str],
+                 log_path: Path | None = None, beat_s: float = 1.0,
+                 dead_after_s: float = 5.0) -> None:
+        self.peers, self.name, self.clock, self.argv = peers, name, clock, argv
+        self.log_path = log_path
+        self._new_leader, self._holdings = new_leader, holdings
+        self.world = Membership(0, 1, clock, beat_s, dead_after_s)
+        self.names: dict[int, str] = {0: name}  # every member's node, by rank
         self.lost_nodes: list[str] = []  # as the leader last said
-        self.leader = new_leader(self.peers) if self.world.leads else None
-        self._respawn: dict[str, float] = {}  # lost node -> when to start its daemon
-        self._tries: dict[str, int] = {}  # node -> daemons started since one served
+        # A node's service leads only once its relay said who leads (a one-node daemon
+        # is its own world and leads at once).
+        self.leader = None if peers.relayed else new_leader(peers)
+        self._respawn: dict[str, float] = {}  # lost node -> when to start its service
+        self._tries: dict[str, int] = {}  # node -> services started since one served
         self._wanted: set[str] = set()  # nodes a job asked for
-        self._reform: tuple[int, float, list[int]] | None = None  # (tag, since, members)
-        self._spawning: list[str] = []  # the nodes whose daemons it starts
-        self._current: Reformation | None = None  # the re-formation under way here
-        self._stuck: list[Reformation] = []  # re-formations given up, maybe stuck
-        self._wedged_said = False
-        self._tag = 0
+        self._spawning: list[str] = []  # the nodes new to the generation being formed
+        self._forming: Generation | None = None  # the generation being formed
+        self._formed: list[Generation] = []  # those this leader formed, still running
+        self._epoch = 0  # the highest generation this daemon knows of or started
+        self._detached_at: float | None = clock() if peers.relayed else None
+        self._fails = 0  # generations in a row that did not form
 
     # --- messages -----------------------------------------------------------------------
     def route(self, source: int, msg: tuple) -> bool:
         """Membership's part of a peer message; False if it is the node's to handle
         (for the leader's kinds, only when this daemon leads)."""
-        self._apply(self.world.heard(source))
         kind = msg[0]
+        if kind == "detached":
+            self._detached(msg[1])
+            return True
+        self._apply(self.world.heard(source))
         stale = kind == "beat" and not self.world.leads and source != self.world.leader
         if stale or (kind in FROM_LEADER and source != self.world.leader) or (
                 kind in TO_LEADER and self.leader is None):
@@ -88,7 +94,7 @@ class Member:
             # a message for the leader: say who leads
             self.peers.send(source, ("epoch", self.world.epoch, self.world.leader))
             return True
-        if kind == "hold":  # a daemon that serves: its node needs no more tries
+        if kind == "hold":  # a service that serves: its node needs no more tries
             self._tries.pop(self.names.get(source, ""), None)
             return False
         if kind == "grow":
@@ -105,15 +111,6 @@ class Member:
             self._apply(changes)
         elif kind == "epoch":
             self._apply(self.world.newer(msg[1], msg[2]))
-        elif kind == "reform":
-            self._join_reform(*msg[1:])
-        elif kind == "reformed":
-            self._reformed(*msg[1:])
-        elif kind == "retire":
-            log.warning("this daemon (node %s) was left out of a re-formed world while it "
-                        "was lost: stopping, so that the world's new daemon serves this "
-                        "node", self.name)
-            self._stop()
         elif kind != "beat":
             return False
         return True
@@ -121,24 +118,84 @@ class Member:
     def grow(self, nodes: list[str]) -> list[str]:
         """A job asks for `nodes` in the world; returns those not in it yet."""
         missing = sorted(set(nodes) - set(self.names.values()))
-        if missing:
+        if missing and not self.peers.relayed:
+            log.warning("a job asks for nodes %s, but this daemon was started alone "
+                        "(without mpirun): it cannot form a world with them",
+                        ", ".join(missing))
+        elif missing:
             self.peers.send_leader(("grow", missing))
         return missing
 
+    # --- generations --------------------------------------------------------------------
+    def attached(self, epoch: int, rank: int, names: list[str], leader: int) -> None:
+        """A relay of generation `epoch` said hello: this node is rank `rank` of the
+        members `names`, led by rank `leader`."""
+        by_name = {n: r for r, n in self.names.items()}
+        ranks_now = {by_name[n]: new for new, n in enumerate(names) if n in by_name}
+        world = self.world
+        self.world = Membership(rank, len(names), self.clock, world.beat_s,
+                                world.dead_after_s, leader=leader, epoch=epoch)
+        self.names, self.lost_nodes = dict(enumerate(names)), []
+        self._epoch = max(self._epoch, epoch)
+        self._detached_at = None
+        log.info("generation %d of the world: %d members (%s), this node is daemon %d, "
+                 "the leader is %s", epoch, len(names), ", ".join(names), rank,
+                 names[leader])
+        forming = self._forming
+        if forming is not None and forming.epoch <= epoch:
+            self._forming, self._spawning, self._fails = None, [], 0
+            if forming.epoch == epoch:
+                self._retire_formed()
+                self._formed.append(forming)
+            else:
+                forming.kill()
+        for node in names:
+            self._respawn.pop(node, None)
+        if self.world.leads:
+            if self.leader is None:
+                self.leader = self._new_leader(self.peers)
+            else:
+                self.leader.renumber(ranks_now)
+            self._lead(set(range(len(names))))
+        elif self.leader is not None:
+            log.warning("daemon %d follows %s from generation %d: no longer the leader",
+                        rank, names[leader], epoch)
+            self.leader = None
+            self._retire_formed()
+
+    def _detached(self, epoch: int) -> None:
+        self._detached_at = self.clock()
+        log.warning("node %s: its relay (generation %d) is gone; serving its ranks on "
+                    "with the last order and mode, %s", self.name, epoch,
+                    "and forming a new generation" if self.leader is not None else
+                    "until the leader forms a new generation")
+
+    def _retire_formed(self) -> None:
+        """Earlier generations of this leader: their members took a newer one."""
+        for generation in self._formed:
+            generation.kill()
+        self._formed = []
+
     # --- time -----------------------------------------------------------------------------
     def tick(self) -> None:
-        """Beat, act on peers lost, and (the leader) re-form the world when due."""
-        if self.peers.size > 1:
-            if time.monotonic() - self.peers.polled_at > self.world.beat_s:
-                self.world.forgive()  # this daemon did not listen: nobody is to blame
+        """Beat, act on peers lost, and (the leader) form a generation when due."""
+        if self.peers.attached and self.peers.size > 1:
             self._apply(self.world.tick())
-        if self._reform is not None and self.clock() - self._reform[1] > REFORM_TIMEOUT_S:
-            log.error("re-forming the world (%d) did not finish in %.0f s (a member lost "
-                      "in the middle?): serving on in the world as it was",
-                      self._reform[0], REFORM_TIMEOUT_S)
-            self._give_up()
-        if self.leader is not None and self._reform is None:
-            self._start_reform()
+        forming = self._forming
+        if forming is not None and (forming.failed or self.clock() - forming.started_at
+                                    > GENERATION_TIMEOUT_S):
+            self._fails += 1
+            log.error("generation %d (%s) did not form within %.0f s%s: killed; trying "
+                      "again", forming.epoch, ", ".join(forming.nodes),
+                      self.clock() - forming.started_at,
+                      " (its mpirun ended)" if forming.failed else "")
+            forming.kill()
+            self._forming = None
+            self._retry_spawns()
+            if self._detached_at is not None:  # back off while generations fail
+                self._detached_at = self.clock() + min(30.0, 2.0 ** self._fails)
+        if self.leader is not None and self._forming is None and self.peers.relayed:
+            self._form()
 
     def next_deadline(self) -> float | None:
         ends = [self.world.next_deadline()] if self.peers.size > 1 else []
@@ -146,6 +203,10 @@ class Member:
             ends += list(self._respawn.values())
             if self._wanted:
                 ends.append(self.clock())
+            if self._detached_at is not None:
+                ends.append(self._detached_at + DETACHED_S)
+            if self._forming is not None:
+                ends.append(self._forming.started_at + 1.0)  # poll its mpirun
         return min(ends, default=None)
 
     def snapshot(self) -> dict:
@@ -153,7 +214,39 @@ class Member:
         return {"size": self.peers.size, "leader": self.world.leader,
                 "leader_node": self.names.get(self.world.leader, "?"),
                 "epoch": self.world.epoch, "members": len(self.world.alive),
-                "lost": list(self.lost_nodes)}
+                "lost": list(self.lost_nodes), "generation": self.peers.key[0],
+                "relay": self.peers.attached or not self.peers.relayed,
+                "relay_pid": self.peers.relay_pid}
+
+    def _form(self) -> None:
+        """The leader: form a generation with the nodes wanted and those due again, or
+        any time this node's own relay is gone."""
+        now = self.clock()
+        present = [self.names[r] for r in sorted(self.world.alive)]
+        due = {n for n, when in self._respawn.items() if when <= now}
+        new = sorted((due | self._wanted) - set(present))
+        detached = self._detached_at is not None and now >= self._detached_at + DETACHED_S
+        self._wanted.clear()
+        if not new and not detached:
+            return
+        for node in new:
+            self._respawn.pop(node, None)
+            self._tries[node] = self._tries.get(node, 0) + 1
+        self._spawning = new
+        self._epoch = max(self._epoch, self.world.epoch) + 1
+        log.info("forming generation %d of the world: %s%s", self._epoch,
+                 ", ".join(present + new), f" (new: {', '.join(new)})" if new else "")
+        self._forming = Generation(present + new, self._epoch, self.name, self.argv, now,
+                                   self.log_path)
+
+    def _retry_spawns(self) -> None:
+        """The leader: the new nodes of a generation that did not form are due again (it
+        was no try of theirs)."""
+        if self.leader is not None:
+            for node in self._spawning:
+                self._tries[node] = max(0, self._tries.get(node, 1) - 1)
+                self._respawn_later(node)
+        self._spawning = []
 
     # --- leaders and losses -----------------------------------------------------------------
     def _apply(self, changes: Changes) -> None:
@@ -182,11 +275,6 @@ class Member:
             if self.leader is not None:
                 self.leader.member_lost(rank)
                 self._respawn_later(node)
-                if self._reform is not None and rank in self._reform[2]:
-                    # its collective calls wait for that member for ever: start again
-                    log.warning("re-forming the world (%d) waits for the lost daemon %d: "
-                                "given up", self._reform[0], rank)
-                    self._give_up()
         for rank in changes.back:
             log.warning("daemon %d (node %s) is back: taking in what it holds", rank,
                         self.names.get(rank, "?"))
@@ -203,9 +291,8 @@ class Member:
     def _respawn_later(self, node: str) -> None:
         tries = self._tries.get(node, 0)
         if tries >= RESPAWN_TRIES:
-            log.error("node %s: %d daemons started there did not serve; no more tries "
-                      "(start one there by hand: it joins as a new world's node)", node,
-                      tries)
+            log.error("node %s: %d services started there did not serve; no more tries "
+                      "(ask for it again: a job on that node does)", node, tries)
             return
         self._respawn[node] = self.clock() + RESPAWN_S * 2 ** tries
 
@@ -219,107 +306,3 @@ class Member:
     def _tell_members(self) -> None:
         self.lost_nodes = [self.names.get(r, f"daemon {r}") for r in self.world.lost]
         self.peers.broadcast(("members", sorted(self.world.alive), self.lost_nodes))
-
-    # --- re-forming the world ---------------------------------------------------------------
-    def _start_reform(self) -> None:
-        """The leader: re-form the world with the nodes wanted and those due again."""
-        now = self.clock()
-        due = {n for n, when in self._respawn.items() if when <= now}
-        nodes = sorted(due | self._wanted)
-        if not nodes:
-            return
-        if any(r.thread.is_alive() for r in self._stuck):
-            # Open MPI 4.1 cannot cancel a spawn that lost a member, and the next one in
-            # this process waits behind it: starting more only piles them up.
-            if not self._wedged_said:
-                self._wedged_said = True
-                log.error("a re-formation that lost a member is stuck inside MPI: this "
-                          "leader cannot start daemons any more (nodes %s wait); the "
-                          "world serves on as it is; restart it to take them in",
-                          ", ".join(nodes))
-            return
-        for node in nodes:
-            self._respawn.pop(node, None)
-            self._tries[node] = self._tries.get(node, 0) + 1
-        self._wanted.clear()
-        self._spawning = nodes
-        self._tag += 1
-        tag = self.world.epoch * 1000 + self._tag % 1000
-        members = sorted(self.world.alive)
-        log.info("re-forming the world (%d): %d members, starting daemons for %s", tag,
-                 len(members), ", ".join(nodes))
-        spawns = [spawn_for(n) for n in nodes]
-        for rank in members:
-            self.peers.send(rank, ("reform", tag, members, self.peers.rank,
-                                   [(s.host, s.node, s.node_arg) for s in spawns]))
-
-    def _give_up(self) -> None:
-        """Stop waiting for the re-formation under way (its thread may wait for ever)."""
-        self._reform = None
-        if self._current is not None:
-            self._stuck.append(self._current)
-            self._current = None
-        self._retry_spawns()
-
-    def _retry_spawns(self) -> None:
-        """The leader: the nodes of a re-formation that did not happen are due again
-        (it was no try of theirs)."""
-        if self.leader is not None:
-            for node in self._spawning:
-                self._tries[node] = max(0, self._tries.get(node, 1) - 1)
-                self._respawn_later(node)
-        self._spawning = []
-
-    def _join_reform(self, tag: int, members: list[int], root: int,
-                     spawns: list[tuple]) -> None:
-        from crossover.daemon.reform import Spawn
-
-        if self._reform is not None:
-            # The leader gave that one up (a member was lost in it), or a new leader
-            # starts afresh: its thread may wait for ever, but MPI tells concurrent
-            # group creations apart by their tags, so this one can go ahead.
-            log.warning("re-forming the world (%d) instead of (%d), which the leader gave "
-                        "up", tag, self._reform[0])
-        self._reform = (tag, self.clock(), members)
-        peers = self.peers
-
-        def done(world: Any, names: list[str] | None, exc: BaseException | None) -> None:
-            peers.inbox.put((peers.rank, ("reformed", tag, members, root, world, names,
-                                          exc)))
-            peers._wakeup()
-
-        reformation = Reformation(peers.comm, members, root, [Spawn(*s) for s in spawns],
-                                  tag, self.name, self.argv, done)
-        if self._current is not None:  # superseded: its thread may wait for ever
-            self._stuck.append(self._current)
-        self._stuck = [r for r in self._stuck if r.thread.is_alive()]
-        self._current = reformation
-        reformation.start()
-
-    def _reformed(self, tag: int, members: list[int], root: int, world: Any,
-                  names: list[str] | None, exc: BaseException | None) -> None:
-        if self._reform is None or self._reform[0] != tag:
-            log.warning("re-formation %d finished after it was given up", tag)
-            return
-        self._reform, self._current = None, None
-        if exc is not None:
-            log.error("re-forming the world (%d) failed (%s): serving on as it was", tag, exc)
-            self._retry_spawns()
-            return
-        old_epoch = self.world.epoch
-        self.peers.swap(world, {old: new for new, old in enumerate(members)})
-        leader = members.index(root)
-        self.world = Membership(self.peers.rank, self.peers.size, self.clock,
-                                self.world.beat_s, self.world.dead_after_s,
-                                leader=leader, epoch=old_epoch + 1)
-        self.peers.leader = leader
-        self.names = dict(enumerate(names))
-        self.lost_nodes = []
-        log.info("the world is re-formed (%d): %d members (%s), daemon %d here, leader %d",
-                 tag, self.peers.size, ", ".join(names), self.peers.rank, leader)
-        self._spawning = []
-        if self.world.leads:
-            self.leader.renumber({old: new for new, old in enumerate(members)})
-            for rank in range(len(members), self.peers.size):
-                self.peers.send(rank, ("lead", self.world.epoch))  # a new daemon: follow
-            self._tell_members()

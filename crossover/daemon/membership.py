@@ -158,13 +158,6 @@ class Membership:
                 self._next_beat = now + self.beat_s
         return out
 
-    def forgive(self) -> None:
-        """This daemon heard nothing for a while through no fault of the peers (its own
-        receiving stalled): every peer's silence counts from now."""
-        now = self.clock()
-        for r in self._heard:
-            self._heard[r] = max(self._heard[r], now)
-
     def next_deadline(self) -> float:
         """When `tick` may next have something to do."""
         watched = self.alive - {self.rank} if self.leads else {self.leader} - {self.rank}

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from crossover import protocol as P
 from crossover.daemon.conns import Connections, RankConn
 from crossover.daemon.table import TableSync
+from crossover.daemon.uplink import Uplink
 from crossover.placement import partition
 from crossover.protocol import Mode, Phase
 from crossover.scheduler import SlotGrant, SlotScheduler
-from crossover.transport import PeerChannel
 
 log = logging.getLogger("crossover.daemon")
 
@@ -56,7 +56,7 @@ class Ranks:
     """
 
     def __init__(self, node: Node, sched: SlotScheduler, table: TableSync,
-                 conns: Connections, peers: PeerChannel, aligning: bool, deciding: bool,
+                 conns: Connections, peers: Uplink, aligning: bool, deciding: bool,
                  clock: Callable[[], float]) -> None:
         self.node, self.sched, self.table, self.conns = node, sched, table, conns
         self.peers, self.aligning, self.deciding, self.clock = peers, aligning, deciding, clock

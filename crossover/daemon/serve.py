@@ -18,38 +18,31 @@ the other daemons' messages.
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import resource
 import selectors
 import signal
-import socket
 import time
 from collections.abc import Callable
-from typing import Any
 
 from crossover import protocol as P
 from crossover.daemon.conns import Connections, RankConn
 from crossover.daemon.member import TO_LEADER, Member
 from crossover.daemon.ranks import Node, Ranks
+from crossover.daemon.relay import relay_path
+from crossover.daemon.sockets import NodeSockets
 from crossover.daemon.table import TableSync
-from crossover.daemon.world import Leader, default_comm, node_identity
+from crossover.daemon.uplink import Uplink
+from crossover.daemon.world import Leader, node_identity
 from crossover.procstats import RankUsage, daemon_figures, process_state
 from crossover.protocol import Mode
 from crossover.scheduler import ModeController, SlotScheduler, make_policy
 from crossover.scheduler.phase import PhaseAligner
-from crossover.transport import PeerChannel, socket_path
+from crossover.transport import socket_path
 
 log = logging.getLogger("crossover.daemon")
 
-#: how mpirun hands `--mca orte_enable_recovery 1` to the processes it starts
-RECOVERY_ENV = "OMPI_MCA_orte_enable_recovery"
-
-
-
-class DaemonRunning(RuntimeError):
-    """Another daemon serves this node and runtime directory (one per node)."""
 
 class Daemon:
     """One node's coordinator.
@@ -61,7 +54,9 @@ class Daemon:
         idle_shutdown_s: exit after no job has been connected anywhere for this long
             (None: never).
         runtime_dir: directory of the sockets (default: see `transport.runtime_dir`).
-        comm: the daemons' communicator (default: COMM_WORLD under mpirun).
+        relayed: this is a node's service in a world of several (`relay`): it serves its
+            node and reaches the others through the relay that started it; False: a
+            daemon of one node, its own world.
         cpu_devices: how many devices this node's CPU cores form (default: one per core).
         mode_probe_s: policy auto: the shortest window measuring a mode.
         mode_hold_s: policy auto: how long a mode decision holds before a re-probe.
@@ -73,7 +68,7 @@ class Daemon:
         dead_after_s: a daemon silent this long is lost to the others (a leader's
             successor takes over; see `membership`).
         argv: this daemon's arguments after `python -m crossover`: the leader starts the
-            daemons of new or lost nodes with them (`reform`).
+            services of new or lost nodes with them (`generation`).
         clock: monotonic clock, injectable for tests.
 
     Raises:
@@ -87,7 +82,7 @@ class Daemon:
         patience_s: float = 1.0,
         idle_shutdown_s: float | None = None,
         runtime_dir: str | os.PathLike | None = None,
-        comm: Any = None,
+        relayed: bool = False,
         cpu_devices: int | None = None,
         mode_probe_s: float = 2.0,
         mode_hold_s: float = 30.0,
@@ -99,12 +94,13 @@ class Daemon:
         argv: list[str] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        comm = comm if comm is not None else default_comm()
-        name, cores = node_identity(comm)
+        name, cores = node_identity(None)
         self.node = Node(name, cores, max(1, min(cpu_devices or len(cores), len(cores))))
         self.clock = clock
         self.sched = SlotScheduler(make_policy(policy), clock, lease_s, patience_s)
         self.path = socket_path(name, runtime_dir, create=True)
+        self.sockets = NodeSockets(self.path, relay_path(name, self.path.parent)
+                                   if relayed else None)
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = os.pipe()
         # Both ends non-blocking: a full pipe already holds a wake-up, and a blocked
@@ -126,11 +122,11 @@ class Daemon:
         # successor takes over if it is lost (`membership`).
         self._leader_args = (policy_.adaptive, mode_probe_s, mode_hold_s, mode_probe_local,
                              aligning, patience_s, idle_shutdown_s)
-        self.member = Member(comm, name, clock, self._new_leader,
-                             holdings=lambda: self.ranks.holdings(), wakeup=self._wakeup,
-                             stop=self.stop, argv=list(argv or []), beat_s=beat_s,
-                             dead_after_s=dead_after_s)
-        self.peers = self.member.peers
+        self.peers = Uplink(self._wakeup, relayed)
+        self.member = Member(self.peers, name, clock, self._new_leader,
+                             holdings=lambda: self.ranks.holdings(), argv=list(argv or []),
+                             log_path=self.path.parent / "daemon.log" if relayed else None,
+                             beat_s=beat_s, dead_after_s=dead_after_s)
         self.ranks = Ranks(self.node, self.sched, self.table, self.conns, self.peers,
                            aligning=aligning, deciding=policy_.adaptive, clock=clock)
         self.handovers_delayed = 0  # on this node, by the leader's corrections
@@ -145,7 +141,7 @@ class Daemon:
         """The leader's decisions, where this daemon leads."""
         return self.member.leader
 
-    def _new_leader(self, peers: PeerChannel) -> Leader:
+    def _new_leader(self, peers: Uplink) -> Leader:
         adaptive, probe_s, hold_s, probe_local, aligning, patience_s, idle_s = \
             self._leader_args
         def modes() -> ModeController:
@@ -158,9 +154,11 @@ class Daemon:
     # --- life cycle -------------------------------------------------------------------
     def serve(self) -> None:
         """Listen and serve until stopped (SIGTERM/SIGINT, idle shutdown or `stop`)."""
-        listener = self._listen()
+        listener, relays = self.sockets.open()
         self.table.open(self.path)
         self._sel.register(listener, selectors.EVENT_READ, "listen")
+        if relays is not None:
+            self._sel.register(relays, selectors.EVENT_READ, "relay")
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.stop())
@@ -168,11 +166,6 @@ class Daemon:
                  self.peers.rank, self.peers.size, self.node.name, self.path,
                  self.sched.policy.name,
                  [self.node.cpu_device(i)[0] for i in range(self.node.cpu_devices)])
-        if self.peers.size > 1 and os.environ.get(RECOVERY_ENV, "0").lower() not in (
-                "1", "true", "yes"):
-            log.warning("this world was started without --mca orte_enable_recovery 1: "
-                        "Open MPI ends every daemon of it when one dies; start it with "
-                        "`mpirun --mca orte_enable_recovery 1 ...` (crossoverrun does)")
         try:
             while not self._stop:
                 events = self._sel.select(self._timeout())
@@ -182,10 +175,17 @@ class Daemon:
                 for key, _ in events:
                     if key.data == "listen":
                         self.conns.accept(listener)
+                    elif key.data == "relay":
+                        hello = self.peers.accept(relays)
+                        if hello is not None:
+                            self.sockets.publish()
+                            self.member.attached(*hello)
                     elif key.data == "wake":
                         self._drain_wakeups()
                     else:
                         self.conns.read(key.data)
+                if self.sockets.unreached():
+                    break
                 self.table.run_backlog()
                 self._handle_peers()
                 self.member.tick()
@@ -200,7 +200,9 @@ class Daemon:
         finally:
             self._sel.close()
             listener.close()
-            self.path.unlink(missing_ok=True)
+            if relays is not None:
+                relays.close()
+            self.sockets.close()
             self.table.close()
             self.peers.close()
             log.info("daemon for node %s stopped", self.node.name)
@@ -209,29 +211,6 @@ class Daemon:
         """Ask the serve loop to exit (safe from a signal handler or another thread)."""
         self._stop = True
         self._wakeup()
-
-    def _listen(self) -> socket.socket:
-        # One daemon per node and directory: a lock held for the daemon's lifetime (the
-        # kernel drops it if the daemon dies, so a stale socket never blocks a restart).
-        self._lock = open(self.path.with_suffix(".lock"), "w")  # noqa: SIM115
-        try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock.close()
-            raise DaemonRunning(
-                f"a crossover daemon already listens on {self.path}: use it, stop it "
-                f"(`crossover stop`), or give this one another --runtime-dir"
-            ) from None
-        self.path.unlink(missing_ok=True)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        tmp = self.path.with_suffix(".new")
-        tmp.unlink(missing_ok=True)
-        sock.bind(str(tmp))
-        os.chmod(tmp, 0o600)
-        sock.listen(socket.SOMAXCONN)  # ranks that start together connect at once
-        tmp.rename(self.path)  # appears only once it accepts connections
-        sock.setblocking(False)
-        return sock
 
     def _timeout(self) -> float:
         if self.table.stuck:
@@ -270,8 +249,21 @@ class Daemon:
             missing = self.member.grow(msg.nodes)
             # the nodes the leader is asked to start daemons on; status shows them joined
             self.conns.reply(conn, P.StatusReport({n: {"joining": True} for n in missing}))
+        elif isinstance(msg, P.StopWorld):
+            self.conns.reply(conn, P.StatusReport(
+                {n: {} for n in self.member.names.values()}))
+            self._stop_world()
         else:
             self.ranks.handle(conn, msg)
+
+    def _stop_world(self) -> None:
+        """Stop every daemon of this world: the leader says so to all (this one too);
+        a member asks the leader, and stops."""
+        if self.leader is not None:
+            self.peers.broadcast(("shutdown",))
+        else:
+            self.peers.send_leader(("stop_world",))
+            self.stop()
 
     # --- the scheduler's clock --------------------------------------------------------
     def _realign(self) -> None:
@@ -332,6 +324,8 @@ class Daemon:
                 wait[1][msg[2]] = msg[3]
         elif kind == "shutdown":
             self.stop()
+        elif kind == "stop":  # this node's relay was signalled: its world is stopped
+            self._stop_world()
 
     def _delay_handovers(self, delay_s: float, lead_s: float) -> None:
         """Hand every shared device of this node to its next job `delay_s` later."""

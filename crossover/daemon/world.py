@@ -1,10 +1,10 @@
 """The daemons' world, one process per node in one MPI world: the leader (daemon 0)
 decides the global job order and the mode, every daemon applies them, and status and
 shutdown go to all. This module holds the leader's part (`Leader`) and who a daemon is
-(`default_comm`, `node_identity`); what a node does with the leader's messages is the
+(`node_identity`); what a node does with the leader's messages is the
 daemon's (`serve`).
 
-Messages between daemons are small tuples on `transport.PeerChannel`:
+Messages between daemons are small tuples, through each node's relay (`uplink`):
     ("join", job) / ("leave", job)        to the leader: a job's first / last rank here
     ("order", job, n) / ("forget", job)   from the leader: the job's place, or it is gone
     ("progress", job, steps, local, points, compute_s, gap_s)
@@ -14,7 +14,9 @@ Messages between daemons are small tuples on `transport.PeerChannel`:
     ("waited", job, wait_s)               to the leader: a rank's allreduce waits (phases)
     ("delay", delay_s, lead_s)            from the leader: this node's turns run ahead
     ("status?", token) / ("status!", token, node, snapshot)
-    ("shutdown",)                         from the leader: idle for idle_shutdown_s
+    ("shutdown",)                         from the leader: idle for idle_shutdown_s, or
+                                          stopped (`crossover stop`)
+    ("stop_world",)                       to the leader: `crossover stop` here
     ("beat",)                             member to leader and back (liveness)
     ("members", alive, lost_nodes)        from the leader: who is in the world now
     ("lead", epoch)                       from a new leader (or to a member back):
@@ -34,40 +36,19 @@ from collections.abc import Callable
 from typing import Any
 
 from crossover import environment as E
+from crossover.daemon.uplink import Uplink
 from crossover.scheduler import ModeController, ModeSwitch
 from crossover.scheduler.groups import Groups
 from crossover.scheduler.phase import PhaseAligner
 from crossover.scheduler.predict import Profile
-from crossover.transport import PeerChannel
 
 log = logging.getLogger("crossover.daemon")
 
 
-class _SoloComm:
-    """A one-process stand-in for an MPI communicator: a daemon run without mpirun
-    does not initialise MPI at all."""
-
-    def Get_rank(self) -> int:  # noqa: N802 - mirrors mpi4py
-        return 0
-
-    def Get_size(self) -> int:  # noqa: N802
-        return 1
-
-
-def default_comm() -> Any:
-    """COMM_WORLD when launched by mpirun, the world it joins when a re-formation
-    started it (`reform`), else a one-process stand-in."""
-    if "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ:
-        from mpi4py import MPI
-
-        from crossover.daemon.reform import joining_world
-
-        return joining_world() or MPI.COMM_WORLD
-    return _SoloComm()
-
-
 def node_identity(comm: Any) -> tuple[str, list[int]]:
-    """This daemon's node name and the CPU cores its devices are made of."""
+    """This daemon's node name and the CPU cores its devices are made of (`comm`: the
+    relays' world, where a fake node is named by its rank; None: a service, named on
+    its command line)."""
     cores = sorted(os.sched_getaffinity(0))
     fake, named = E.fake_nodes(), E.node_setting()
     if named and fake and re.fullmatch(r"fake\d+", named):  # a fake node's new daemon
@@ -75,7 +56,8 @@ def node_identity(comm: Any) -> tuple[str, list[int]]:
     elif named or not fake:
         return E.node_name(), cores
     else:
-        name, r = E.node_name(comm.Get_rank()), comm.Get_rank()
+        r = comm.Get_rank() if comm is not None else 0
+        name = E.node_name(r)
     # fake node r gets every N-th core
     return name, cores[r % len(cores) :: fake] or cores
 
@@ -96,7 +78,7 @@ class Leader:
         clock: monotonic clock.
     """
 
-    def __init__(self, peers: PeerChannel, new_modes: Callable[[], ModeController] | None,
+    def __init__(self, peers: Uplink, new_modes: Callable[[], ModeController] | None,
                  aligner: PhaseAligner | None, idle_shutdown_s: float | None,
                  clock: Callable[[], float]) -> None:
         self.peers, self.new_modes, self.aligner = peers, new_modes, aligner
@@ -128,6 +110,8 @@ class Leader:
             self._hold(source, *msg[1:])
         elif kind == "leave":
             self._leave(source, msg[1])
+        elif kind == "stop_world":  # `crossover stop` on a member's node
+            self.peers.broadcast(("shutdown",))
         elif kind == "waited":
             self._align(msg[1], source, msg[2])
         elif kind == "progress":
@@ -262,6 +246,8 @@ class Leader:
 
     def _leave(self, source: int, job: str) -> None:
         """A job's last rank on daemon `source` left."""
+        # a join still waiting for the members' holdings is void now
+        self._deferred = [(s, j) for s, j in self._deferred if (s, j) != (source, job)]
         members = self._members.get(job)
         if members is None:
             return  # forgotten already

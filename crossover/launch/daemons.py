@@ -25,7 +25,7 @@ import psutil
 
 from crossover import environment as E
 from crossover.backoff import Backoff, wait_until
-from crossover.probe import daemon_listens, daemon_status, grow_world
+from crossover.probe import daemon_listens, daemon_status, grow_world, stop_world
 from crossover.transport import runtime_dir, socket_path
 
 #: How often crossoverrun checks that the daemon it started is still there.
@@ -320,12 +320,12 @@ def _ended(pid: int) -> bool:
 
 
 def stop_daemons(directory: str | None, force: bool = False, timeout_s: float = 10.0) -> str:
-    """Stop this node's daemon; when a launcher started it over several hosts, the
-    mpirun over them all (which passes the signal on). Returns what was done.
+    """Stop this node's daemon; in a world of several nodes, every node's (the world's
+    leader tells them), and the mpirun a launcher started. Returns what was done.
 
     Raises:
-        UsageError: jobs are still registered (without `force`), the daemon is one of
-            several started by hand under mpirun, or it did not exit within `timeout_s`.
+        UsageError: jobs are still registered (without `force`), the daemon's process is
+            not found here, or it did not exit within `timeout_s`.
     """
     rdir = runtime_dir(directory, create=False)
     try:
@@ -340,26 +340,27 @@ def stop_daemons(directory: str | None, force: bool = False, timeout_s: float = 
     pid_file = rdir / PID_FILE
     launched = _daemon_process(pid_file.read_text(), rdir) if pid_file.exists() else None
     here = nodes.get(E.node_name(), {}).get("daemon", {}).get("pid")
-    try:
-        if launched is not None and os.getpgid(launched.pid) == launched.pid:
-            target = launched.pid
-            # mpirun passes SIGTERM on to every host's daemon
-            os.killpg(target, signal.SIGTERM)
-        elif here is not None and _daemon_process(here) is not None:
-            target = int(here)
-            if len(nodes) > 1:
-                raise UsageError(f"this daemon is one of {len(nodes)} nodes' "
-                                 f"({', '.join(nodes)}) started by hand under mpirun: stop "
-                                 f"that mpirun")
-            os.kill(target, signal.SIGTERM)
-        else:
-            raise UsageError(f"the daemon at {rdir} answers but its process is not found "
-                             f"here (another PID namespace?); stop it where it runs")
-    except ProcessLookupError:
-        pass  # it ended on its own meanwhile
-    if not wait_until(lambda: _ended(target), timeout_s, Backoff(0.02, 0.5)):
-        raise UsageError(f"sent SIGTERM to process {target} but it still runs after "
-                         f"{timeout_s:g} s; kill -9 {target}")
+    targets = list(dict.fromkeys(
+        p.pid for p in (launched, _daemon_process(here) if here else None) if p))
+    if not targets:
+        raise UsageError(f"the daemon at {rdir} answers but its process is not found "
+                         f"here (another PID namespace?); stop it where it runs")
+    if len(nodes) > 1:
+        # the world's leader tells every node's service to stop (a launcher's mpirun
+        # ends with the relays it started)
+        with contextlib.suppress(ConnectionError):
+            stop_world(rdir)
+    for target in targets:
+        with contextlib.suppress(ProcessLookupError):  # it may have ended meanwhile
+            if target == getattr(launched, "pid", None) and os.getpgid(target) == target:
+                os.killpg(target, signal.SIGTERM)
+            elif len(nodes) == 1:
+                os.kill(target, signal.SIGTERM)
+    if not wait_until(lambda: all(map(_ended, targets)), timeout_s, Backoff(0.02, 0.5)):
+        left = [t for t in targets if not _ended(t)]
+        raise UsageError(f"asked the crossover daemon at {rdir} to stop but process "
+                         f"{left[0]} still runs after {timeout_s:g} s; kill -9 {left[0]}")
+    target = targets[0]
     (rdir / PID_FILE).unlink(missing_ok=True)
     return f"stopped the crossover daemon at {rdir} (process {target}, {len(nodes)} node" \
            f"{'s' if len(nodes) != 1 else ''})"

@@ -1,0 +1,377 @@
+"""A node's membership in the daemons' MPI world: the relay.
+
+Each node runs two processes. The node's service (`serve`) holds everything that must
+outlive a fault (its ranks' connections, the slot scheduler, the jobs' order and mode,
+and, on the leader's node, the leader's decisions) and does no MPI at all. The relay is
+the node's MPI process: it forwards the service's messages to the other nodes' relays
+and theirs back, and holds nothing else.
+
+Why two: Open MPI 4.1 has no way to cancel a collective call that lost a member (no
+ULFM), and a process stuck in one stays stuck, so a world that re-formed itself with
+MPI's own calls (spawn, merge) wedged for good the first time a member died in the
+middle. A relay may die, wedge or be cut off at any time: the service serves on with
+the last order and mode meanwhile, and the leader forms a new world (a *generation*)
+by starting a fresh `mpirun` of relays over the live nodes (`generation`). A generation
+that does not form in time is killed whole and tried again; nothing collective is ever
+waited on by a process that must survive.
+
+A relay finds its node's service on the socket `node-<name>.relay` of the runtime
+directory (0700; the service checks the relay's user, see `uplink`) and starts the
+service there if there is none (a new or lost node). It says hello with its generation's
+epoch, its rank and every member's node name, then forwards until the service closes
+the connection (a newer generation took over) or its mpirun ends it. A relay of the
+first generation (`crossover daemon` under mpirun, as a user or `crossoverrun` starts a
+world) stops its service when it is signalled: stopping that mpirun stops the world, as
+it always did.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import queue
+import re
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from crossover import environment as E
+from crossover.backoff import Backoff, wait_until
+from crossover.transport import connect, runtime_dir
+
+log = logging.getLogger("crossover.relay")
+
+_LEN = struct.Struct("!I")
+#: a relay whose world has not formed (every member started) by then gives up
+FORM_TIMEOUT_S = 30.0
+#: how long a relay waits for the service it started to listen
+SERVICE_START_S = 30.0
+#: how long a relay of a stopping world waits in MPI_Finalize (it waits for every
+#: member; a member that died makes it wait for ever)
+FINALIZE_S = 10.0
+#: the launcher's variables of one MPI process, which a nested mpirun must not inherit
+_LAUNCH_PREFIXES = ("PMIX_", "OMPI_COMM_", "OMPI_MCA_orte_", "OMPI_MCA_ess",
+                    "OMPI_MCA_pmix", "OMPI_MCA_shmem_", "OMPI_FILE_", "OMPI_FIRST_",
+                    "OMPI_APP_", "OMPI_NUM_APP", "OMPI_UNIVERSE", "OMPI_COMMAND",
+                    "OMPI_MCA_initial_wdir", "OMPI_MCA_mpi_oversubscribe")
+#: the flags that say which node or generation a daemon process is of
+_OWN = ("--node", "--generation", "--leader", "--nodes")
+_FAKE = re.compile(r"fake\d+")
+
+
+def relay_path(node: str, directory: str | os.PathLike | None = None) -> Path:
+    """Where node `node`'s service listens for its relay."""
+    return runtime_dir(directory, create=False) / f"node-{node}.relay"
+
+
+def write_frame(sock: socket.socket, obj: Any) -> None:
+    """One object to a peer process of the same user (pickled, length first)."""
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    sock.sendall(_LEN.pack(len(data)) + data)
+
+
+def read_frame(sock: socket.socket) -> Any:
+    """One object from `write_frame`; ConnectionError once the peer closed."""
+    (n,) = _LEN.unpack(_read_exact(sock, _LEN.size))
+    return pickle.loads(_read_exact(sock, n))
+
+
+def _read_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("the other end closed the connection")
+        buf += chunk
+    return bytes(buf)
+
+
+def service_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a service a relay starts: the relay's, less what mpirun set for
+    the relay alone (the service does no MPI, and the mpirun a leader's service starts
+    would take those for its own)."""
+    env = dict(os.environ if environ is None else environ)
+    return {k: v for k, v in env.items() if not k.startswith(_LAUNCH_PREFIXES)}
+
+
+def daemon_flags(argv: list[str]) -> list[str]:
+    """The world's settings among a daemon's arguments (`argv`, after `-m crossover`):
+    without the subcommand and the flags that name a node or a generation."""
+    kept, skip = [], False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+        elif arg in _OWN:
+            skip = True
+        elif not (i == 0 and arg == "daemon") and arg != "--service" and \
+                not arg.startswith(tuple(f"{o}=" for o in _OWN)):
+            kept.append(arg)
+    return kept
+
+
+def service_argv(name: str, argv: list[str]) -> list[str]:
+    """The service's command line for node `name`: `crossover daemon` with the world's
+    settings (`argv`: a daemon's arguments after `-m crossover`)."""
+    return [sys.executable, "-m", "crossover", "daemon", *daemon_flags(argv), "--service",
+            "--node", name]
+
+
+class MpiChannel:
+    """The relays' messages over MPI, received on a polling thread.
+
+    MPI's blocking receive spins a core; on a machine where a core is an accelerator's
+    worth of compute that would be theft. A thread tests a nonblocking receive with
+    backoff (1 ms to 50 ms) instead: cross-node traffic is membership, step counts and
+    mode switches, never the grant hot path, so tens of milliseconds of latency cost
+    nothing. Idle, the polls cost the cores the jobs compute on: each thread took 0.7 %
+    of a core at a 20 ms cap, 0.25 % at 50 ms.
+
+    A peer may die, stop or be cut off at any time (`crossover.daemon.membership` finds
+    out which): sends are nonblocking, and MPI errors are returned, not fatal, so they
+    cost that message only.
+
+    Args:
+        comm: the relays' communicator (one process per node).
+        wakeup: called after a message is queued in `inbox`.
+    """
+
+    TAG = 7
+    #: sends still in flight beyond this many are dropped (a peer that reads nothing)
+    MAX_IN_FLIGHT = 4096
+
+    def __init__(self, comm: Any, wakeup: Callable[[], None]) -> None:
+        self.comm, self.rank = comm, comm.Get_rank()
+        self.inbox: queue.Queue[tuple[int, Any]] = queue.Queue()
+        self.send_errors = 0
+        self._wakeup = wakeup
+        self._in_flight: list[Any] = []
+        self._sending = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="crossover-mpi", daemon=True)
+        self._thread.start()
+
+    def send(self, dest: int, obj: Any) -> None:
+        """Send a small picklable object to relay `dest`; never blocks or raises."""
+        from mpi4py import MPI
+
+        with self._sending:
+            try:
+                self._in_flight.append(self.comm.isend(obj, dest=dest, tag=self.TAG))
+            except MPI.Exception:
+                self.send_errors += 1
+                return
+            if len(self._in_flight) >= 64:
+                self._reap()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=1.0)
+
+    def _reap(self) -> None:
+        """Forget the sends that completed; past MAX_IN_FLIGHT, the oldest too."""
+        from mpi4py import MPI
+
+        kept = []
+        for req in self._in_flight:
+            try:
+                done = req.Test()
+            except MPI.Exception:
+                self.send_errors += 1
+                done = True
+            if not done:
+                kept.append(req)
+        self._in_flight = kept[-self.MAX_IN_FLIGHT:]
+
+    def _poll(self) -> None:
+        from mpi4py import MPI
+
+        req = None
+        backoff = Backoff(0.001, 0.05)
+        status = MPI.Status()
+        while not self._stop.is_set():
+            if req is None:
+                req = self.comm.irecv(source=MPI.ANY_SOURCE, tag=self.TAG)
+            try:
+                done, obj = req.test(status=status)
+            except MPI.Exception:  # a message from a peer that died while sending
+                done, obj, req = False, None, None
+            if done:
+                req = None
+                self.inbox.put((status.Get_source(), obj))
+                self._wakeup()
+                backoff.reset()
+            else:
+                self._stop.wait(backoff.next())
+        if req is not None:
+            req.Cancel()
+
+
+class Relay:
+    """One node's relay in one generation.
+
+    Args:
+        epoch: the generation's epoch (0: the first, started by a user).
+        leader_node: the node whose service leads this generation.
+        nodes: the members' node names by rank (a generation a leader started), or None
+            (the first generation: each relay names its own node).
+        args: the daemon's arguments after `-m crossover`, for a service it starts.
+        directory: the runtime directory (None: the default).
+    """
+
+    def __init__(self, epoch: int, leader_node: str | None, nodes: list[str] | None,
+                 args: list[str], directory: str | None) -> None:
+        self.epoch, self.leader_node, self.nodes = epoch, leader_node, nodes
+        self.args, self.directory = args, directory
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._formed = threading.Event()
+        self._service: socket.socket | None = None
+
+    def run(self) -> int:
+        from mpi4py import MPI
+
+        from crossover.daemon.world import node_identity
+
+        comm = MPI.COMM_WORLD
+        comm.Set_errhandler(MPI.ERRORS_RETURN)
+        rank = comm.Get_rank()
+        if comm.Get_size() > 1 and os.environ.get(
+                "OMPI_MCA_orte_enable_recovery", "0").lower() not in ("1", "true", "yes"):
+            log.warning("this world was started without --mca orte_enable_recovery 1: "
+                        "Open MPI ends every relay of it when one ends, and so the world; "
+                        "start it with `mpirun --mca orte_enable_recovery 1 ...` "
+                        "(crossoverrun does)")
+        # a fake node is the one the leader named; a host is what it calls itself
+        fake = self.nodes is not None and E.fake_nodes() and _FAKE.fullmatch(self.nodes[rank])
+        name = self.nodes[rank] if fake else node_identity(comm)[0]
+        threading.Thread(target=self._watchdog, daemon=True, name="relay-watchdog").start()
+        names = comm.allgather(name)  # every member started: the generation is formed
+        leader = names.index(self.leader_node) if self.leader_node in names else 0
+        try:
+            self._service = self._find_service(name)
+            write_frame(self._service, ("hello", self.epoch, rank, names, leader))
+        except (OSError, ConnectionError) as exc:
+            log.error("relay of node %s (generation %d): no service to serve (%s)", name,
+                      self.epoch, exc)
+            return 1
+        self._formed.set()
+        if self.epoch == 0:  # stopping a user's mpirun stops the world it started
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: self._stop_service())
+        peers = MpiChannel(comm, self._wakeup)
+        stopped = self._forward(peers)
+        peers.close()
+        if stopped:  # the world stops (every relay does this now): end it cleanly
+            done = threading.Thread(target=MPI.Finalize, daemon=True)
+            done.start()
+            done.join(FINALIZE_S)
+        return 0
+
+    def _forward(self, peers: MpiChannel) -> bool:
+        """Forward until the service ends the connection; True if it said it stops."""
+        sel = selectors.DefaultSelector()
+        sel.register(self._service, selectors.EVENT_READ, "service")
+        sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._service.setblocking(True)
+        while True:
+            for key, _ in sel.select(1.0):
+                if key.data == "wake":
+                    try:
+                        while os.read(self._wake_r, 4096):
+                            pass
+                    except BlockingIOError:
+                        pass
+                    continue
+                try:
+                    kind, *rest = read_frame(self._service)
+                except (OSError, ConnectionError, EOFError, pickle.UnpicklingError):
+                    return False  # the service died, or a newer generation took over
+                if kind == "to":
+                    peers.send(rest[0], rest[1])
+                elif kind == "bye":
+                    return True
+            try:
+                while not peers.inbox.empty():
+                    write_frame(self._service, peers.inbox.get_nowait())
+            except OSError:
+                return False
+
+    def _find_service(self, name: str) -> socket.socket:
+        """Connected to node `name`'s service; started first if none listens."""
+        path = relay_path(name, self.directory)
+        started: subprocess.Popen | None = None
+        sock: socket.socket | None = None
+
+        def attempt() -> bool:
+            nonlocal sock, started
+            try:
+                sock = connect(path, 2.0)
+                return True
+            except OSError:
+                pass
+            if started is None:
+                started = self._start_service(name)
+            return started.poll() is not None  # it exited: stop waiting
+        wait_until(attempt, SERVICE_START_S, Backoff(0.02, 0.5))
+        if sock is None:
+            why = f"it exited with {started.returncode}" if started is not None and \
+                started.poll() is not None else f"none listened in {SERVICE_START_S:g} s"
+            raise ConnectionError(f"node {name}'s service at {path}: {why}")
+        return sock
+
+    def _start_service(self, name: str) -> subprocess.Popen:
+        rdir = runtime_dir(self.directory, create=True)
+        argv = service_argv(name, self.args)
+        log.info("relay of node %s: no service listens there; starting one", name)
+        with open(rdir / "daemon.log", "a") as out:
+            return subprocess.Popen(argv, env=service_env(), stdout=out,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+
+    def _stop_service(self) -> None:
+        if self._service is not None:
+            try:
+                write_frame(self._service, ("stop",))
+            except OSError:
+                pass
+        os._exit(0)
+
+    def _watchdog(self) -> None:
+        """End a relay whose world never formed (a member died before it was whole: its
+        allgather would wait for ever) or whose launcher is gone."""
+        parent = os.getppid()
+        deadline = time.monotonic() + FORM_TIMEOUT_S
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent:
+                os._exit(0)  # mpirun (or its orted) is gone: so is this generation
+            if not self._formed.is_set() and time.monotonic() > deadline:
+                os._exit(3)
+
+    def _wakeup(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass
+
+
+def run_relay(epoch: int, leader_node: str | None, nodes: list[str] | None,
+              args: list[str], directory: str | None) -> int:
+    """`crossover daemon` under mpirun: this node's relay. Exits without MPI_Finalize
+    (a collective call that would wait for members that died)."""
+    logging.basicConfig(level=logging.INFO, format="crossover-relay %(asctime)s %(message)s",
+                        stream=sys.stderr)
+    code = Relay(epoch, leader_node, nodes, args, directory).run()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

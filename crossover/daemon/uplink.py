@@ -1,0 +1,167 @@
+"""The node service's side of its relay (`relay`): the other nodes' services, by their
+rank in the current generation of the daemons' world.
+
+It offers what the rest of the daemon sends and receives through (`send`, `broadcast`,
+`send_leader`, `inbox`): messages go out as ("to", rank, message) frames to the relay
+and come in as (source rank, message). A relay says hello first; the service takes a
+relay of a newer generation (a higher (epoch, leader node)) and drops the one it had,
+which ends it; an older one is refused. Between relays (the relay died, or the leader
+is forming a new generation) the service is *detached*: what it sends is dropped, and
+its membership waits (`member`), while its ranks go on being served.
+
+Nothing here blocks the serve loop: a thread reads the relay, another writes to it from
+a bounded queue (a relay that stops reading costs only the messages past the bound).
+Only a process of this daemon's own user is taken as a relay (SO_PEERCRED; the socket
+is 0600 in the 0700 runtime directory as well).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from crossover.daemon.conns import peer_credentials
+from crossover.daemon.relay import read_frame, write_frame
+
+log = logging.getLogger("crossover.daemon")
+
+#: frames queued for a relay beyond this many are dropped
+MAX_QUEUED = 4096
+
+
+class Uplink:
+    """The service's connection to the other nodes, through its relay.
+
+    Args:
+        wakeup: called after a message is queued in `inbox`.
+        relayed: a relay is expected (the service of a world's node); False: a daemon of
+            one node (started by hand, without mpirun), which is its own world.
+    """
+
+    def __init__(self, wakeup: Callable[[], None], relayed: bool) -> None:
+        self.relayed = relayed
+        self.rank, self.size, self.leader = 0, 1, 0
+        self.lost: set[int] = set()
+        self.inbox: queue.Queue[tuple[int, Any]] = queue.Queue()
+        self.key: tuple[int, str] = (-1, "")  # the generation attached: (epoch, leader)
+        self.send_errors = 0
+        self.relay_pid: int | None = None  # the relay attached (status shows it)
+        self._wakeup = wakeup
+        self._sock: socket.socket | None = None
+        self._out: queue.Queue[tuple[socket.socket, Any]] = queue.Queue(MAX_QUEUED)
+        threading.Thread(target=self._write, name="crossover-uplink-out", daemon=True).start()
+
+    @property
+    def attached(self) -> bool:
+        return self._sock is not None
+
+    # --- sending ------------------------------------------------------------------------
+    def send(self, dest: int, obj: Any) -> None:
+        """Send to the service of rank `dest` (to this one: queued directly). Never
+        blocks and never raises: a message that cannot go is lost."""
+        if dest == self.rank:
+            self.inbox.put((self.rank, obj))
+            self._wakeup()
+            return
+        sock = self._sock
+        if sock is None:
+            return
+        try:
+            self._out.put_nowait((sock, ("to", dest, obj)))
+        except queue.Full:
+            self.send_errors += 1
+
+    def send_leader(self, obj: Any) -> None:
+        self.send(self.leader, obj)
+
+    def broadcast(self, obj: Any) -> None:
+        """Send to every service not known to be lost, this one included."""
+        for dest in range(self.size):
+            if dest not in self.lost:
+                self.send(dest, obj)
+
+    # --- relays ---------------------------------------------------------------------------
+    def accept(self, listener: socket.socket) -> tuple | None:
+        """A relay connecting: its hello (epoch, rank, names, leader) if it is taken."""
+        try:
+            sock, _ = listener.accept()
+        except BlockingIOError:
+            return None
+        uid, pid = peer_credentials(sock)
+        if uid is not None and uid != os.getuid():
+            log.warning("refused a relay of user %s (process %s): a world takes only its "
+                        "own user's processes", uid, pid)
+            sock.close()
+            return None
+        try:
+            sock.settimeout(5.0)  # a relay says hello as soon as it connects
+            kind, epoch, rank, names, leader = read_frame(sock)
+            if kind != "hello" or not 0 <= leader < len(names) or not 0 <= rank < len(names):
+                raise ValueError(f"not a relay's hello: {kind!r}")
+        except (OSError, ConnectionError, ValueError, TypeError, EOFError) as exc:
+            log.warning("a relay connection (process %s) said no valid hello (%s): closed",
+                        pid, exc)
+            sock.close()
+            return None
+        key = (epoch, names[leader])
+        if key <= self.key:
+            log.info("a relay of generation %d (leader %s) is older than this node's "
+                     "(%d, leader %s): refused", epoch, names[leader], *self.key)
+            sock.close()
+            return None
+        sock.settimeout(None)
+        old, self._sock = self._sock, sock
+        if old is not None:
+            _close(old)  # that relay ends
+        self.key, self.relay_pid = key, pid
+        self.rank, self.size, self.leader, self.lost = rank, len(names), leader, set()
+        threading.Thread(target=self._read, args=(sock, epoch), daemon=True,
+                         name=f"crossover-uplink-in-{epoch}").start()
+        return epoch, rank, list(names), leader
+
+    def close(self) -> None:
+        """This service stops: its relay ends too (cleanly, when the world stops)."""
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            try:
+                sock.settimeout(1.0)
+                write_frame(sock, ("bye",))
+            except OSError:
+                pass
+            _close(sock)
+
+    def _read(self, sock: socket.socket, epoch: int) -> None:
+        while True:
+            try:
+                frame = read_frame(sock)
+            except (OSError, ConnectionError, EOFError, ValueError):
+                break
+            self.inbox.put((self.rank, ("stop",)) if frame == ("stop",) else frame)
+            self._wakeup()
+        if self._sock is sock:  # not replaced by a newer relay: this node is cut off
+            self._sock = None
+            self.inbox.put((self.rank, ("detached", epoch)))
+            self._wakeup()
+
+    def _write(self) -> None:
+        while True:
+            sock, frame = self._out.get()
+            if sock is not self._sock:
+                continue  # for a relay since replaced
+            try:
+                write_frame(sock, frame)
+            except OSError:
+                self.send_errors += 1
+
+
+def _close(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked on it
+    except OSError:
+        pass
+    sock.close()

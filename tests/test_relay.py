@@ -1,0 +1,126 @@
+"""The relay's pure parts, and a node service's side of its relay (`Uplink`) with real
+sockets: which relay it takes, and what it forwards."""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+
+import pytest
+
+from crossover.daemon.generation import generation_command
+from crossover.daemon.relay import daemon_flags, read_frame, service_argv, service_env, write_frame
+from crossover.daemon.sockets import NodeSockets
+from crossover.daemon.uplink import Uplink
+
+
+@pytest.mark.parametrize("argv, flags", [
+    (["daemon", "--policy", "auto"], ["--policy", "auto"]),
+    (["daemon", "--node", "fake1", "--lease", "3"], ["--lease", "3"]),
+    (["daemon", "--node=fake1", "--service", "--generation", "4", "--leader", "fake0",
+      "--nodes", "fake0,fake1", "--runtime-dir", "/r"], ["--runtime-dir", "/r"]),
+    (["--policy", "off"], ["--policy", "off"]),
+])
+def test_the_worlds_settings_are_kept_and_a_nodes_own_flags_dropped(argv, flags):
+    assert daemon_flags(argv) == flags
+
+
+def test_a_service_is_started_for_its_node_with_the_worlds_settings():
+    argv = service_argv("fake2", ["daemon", "--policy", "crossover", "--node", "fake0"])
+    assert argv[1:] == ["-m", "crossover", "daemon", "--policy", "crossover", "--service",
+                        "--node", "fake2"]
+
+
+def test_a_service_inherits_no_variable_of_its_relays_mpi_process():
+    env = service_env({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_MCA_orte_hnp_uri": "x",
+                       "PMIX_RANK": "0", "OMPI_MCA_ess_base_vpid": "1",
+                       "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_MCA_btl_tcp_if_include": "eth0",
+                       "CROSSOVER_FAKE_NODES": "4", "PATH": "/bin"})
+    assert env == {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_MCA_btl_tcp_if_include": "eth0",
+                   "CROSSOVER_FAKE_NODES": "4", "PATH": "/bin"}
+
+
+def test_a_generation_of_fake_nodes_runs_here_and_one_of_hosts_one_relay_per_host(
+        monkeypatch):
+    monkeypatch.setenv("CROSSOVER_FAKE_NODES", "4")
+    cmd = generation_command(["fake0", "fake3"], 7, "fake0", ["daemon", "--node", "fake0"])
+    assert "-H" not in cmd and cmd[cmd.index("-np") + 1] == "2"
+    assert cmd[-6:] == ["--generation", "7", "--leader", "fake0", "--nodes", "fake0,fake3"]
+    monkeypatch.delenv("CROSSOVER_FAKE_NODES")
+    cmd = generation_command(["a", "b"], 1, "a", ["daemon"])
+    assert cmd[cmd.index("-H") + 1] == "a:1,b:1" and "ppr:1:node" in cmd
+
+
+class Node:
+    """A node service's sockets and uplink, served by hand."""
+
+    def __init__(self, tmp) -> None:
+        self.inbox_woken = 0
+        self.sockets = NodeSockets(tmp / "node-x.sock", tmp / "node-x.relay")
+        self.ranks, self.relays = self.sockets.open()
+        self.uplink = Uplink(self._woken, relayed=True)
+
+    def _woken(self) -> None:
+        self.inbox_woken += 1
+
+    def relay(self, epoch: int, rank: int, names: list[str], leader: int) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(str(self.sockets.relay))
+        write_frame(sock, ("hello", epoch, rank, names, leader))
+        return sock
+
+    def accept(self) -> tuple | None:
+        return self.uplink.accept(self.relays)  # a Unix connect is queued at once
+
+    def next(self, timeout: float = 5.0) -> tuple:
+        return self.uplink.inbox.get(timeout=timeout)
+
+
+def test_a_service_publishes_its_socket_only_once_a_relay_said_hello(tmp_path):
+    node = Node(tmp_path)
+    assert not node.sockets.published
+    node.relay(0, 1, ["a", "x"], 0)
+    assert node.accept() == (0, 1, ["a", "x"], 0)
+    node.sockets.publish()
+    assert node.sockets.published and os.stat(node.sockets.path).st_mode & 0o077 == 0
+
+
+def test_a_newer_generation_replaces_the_relay_and_an_older_one_is_refused(tmp_path):
+    node = Node(tmp_path)
+    first = node.relay(1, 0, ["x", "b"], 0)
+    node.accept()
+    newer = node.relay(2, 1, ["b", "x"], 0)
+    assert node.accept() == (2, 1, ["b", "x"], 0)
+    assert first.recv(1) == b""  # the old relay is dropped: it ends
+    older = node.relay(1, 0, ["x"], 0)
+    assert node.accept() is None and older.recv(1) == b""
+    # same epoch, another leader: the later name wins everywhere, so no tie
+    assert node.uplink.key == (2, "b")
+    node.uplink.send(0, ("join", "A"))
+    assert read_frame(newer) == ("to", 0, ("join", "A"))
+    write_frame(newer, (0, ("order", "A", 3)))
+    assert node.next() == (0, ("order", "A", 3))
+
+
+def test_a_relays_end_detaches_the_service_and_what_it_sends_is_dropped(tmp_path):
+    node = Node(tmp_path)
+    relay = node.relay(0, 1, ["a", "x"], 0)
+    node.accept()
+    relay.close()
+    assert node.next() == (1, ("detached", 0))
+    assert not node.uplink.attached
+    node.uplink.send(0, ("join", "A"))  # nowhere to go: dropped, never blocks
+    node.uplink.send(1, ("beat",))  # to itself: still queued
+    assert node.next() == (1, ("beat",))
+    with pytest.raises(queue.Empty):
+        node.next(timeout=0.2)
+
+
+def test_a_relay_without_a_valid_hello_is_closed(tmp_path):
+    node = Node(tmp_path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(str(node.sockets.relay))
+    write_frame(sock, ("hello", 0, 5, ["a"], 0))  # rank 5 of a world of one
+    assert node.accept() is None and sock.recv(1) == b""
+    assert not node.uplink.attached
