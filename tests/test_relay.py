@@ -92,7 +92,8 @@ def test_a_newer_generation_replaces_the_relay_and_an_older_one_is_refused(tmp_p
     node.accept()
     newer = node.relay(2, 1, ["b", "x"], 0)
     assert node.accept() == (2, 1, ["b", "x"], 0)
-    assert first.recv(1) == b""  # the old relay is dropped: it ends
+    assert read_frame(first) == ("bye", "replaced")  # the old relay ends, not its service
+    assert first.recv(1) == b""
     older = node.relay(1, 0, ["x"], 0)
     assert node.accept() is None and older.recv(1) == b""
     # same epoch, another leader: the later name wins everywhere, so no tie

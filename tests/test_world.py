@@ -101,11 +101,11 @@ def registrations(cluster: Cluster, job: str, node: str) -> int:
 
 
 def test_a_members_death_costs_only_its_node_and_a_new_daemon_rejoins(cluster: Cluster):
-    """SIGKILL the daemon of fake3 while two jobs train with a rank on fake1 and one on
-    fake3: the other three answer status within a second and say fake3 is lost; the
-    jobs' fake1 ranks stay coordinated; the leader starts a new daemon on fake3, which
-    joins the world, and the fake3 ranks are coordinated again within 15 s of it. Both
-    jobs train to the weights they have alone."""
+    """SIGKILL the daemon of fake3, its service and its relay, while two jobs train with
+    a rank on fake1 and one on fake3: the other three answer status within a second and
+    say fake3 is lost; the jobs' fake1 ranks stay coordinated; the leader forms a new
+    generation with a new daemon on fake3, and the fake3 ranks are coordinated again
+    within 15 s of it. Both jobs train to the weights they have alone."""
     specs = [("A", 1, 4000), ("B", 2, 4000)]  # long enough to outlast the rejoin
     with cluster.daemon(nodes=4):
         together = cluster.start_args(2)
@@ -113,8 +113,10 @@ def test_a_members_death_costs_only_its_node_and_a_new_daemon_rejoins(cluster: C
                 for name, seed, steps in specs]
         wait_for(lambda: all(joined(cluster, n, ["fake1", "fake3"]) for n, *_ in specs),
                  120, "both jobs to join")
-        old = daemon_pid(cluster, "fake3")
+        snap = status(cluster, "fake1")["fake3"]
+        old = snap["daemon"]["pid"]
         killed = time.time()
+        os.kill(snap["world"]["relay_pid"], signal.SIGKILL)
         os.kill(old, signal.SIGKILL)
         wait_for(lambda: lost_seen(cluster, "fake0", "fake3"), 20,
                  "the leader to find fake3 lost")
@@ -156,7 +158,8 @@ def test_a_relays_death_costs_nothing_and_its_node_is_taken_back(cluster: Cluste
     """SIGKILL the relay (the node's MPI process) of fake1, then the leader's (fake0),
     while two jobs train on fake1 and fake2: the node services serve on (no rank falls
     open, no two holds ever overlap, the weights are those of the jobs alone), and a new
-    generation of the world takes each node back with the service it had."""
+    generation of the world takes each node back with the service it had. Then SIGKILL
+    fake3's service alone: its relay starts another, and the world stays as it was."""
     specs = [("A", 1, 6000), ("B", 2, 6000)]
     with cluster.daemon(nodes=4):
         together = cluster.start_args(2)
@@ -176,6 +179,17 @@ def test_a_relays_death_costs_nothing_and_its_node_is_taken_back(cluster: Cluste
                     all(s["world"]["lost"] == [] for s in nodes.values())
             wait_for(taken_back, 30, f"{node} in a new generation")
             assert status(cluster, "fake2")[node]["daemon"]["pid"] == service
+        # a service killed alone is started again by its relay, in the same generation
+        snap = status(cluster, "fake2")["fake3"]
+        os.kill(snap["daemon"]["pid"], signal.SIGKILL)
+
+        def restarted() -> bool:
+            nodes = status(cluster, "fake2")
+            return nodes.get("fake3", {}).get("daemon", {}).get("pid") not in (
+                None, snap["daemon"]["pid"])
+        wait_for(restarted, 15, "a new service on fake3")
+        assert status(cluster, "fake2")["fake3"]["world"]["generation"] == \
+            snap["world"]["generation"]
         assert all(p.popen.poll() is None for p in jobs), "the jobs ended too soon"
         check_jobs(cluster, jobs, references(cluster, specs))
 

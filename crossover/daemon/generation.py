@@ -27,7 +27,7 @@ from crossover.daemon.relay import daemon_flags, service_env
 log = logging.getLogger("crossover.daemon")
 
 #: a generation whose leader's relay has not said hello by then is killed
-GENERATION_TIMEOUT_S = 30.0
+GENERATION_TIMEOUT_S = 20.0
 _FAKE = re.compile(r"fake\d+")
 
 

@@ -157,11 +157,14 @@ class Member:
             else:
                 self.leader.renumber(ranks_now)
             self._lead(set(range(len(names))))
-        elif self.leader is not None:
-            log.warning("daemon %d follows %s from generation %d: no longer the leader",
-                        rank, names[leader], epoch)
-            self.leader = None
-            self._retire_formed()
+        else:
+            if self.leader is not None:
+                log.warning("daemon %d follows %s from generation %d: no longer the "
+                            "leader", rank, names[leader], epoch)
+                self.leader = None
+                self._retire_formed()
+            # what this node holds now (a service started again holds nothing)
+            self.peers.send_leader(("hold", *self._holdings()))
 
     def _detached(self, epoch: int) -> None:
         self._detached_at = self.clock()
@@ -260,9 +263,12 @@ class Member:
                         "rebuilds the jobs' order from what the %d members hold",
                         self.peers.rank, self.name, world.epoch, len(world.alive))
             self.leader = self._new_leader(self.peers)
+            # the old leader's node, any lost before it, and the nodes it was yet to
+            # bring back (it said which)
+            for node in {self.names[r] for r in world.lost if r in self.names} | set(
+                    self.lost_nodes):
+                self._respawn_later(node)
             self._lead(world.alive)
-            for rank in world.lost:  # the old leader's node, and any lost before it
-                self._respawn_later(self.names.get(rank, f"daemon {rank}"))
         if changes.follow is not None:
             self.peers.leader = changes.follow
             self.peers.send(changes.follow, ("hold", *self._holdings()))
@@ -304,5 +310,8 @@ class Member:
         self._tell_members()
 
     def _tell_members(self) -> None:
-        self.lost_nodes = [self.names.get(r, f"daemon {r}") for r in self.world.lost]
+        """Say who is in the world, and which nodes are lost: those of this generation,
+        and those still to be brought back (a successor brings them back too)."""
+        lost = {self.names.get(r, f"daemon {r}") for r in self.world.lost}
+        self.lost_nodes = sorted(lost | set(self._respawn) | set(self._spawning))
         self.peers.broadcast(("members", sorted(self.world.alive), self.lost_nodes))

@@ -55,6 +55,9 @@ _LEN = struct.Struct("!I")
 FORM_TIMEOUT_S = 30.0
 #: how long a relay waits for the service it started to listen
 SERVICE_START_S = 30.0
+#: a relay starts its node's service again when it dies, up to RESTARTS times in
+#: RESTART_WINDOW_S (past that, the node is left to the leader's next generation)
+RESTARTS, RESTART_WINDOW_S = 5, 60.0
 #: how long a relay of a stopping world waits in MPI_Finalize (it waits for every
 #: member; a member that died makes it wait for ever)
 FINALIZE_S = 10.0
@@ -257,54 +260,79 @@ class Relay:
         threading.Thread(target=self._watchdog, daemon=True, name="relay-watchdog").start()
         names = comm.allgather(name)  # every member started: the generation is formed
         leader = names.index(self.leader_node) if self.leader_node in names else 0
-        try:
-            self._service = self._find_service(name)
-            write_frame(self._service, ("hello", self.epoch, rank, names, leader))
-        except (OSError, ConnectionError) as exc:
-            log.error("relay of node %s (generation %d): no service to serve (%s)", name,
-                      self.epoch, exc)
+        hello = ("hello", self.epoch, rank, names, leader)
+        if not self._attach(name, hello):
             return 1
         self._formed.set()
         if self.epoch == 0:  # stopping a user's mpirun stops the world it started
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda *_: self._stop_service())
         peers = MpiChannel(comm, self._wakeup)
-        stopped = self._forward(peers)
+        restarts: list[float] = []
+        while True:
+            why = self._forward(peers)
+            if why != "died":
+                break
+            # The service died (no word from it): start another at once, in this
+            # generation, so the node is served again without the world re-forming.
+            now = time.monotonic()
+            restarts = [t for t in restarts if now - t < RESTART_WINDOW_S] + [now]
+            if len(restarts) > RESTARTS or not self._attach(name, hello):
+                log.error("relay of node %s: its service died %d times in %.0f s; "
+                          "leaving the node to the leader", name, len(restarts),
+                          RESTART_WINDOW_S)
+                break
         peers.close()
-        if stopped:  # the world stops (every relay does this now): end it cleanly
+        if why == "stop":  # the world stops (every relay does this now): end it cleanly
             done = threading.Thread(target=MPI.Finalize, daemon=True)
             done.start()
             done.join(FINALIZE_S)
         return 0
 
-    def _forward(self, peers: MpiChannel) -> bool:
-        """Forward until the service ends the connection; True if it said it stops."""
+    def _attach(self, name: str, hello: tuple) -> bool:
+        """Connect to node `name`'s service (started if none listens) and say hello."""
+        try:
+            self._service = self._find_service(name)
+            write_frame(self._service, hello)
+            return True
+        except (OSError, ConnectionError) as exc:
+            log.error("relay of node %s (generation %d): no service to serve (%s)", name,
+                      self.epoch, exc)
+            return False
+
+    def _forward(self, peers: MpiChannel) -> str:
+        """Forward until the service ends the connection: "stop" (it stops, and so does
+        the world), "replaced" (a newer generation's relay took over) or "died"."""
         sel = selectors.DefaultSelector()
         sel.register(self._service, selectors.EVENT_READ, "service")
         sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._service.setblocking(True)
-        while True:
-            for key, _ in sel.select(1.0):
-                if key.data == "wake":
-                    try:
-                        while os.read(self._wake_r, 4096):
+        try:
+            while True:
+                for key, _ in sel.select(1.0):
+                    if key.data == "wake":
+                        try:
+                            while os.read(self._wake_r, 4096):
+                                pass
+                        except BlockingIOError:
                             pass
-                    except BlockingIOError:
-                        pass
-                    continue
+                        continue
+                    try:
+                        kind, *rest = read_frame(self._service)
+                    except (OSError, ConnectionError, EOFError, pickle.UnpicklingError):
+                        return "died"
+                    if kind == "to":
+                        peers.send(rest[0], rest[1])
+                    elif kind == "bye":
+                        return rest[0]
                 try:
-                    kind, *rest = read_frame(self._service)
-                except (OSError, ConnectionError, EOFError, pickle.UnpicklingError):
-                    return False  # the service died, or a newer generation took over
-                if kind == "to":
-                    peers.send(rest[0], rest[1])
-                elif kind == "bye":
-                    return True
-            try:
-                while not peers.inbox.empty():
-                    write_frame(self._service, peers.inbox.get_nowait())
-            except OSError:
-                return False
+                    while not peers.inbox.empty():
+                        write_frame(self._service, peers.inbox.get_nowait())
+                except OSError:
+                    return "died"
+        finally:
+            sel.close()
+            self._service.close()
 
     def _find_service(self, name: str) -> socket.socket:
         """Connected to node `name`'s service; started first if none listens."""

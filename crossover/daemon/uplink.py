@@ -54,6 +54,7 @@ class Uplink:
         self._wakeup = wakeup
         self._sock: socket.socket | None = None
         self._out: queue.Queue[tuple[socket.socket, Any]] = queue.Queue(MAX_QUEUED)
+        self._writing = threading.Lock()  # a frame at a time: the writer, and a goodbye
         threading.Thread(target=self._write, name="crossover-uplink-out", daemon=True).start()
 
     @property
@@ -117,7 +118,8 @@ class Uplink:
         sock.settimeout(None)
         old, self._sock = self._sock, sock
         if old is not None:
-            _close(old)  # that relay ends
+            with self._writing:
+                _close(old, "replaced")  # that relay ends
         self.key, self.relay_pid = key, pid
         self.rank, self.size, self.leader, self.lost = rank, len(names), leader, set()
         threading.Thread(target=self._read, args=(sock, epoch), daemon=True,
@@ -128,12 +130,8 @@ class Uplink:
         """This service stops: its relay ends too (cleanly, when the world stops)."""
         sock, self._sock = self._sock, None
         if sock is not None:
-            try:
-                sock.settimeout(1.0)
-                write_frame(sock, ("bye",))
-            except OSError:
-                pass
-            _close(sock)
+            with self._writing:
+                _close(sock, "stop")
 
     def _read(self, sock: socket.socket, epoch: int) -> None:
         while True:
@@ -151,15 +149,24 @@ class Uplink:
     def _write(self) -> None:
         while True:
             sock, frame = self._out.get()
-            if sock is not self._sock:
-                continue  # for a relay since replaced
-            try:
-                write_frame(sock, frame)
-            except OSError:
-                self.send_errors += 1
+            with self._writing:
+                if sock is not self._sock:
+                    continue  # for a relay since replaced
+                try:
+                    write_frame(sock, frame)
+                except OSError:
+                    self.send_errors += 1
 
 
-def _close(sock: socket.socket) -> None:
+def _close(sock: socket.socket, why: str) -> None:
+    """End a relay's connection, saying why ("stop": this service stops; "replaced":
+    by a newer generation's relay); a relay whose connection ends without a word takes
+    its service for dead, and starts another."""
+    try:
+        sock.settimeout(1.0)
+        write_frame(sock, ("bye", why))
+    except OSError:
+        pass
     try:
         sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked on it
     except OSError:

@@ -173,7 +173,12 @@ class Leader:
 
     def _hold(self, source: int, orders: dict[str, int], present: list[str],
               pending: list[str]) -> None:
-        """Daemon `source` says what it holds: take its jobs' orders and presence."""
+        """Daemon `source` says what it holds: take its jobs' orders and presence. A job
+        the leader had there that is neither present nor waiting left it (its service
+        was started again, say)."""
+        for job in [j for j, m in self._members.items() if source in m
+                    and j not in present and j not in pending]:
+            self._leave(source, job)
         for job, order in orders.items():
             self._next_order = max(self._next_order, order + 1)
             if job not in present:
