@@ -17,6 +17,8 @@ few seconds (exponentially distributed, mean --fault-every) one fault strikes:
     leader_stop   SIGSTOP the leader's service for 1-10 s, then SIGCONT
     relay_kill    SIGKILL a node's relay, its MPI process (the service serves on; a new
                   generation takes the node back)
+    node_kill     SIGKILL a node's service and relay at once, the leader's or another's
+                  (the node is lost; a new generation starts a service there)
     rank_stop     SIGSTOP one rank for up to lease + 1 s, then SIGCONT
 
 A daemon already down or stopped gets no second fault. Checked and written to
@@ -63,8 +65,8 @@ from common import write_result  # noqa: E402
 from crossover.launch.local import mpi_env, terminate_group  # noqa: E402
 from crossover.probe import daemon_status  # noqa: E402
 
-FAULTS = {"member_kill": 0.2, "leader_kill": 0.1, "member_stop": 0.15,
-          "leader_stop": 0.1, "relay_kill": 0.2, "rank_stop": 0.25}
+FAULTS = {"member_kill": 0.15, "leader_kill": 0.1, "member_stop": 0.15,
+          "leader_stop": 0.1, "relay_kill": 0.15, "node_kill": 0.15, "rank_stop": 0.2}
 #: a daemon fault disturbs slot waits from its start to this long after its end
 SETTLE_S = 15.0
 
@@ -162,20 +164,22 @@ def inject(kind: str, world: World, jobs: list[RunningJob], rng: random.Random,
     nodes = world.status()
     leader = next((s["world"]["leader_node"] for s in nodes.values()), None)
     targets = [n for n in nodes if n not in world.busy
-               and (n == leader) == kind.startswith("leader")]
+               and (kind == "node_kill" or (n == leader) == kind.startswith("leader"))]
     if not targets:
         return None
     node = rng.choice(targets)
     pid = nodes[node]["daemon"]["pid"]
     at = time.time()
-    if kind == "relay_kill":
+    if kind in ("relay_kill", "node_kill"):
         relay = nodes[node]["world"].get("relay_pid")
         if relay is None:
             return None
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(relay, signal.SIGKILL)
+        for victim in (relay, pid) if kind == "node_kill" else (relay,):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, signal.SIGKILL)
         windows.append((at, time.time() + SETTLE_S))
-        return f"SIGKILL the relay of {node}{' (the leader)' if node == leader else ''}"
+        what = "relay" if kind == "relay_kill" else "service and relay"
+        return f"SIGKILL the {what} of {node}{' (the leader)' if node == leader else ''}"
     world.busy.add(node)
     if kind.endswith("kill"):
         os.kill(pid, signal.SIGKILL)

@@ -277,9 +277,15 @@ def status_table(nodes: dict) -> str:
     worlds = [snap["world"] for snap in nodes.values() if "world" in snap]
     if worlds and worlds[0]["size"] > 1:
         lost = sorted({node for w in worlds for node in w["lost"]})
-        rows.append(f"world: {len(nodes)} of {worlds[0]['size']} nodes answer"
+        newest = max(worlds, key=lambda w: w.get("generation", 0))
+        detached = sorted(n for n, snap in nodes.items()
+                          if not snap.get("world", {}).get("relay", True))
+        rows.append(f"world: {len(nodes)} of {worlds[0]['size']} nodes answer (generation "
+                    f"{newest.get('generation', 0)}, leader {newest['leader_node']})"
                     + (f"; lost: {', '.join(lost)} (their ranks run uncoordinated until a "
-                       f"daemon is back there)" if lost else ""))
+                       f"daemon is back there)" if lost else "")
+                    + (f"; no relay: {', '.join(detached)} (serving their ranks on until "
+                       f"the next generation)" if detached else ""))
     return "\n".join(rows)
 
 

@@ -140,19 +140,21 @@ def test_bad_timings_are_named():
         Membership(0, 2, Clock(), beat_s=5, dead_after_s=4)
 
 
-def test_status_names_the_lost_nodes_and_each_groups_jobs():
+def test_status_names_the_generation_the_lost_and_detached_nodes_and_each_groups_jobs():
     from crossover.__main__ import status_table
 
     world = {"size": 4, "leader": 1, "leader_node": "n1", "epoch": 1, "members": 3,
-             "lost": ["n0"]}
+             "lost": ["n0"], "generation": 2, "relay": True}
     nodes = {"n1": {"devices": {}, "world": world, "mode_decision": {
                  "0": {"mode": "antiphase", "state": "hold", "jobs": ["A", "B"]},
                  "2": {"mode": "concurrent", "state": "probe", "jobs": ["C"]}}},
-             "n2": {"devices": {}, "world": world}, "n3": {"devices": {}, "world": world}}
+             "n2": {"devices": {}, "world": world},
+             "n3": {"devices": {}, "world": {**world, "relay": False}}}
     table = status_table(nodes).splitlines()
     assert "group 0: A, B: antiphase (hold)" in table
     assert "group 2: C: concurrent (probe)" in table
-    assert table[-1] == ("world: 3 of 4 nodes answer; lost: n0 (their ranks run "
-                         "uncoordinated until a daemon is back there)")
+    assert table[-1] == ("world: 3 of 4 nodes answer (generation 2, leader n1); lost: n0 "
+                         "(their ranks run uncoordinated until a daemon is back there); no "
+                         "relay: n3 (serving their ranks on until the next generation)")
 
 
