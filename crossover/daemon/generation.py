@@ -6,9 +6,9 @@ is asked for by a job, and when its own relay is gone. Every node's relay connec
 its node's service (a service that lives keeps everything it held) or starts one; the
 generation has formed when the leader's own relay says hello, which it does only once
 every member started (an allgather). One that has not formed within
-`GENERATION_TIMEOUT_S` is killed whole (its mpirun's process group: MPI's calls are
-never cancelled, their processes are) and the leader tries again later, without the
-nodes that were new to it.
+`GENERATION_TIMEOUT_S` (and `PER_NODE_S` a node) is killed whole (its mpirun's process
+group: MPI's calls are never cancelled, their processes are) and the leader tries again
+later, without the nodes that were new to it.
 """
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ from crossover.daemon.relay import daemon_flags, service_env
 
 log = logging.getLogger("crossover.daemon")
 
-#: a generation whose leader's relay has not said hello by then is killed
+#: a generation whose leader's relay has not said hello by then is killed (plus
+#: PER_NODE_S a node: an mpirun starts its relays host by host)
 GENERATION_TIMEOUT_S = 20.0
+PER_NODE_S = 0.5
 _FAKE = re.compile(r"fake\d+")
 
 
@@ -54,6 +56,7 @@ class Generation:
     def __init__(self, nodes: list[str], epoch: int, leader: str, argv: list[str],
                  started_at: float, log_path: Path | None) -> None:
         self.nodes, self.epoch, self.started_at = nodes, epoch, started_at
+        self.timeout_s = GENERATION_TIMEOUT_S + PER_NODE_S * len(nodes)
         cmd = generation_command(nodes, epoch, leader, argv)
         out = open(log_path, "a") if log_path is not None else None  # noqa: SIM115
         try:

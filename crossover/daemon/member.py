@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from crossover.daemon.generation import GENERATION_TIMEOUT_S, Generation
+from crossover.daemon.generation import Generation
 from crossover.daemon.membership import Changes, Membership
 from crossover.daemon.uplink import Uplink
 from crossover.daemon.world import Leader
@@ -186,7 +186,7 @@ class Member:
             self._apply(self.world.tick())
         forming = self._forming
         if forming is not None and (forming.failed or self.clock() - forming.started_at
-                                    > GENERATION_TIMEOUT_S):
+                                    > forming.timeout_s):
             self._fails += 1
             log.error("generation %d (%s) did not form within %.0f s%s: killed; trying "
                       "again", forming.epoch, ", ".join(forming.nodes),
