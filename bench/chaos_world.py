@@ -63,7 +63,7 @@ from chaos import (  # noqa: E402
 from common import write_result  # noqa: E402
 
 from crossover.launch.local import mpi_env, terminate_group  # noqa: E402
-from crossover.probe import daemon_status  # noqa: E402
+from crossover.probe import daemon_status, stop_world  # noqa: E402
 
 FAULTS = {"member_kill": 0.15, "leader_kill": 0.1, "member_stop": 0.15,
           "leader_stop": 0.1, "relay_kill": 0.15, "node_kill": 0.15, "rank_stop": 0.2}
@@ -106,6 +106,13 @@ class World:
     def stop(self) -> None:
         """Stop the world: its first mpirun, and the services and generations that
         outlive it (each names the runtime directory on its command line)."""
+        for name in self.names:  # as `crossover stop` does: the leader tells every node
+            try:
+                stop_world(self.runtime, name, timeout_s=3.0)
+                time.sleep(2.0)
+                break
+            except ConnectionError:
+                continue
         terminate_group(self.proc, grace_s=5)
         for sig in (signal.SIGTERM, signal.SIGKILL):
             procs = [p for p in psutil.process_iter(["cmdline"])

@@ -7,6 +7,7 @@ Shared by `crossover_bench.py`, `ab_bench.py`, `priority_bench.py`, `gpu_bench.p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -20,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cluster import EmulatedCluster  # noqa: E402
 
 from crossover.launch.local import Job, mpirun, run_together, terminate_group  # noqa: E402
+from crossover.probe import stop_world  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "bench" / "crossover_job.py"
@@ -93,7 +95,7 @@ class Daemons:
 
     def __init__(self, cluster: EmulatedCluster, runtime: Path, policy: str, log: Path,
                  timeout_s: float = 60.0) -> None:
-        self.runtime, self.policy = runtime, policy
+        self.runtime, self.policy, self.hosts = runtime, policy, list(cluster.hosts)
         cmd = cluster.mpirun([sys.executable, "-m", "crossover", "daemon", "--policy",
                               *policy.split(), "--runtime-dir", str(runtime)])
         # one file with the node services' own log (they write the runtime directory's
@@ -115,7 +117,11 @@ class Daemons:
             time.sleep(0.1)
 
     def stop(self) -> None:
-        """SIGTERM the daemons' process group, SIGKILL after 10 s."""
+        """Stop the daemons' world as `crossover stop` does (the node services outlive
+        the mpirun that started them), then that mpirun's process group."""
+        with contextlib.suppress(ConnectionError):
+            stop_world(self.runtime, self.hosts[0], timeout_s=5.0)
+            time.sleep(1.0)
         terminate_group(self.proc)
         self._log.close()
 

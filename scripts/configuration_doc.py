@@ -104,10 +104,12 @@ def _default(action: argparse.Action) -> str:
 
 
 def options_table(parser: argparse.ArgumentParser) -> list[str]:
-    """A markdown table of a parser's flags and arguments (not -h, not subcommands)."""
+    """A markdown table of a parser's flags and arguments (not -h, not subcommands, not
+    the flags hidden from `--help`: how a program's own parts call each other)."""
     rows = ["| flag | default | meaning |", "| --- | --- | --- |"]
     for action in parser._actions:
-        if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+        if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)) or \
+                action.help == argparse.SUPPRESS:
             continue
         cells = (_flag(action), _default(action), action.help)
         rows.append("| " + " | ".join(_cell(c) for c in cells) + " |")

@@ -214,7 +214,18 @@ class Cluster:
 
     def stop_world(self) -> None:
         """End every daemon process of this runtime directory: node services and the
-        mpiruns of generations a leader started are no children of the first mpirun."""
+        mpiruns of generations a leader started are no children of the first mpirun,
+        and stopping that mpirun stops no service. `crossover stop`'s way first (the
+        leader tells every node), then whatever is left."""
+        from crossover.probe import stop_world
+
+        for sock in sorted(self.runtime.glob("node-*.sock")) if self.runtime.exists() else []:
+            try:
+                stop_world(self.runtime, sock.name[len("node-"):-len(".sock")], timeout_s=2.0)
+                time.sleep(1.0)
+                break
+            except ConnectionError:
+                continue
         def ours() -> list[psutil.Process]:
             found = []
             for proc in psutil.process_iter(["cmdline"]):
@@ -226,7 +237,7 @@ class Cluster:
                 except psutil.Error:
                     pass
             return found
-        for sig in (signal.SIGTERM, signal.SIGKILL):
+        for sig in (signal.SIGTERM, signal.SIGKILL, signal.SIGKILL):
             procs = ours()
             for proc in procs:
                 with contextlib.suppress(psutil.Error):

@@ -290,3 +290,4 @@ def test_a_reference_run_whose_left_over_process_holds_its_pipes_is_still_read()
                     p.pid != os.getpid():
                 with contextlib.suppress(psutil.Error):
                     p.kill()
+

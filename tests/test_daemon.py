@@ -320,7 +320,7 @@ def test_crossover_node_names_the_daemon_and_its_clients(tmp_path, monkeypatch):
 
     monkeypatch.setenv("CROSSOVER_NODE", "hostB")
     monkeypatch.setenv("CROSSOVER_FAKE_NODES", "2")
-    name, cores = node_identity(None)
+    name, cores = node_identity()
     assert name == "hostB" and cores == sorted(os.sched_getaffinity(0))
     assert node_name() == "hostB"
     run = tmp_path / "run"

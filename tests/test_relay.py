@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import time
 
 import pytest
 
@@ -125,3 +126,22 @@ def test_a_relay_without_a_valid_hello_is_closed(tmp_path):
     write_frame(sock, ("hello", 0, 5, ["a"], 0))  # rank 5 of a world of one
     assert node.accept() is None and sock.recv(1) == b""
     assert not node.uplink.attached
+
+
+def test_a_relay_that_reads_nothing_is_dropped_and_never_holds_the_service(tmp_path,
+                                                                           monkeypatch):
+    """A relay that stops reading (stopped, wedged): once the socket is full, the
+    writer's send times out, the node is detached, and a newer relay is taken at once."""
+    import crossover.daemon.uplink as uplink
+
+    monkeypatch.setattr(uplink, "SEND_TIMEOUT_S", 1)
+    node = Node(tmp_path)
+    stuck = node.relay(0, 1, ["a", "x"], 0)  # noqa: F841 - kept open, never read
+    node.accept()
+    for _ in range(64):  # far more than a socket buffer holds
+        node.uplink.send(0, ("status!", 1, "x", {"blob": "x" * 65536}))
+    assert node.next(timeout=10) == (1, ("detached", 0))
+    node.relay(1, 1, ["a", "x"], 0)
+    start = time.monotonic()
+    assert node.accept() == (1, 1, ["a", "x"], 0)
+    assert time.monotonic() - start < 2.0

@@ -19,10 +19,10 @@ A relay finds its node's service on the socket `node-<name>.relay` of the runtim
 directory (0700; the service checks the relay's user, see `uplink`) and starts the
 service there if there is none (a new or lost node). It says hello with its generation's
 epoch, its rank and every member's node name, then forwards until the service closes
-the connection (a newer generation took over) or its mpirun ends it. A relay of the
-first generation (`crossover daemon` under mpirun, as a user or `crossoverrun` starts a
-world) stops its service when it is signalled: stopping that mpirun stops the world, as
-it always did.
+the connection (a newer generation took over, or it stops) or its mpirun ends it. A
+signal ends a relay, never its service: an mpirun that aborts (a host of its world went
+down) takes its relays with it, and the services serve on and form a new generation.
+A world is stopped by `crossover stop` on any of its nodes, or by its idle shutdown.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import os
 import pickle
 import re
 import selectors
-import signal
 import socket
 import struct
 import subprocess
@@ -152,8 +151,6 @@ class Relay:
     def run(self) -> int:
         from mpi4py import MPI
 
-        from crossover.daemon.world import node_identity
-
         comm = MPI.COMM_WORLD
         comm.Set_errhandler(MPI.ERRORS_RETURN)
         rank = comm.Get_rank()
@@ -165,7 +162,7 @@ class Relay:
                         "(crossoverrun does)")
         # a fake node is the one the leader named; a host is what it calls itself
         fake = self.nodes is not None and E.fake_nodes() and _FAKE.fullmatch(self.nodes[rank])
-        name = self.nodes[rank] if fake else node_identity(comm)[0]
+        name = self.nodes[rank] if fake else E.node_name(rank)
         threading.Thread(target=self._watchdog, daemon=True, name="relay-watchdog").start()
         names = comm.allgather(name)  # every member started: the generation is formed
         leader = names.index(self.leader_node) if self.leader_node in names else 0
@@ -173,9 +170,6 @@ class Relay:
         if not self._attach(name, hello):
             return 1
         self._formed.set()
-        if self.epoch == 0:  # stopping a user's mpirun stops the world it started
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, lambda *_: self._stop_service())
         peers = MpiChannel(comm, self._wakeup)
         restarts: list[float] = []
         while True:
@@ -274,14 +268,6 @@ class Relay:
             return subprocess.Popen(argv, env=service_env(), stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)
-
-    def _stop_service(self) -> None:
-        if self._service is not None:
-            try:
-                write_frame(self._service, ("stop",))
-            except OSError:
-                pass
-        os._exit(0)
 
     def _watchdog(self) -> None:
         """End a relay whose world never formed (a member died before it was whole: its

@@ -94,7 +94,7 @@ class Daemon:
         argv: list[str] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        name, cores = node_identity(None)
+        name, cores = node_identity()
         self.node = Node(name, cores, max(1, min(cpu_devices or len(cores), len(cores))))
         self.clock = clock
         self.sched = SlotScheduler(make_policy(policy), clock, lease_s, patience_s)
@@ -324,8 +324,6 @@ class Daemon:
                 wait[1][msg[2]] = msg[3]
         elif kind == "shutdown":
             self.stop()
-        elif kind == "stop":  # this node's relay was signalled: its world is stopped
-            self._stop_world()
 
     def _delay_handovers(self, delay_s: float, lead_s: float) -> None:
         """Hand every shared device of this node to its next job `delay_s` later."""

@@ -21,7 +21,9 @@ import logging
 import os
 import queue
 import socket
+import struct
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +34,10 @@ log = logging.getLogger("crossover.daemon")
 
 #: frames queued for a relay beyond this many are dropped
 MAX_QUEUED = 4096
+#: a relay that reads nothing for this long is dropped (the node is detached)
+SEND_TIMEOUT_S = 5
+#: how long a stopping service waits for its queued messages to go out
+FLUSH_S = 2.0
 
 
 class Uplink:
@@ -116,6 +122,10 @@ class Uplink:
             sock.close()
             return None
         sock.settimeout(None)
+        # a relay that stops reading (stopped, wedged) fails the writer's send after
+        # SEND_TIMEOUT_S instead of holding it, and the lock a newer relay needs, for ever
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                        struct.pack("ll", int(SEND_TIMEOUT_S), 0))
         old, self._sock = self._sock, sock
         if old is not None:
             with self._writing:
@@ -127,7 +137,12 @@ class Uplink:
         return epoch, rank, list(names), leader
 
     def close(self) -> None:
-        """This service stops: its relay ends too (cleanly, when the world stops)."""
+        """This service stops: what it has queued goes out first (a world's shutdown,
+        say, for the other nodes; at most FLUSH_S), then its relay ends too."""
+        deadline = time.monotonic() + FLUSH_S
+        while self._sock is not None and not self._out.empty() and \
+                time.monotonic() < deadline:
+            time.sleep(0.005)
         sock, self._sock = self._sock, None
         if sock is not None:
             with self._writing:
@@ -139,7 +154,7 @@ class Uplink:
                 frame = read_frame(sock)
             except (OSError, ConnectionError, EOFError, ValueError):
                 break
-            self.inbox.put((self.rank, ("stop",)) if frame == ("stop",) else frame)
+            self.inbox.put(frame)
             self._wakeup()
         if self._sock is sock:  # not replaced by a newer relay: this node is cut off
             self._sock = None
@@ -154,8 +169,12 @@ class Uplink:
                     continue  # for a relay since replaced
                 try:
                     write_frame(sock, frame)
-                except OSError:
+                except OSError:  # a frame may be cut short: that relay is done
                     self.send_errors += 1
+                    try:
+                        sock.shutdown(socket.SHUT_RDWR)  # its reader finds the end
+                    except OSError:
+                        pass
 
 
 def _close(sock: socket.socket, why: str) -> None:

@@ -33,7 +33,6 @@ import logging
 import os
 import re
 from collections.abc import Callable
-from typing import Any
 
 from crossover import environment as E
 from crossover.daemon.uplink import Uplink
@@ -45,20 +44,14 @@ from crossover.scheduler.predict import Profile
 log = logging.getLogger("crossover.daemon")
 
 
-def node_identity(comm: Any) -> tuple[str, list[int]]:
-    """This daemon's node name and the CPU cores its devices are made of (`comm`: the
-    relays' world, where a fake node is named by its rank; None: a service, named on
-    its command line)."""
+def node_identity() -> tuple[str, list[int]]:
+    """This node service's name (given on its command line, else as `E.node_name`) and
+    the CPU cores its devices are made of: fake node r gets every N-th core."""
     cores = sorted(os.sched_getaffinity(0))
-    fake, named = E.fake_nodes(), E.node_setting()
-    if named and fake and re.fullmatch(r"fake\d+", named):  # a fake node's new daemon
-        name, r = named, int(named[4:])
-    elif named or not fake:
-        return E.node_name(), cores
-    else:
-        r = comm.Get_rank() if comm is not None else 0
-        name = E.node_name(r)
-    # fake node r gets every N-th core
+    fake, name = E.fake_nodes(), E.node_name()
+    if not (fake and re.fullmatch(r"fake\d+", name)):
+        return name, cores
+    r = int(name[4:])
     return name, cores[r % len(cores) :: fake] or cores
 
 

@@ -1,0 +1,103 @@
+"""A member's and the leader's bookkeeping across generations, on a stand-in for the
+relay's link (pure logic: what is sent is recorded, nothing is delivered)."""
+
+from __future__ import annotations
+
+from crossover.daemon.member import Member
+from crossover.daemon.world import Leader
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Link:
+    """The service's side of a relay (`Uplink`'s interface), recording what is sent."""
+
+    relayed, attached, relay_pid, key = True, True, None, (0, "n0")
+
+    def __init__(self) -> None:
+        self.rank, self.size, self.leader, self.lost = 0, 1, 0, set()
+        self.sent: list[tuple[int, tuple]] = []
+
+    def send(self, dest: int, obj: tuple) -> None:
+        self.sent.append((dest, obj))
+
+    def send_leader(self, obj: tuple) -> None:
+        self.send(self.leader, obj)
+
+    def broadcast(self, obj: tuple) -> None:
+        for dest in range(self.size):
+            if dest not in self.lost:
+                self.send(dest, obj)
+
+
+def member(name: str, clock: Clock, link: Link) -> Member:
+    return Member(link, name, clock, lambda peers: Leader(peers, None, None, None, clock),
+                  holdings=lambda: ({}, [], []), argv=[])
+
+
+def test_a_successor_brings_back_the_nodes_its_leader_had_yet_to():
+    """n3 was lost and left out of the generation before its node came back; the leader
+    said so in its member list. The leader is lost too: the successor (n1) brings back
+    the leader's node and n3, which it never knew as a member."""
+    clock, link = Clock(), Link()
+    link.rank, link.size = 1, 3
+    m = member("n1", clock, link)
+    m.attached(4, 1, ["n0", "n1", "n2"], 0)
+    m.route(0, ("members", [0, 1, 2], ["n3"]))
+    assert m.lost_nodes == ["n3"]
+    clock.t = 6.0  # the leader silent past 5 s: n1 is next in line
+    m.tick()
+    assert m.leader is not None
+    assert sorted(m._respawn) == ["n0", "n3"]
+    # and it tells the members, so that its own successor would too
+    members = [obj for _, obj in link.sent if obj[0] == "members"]
+    assert members and members[-1][2] == ["n0", "n3"]
+
+
+def test_a_service_started_again_tells_the_leader_what_it_holds():
+    clock, link = Clock(), Link()
+    link.rank, link.size, link.leader = 2, 3, 0
+    m = member("n2", clock, link)
+    m.attached(1, 2, ["n0", "n1", "n2"], 0)
+    assert (0, ("hold", {}, [], [])) in link.sent
+
+
+def test_a_hold_replaces_what_the_leader_knew_of_that_node():
+    """Job A has ranks on nodes 1 and 2, B on node 2 only. Node 2's service was started
+    again and holds nothing: A stays (node 1 has it), B is forgotten; a job still waiting
+    for its order there (pending) is kept."""
+    clock, link = Clock(), Link()
+    link.size = 3
+    leader = Leader(link, None, None, None, clock)
+    for source, job in [(1, "A"), (2, "A"), (2, "B"), (2, "C")]:
+        leader.handle(source, ("join", job))
+    link.sent.clear()
+    leader.handle(2, ("hold", {}, [], ["C"]))
+    assert (2, ("forget", "B")) in link.sent
+    assert not any(obj == ("forget", "A") for _, obj in link.sent)
+    assert not any(obj == ("forget", "C") for _, obj in link.sent)
+    leader.handle(1, ("leave", "A"))
+    assert (1, ("forget", "A")) in link.sent  # node 2 no longer had it: A is gone
+
+
+def test_a_leave_voids_a_join_that_waits_for_the_members_holdings():
+    """A new leader waits for every member's holdings before it answers joins; a job
+    that joins and leaves meanwhile must not be taken in when the holdings arrive (its
+    presence would never end, and the idle shutdown never come)."""
+    clock, link = Clock(), Link()
+    link.size = 2
+    leader = Leader(link, None, None, None, clock)
+    leader.expect_holdings({0, 1}, 5.0)
+    leader.handle(1, ("join", "ghost"))
+    leader.handle(1, ("leave", "ghost"))
+    leader.handle(0, ("hold", {}, [], []))
+    leader.handle(1, ("hold", {}, [], []))
+    assert not any(obj[0] == "order" for _, obj in link.sent)
+    leader.check_idle(False)
+    assert leader._members == {}
