@@ -291,3 +291,50 @@ def test_a_reference_run_whose_left_over_process_holds_its_pipes_is_still_read()
                 with contextlib.suppress(psutil.Error):
                     p.kill()
 
+
+
+def test_a_cut_link_costs_each_host_only_its_messages_and_the_world_heals(tmp_path):
+    """Two emulated hosts' daemons; host 1's link goes down for 12 s. Each host's service
+    answers status all along (with itself, past the 5 s silence: no hang, no stop), and
+    once the link is back the world is one again: both nodes under one leader, none
+    lost, the same services."""
+    from crossover.probe import daemon_status, stop_world
+
+    runtime = tmp_path / "run"
+    with EmulatedCluster(mbit=1000) as cluster:
+        daemons = Daemons(cluster, runtime, "crossover", tmp_path / "daemons.log")
+        hosts = cluster.hosts
+        link = ["ip", "-n", hosts[1], "link", "set", "xolink"]
+        try:
+            pids = {h: daemon_status(runtime, h)[h]["daemon"]["pid"] for h in hosts}
+            subprocess.run([*link, "down"], check=True, timeout=30)
+            try:
+                time.sleep(12)  # past the 5 s silence: each side has lost the other
+                for host in hosts:
+                    nodes = daemon_status(runtime, host, timeout_s=5.0)
+                    assert list(nodes) == [host]
+                    assert nodes[host]["daemon"]["pid"] == pids[host]
+            finally:
+                subprocess.run([*link, "up"], check=True, timeout=30)
+
+            def whole() -> bool:
+                try:
+                    nodes = daemon_status(runtime, hosts[0], timeout_s=5.0)
+                except ConnectionError:
+                    return False
+                leaders = {s["world"]["leader_node"] for s in nodes.values()}
+                return sorted(nodes) == sorted(hosts) and len(leaders) == 1 and all(
+                    not s["world"]["lost"] and s["world"]["relay"] for s in nodes.values())
+            deadline = time.monotonic() + 120
+            while not whole():
+                assert time.monotonic() < deadline, (tmp_path / "daemons.log").read_text()
+                time.sleep(1.0)
+            assert {h: daemon_status(runtime, h)[h]["daemon"]["pid"] for h in hosts} == pids
+        finally:
+            with contextlib.suppress(ConnectionError):
+                stop_world(runtime, hosts[0])
+            daemons.stop()
+            for proc in psutil.process_iter(["cmdline"]):
+                if str(runtime) in (proc.info["cmdline"] or []):
+                    with contextlib.suppress(psutil.Error):
+                        proc.kill()

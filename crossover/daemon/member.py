@@ -226,6 +226,11 @@ class Member:
         any time this node's own relay is gone."""
         now = self.clock()
         present = [self.names[r] for r in sorted(self.world.alive)]
+        back = [n for n in self._respawn if n in present]
+        if back:  # heard again meanwhile (a link that came back): nothing to start
+            for node in back:
+                del self._respawn[node]
+            self._tell_members()
         due = {n for n, when in self._respawn.items() if when <= now}
         new = sorted((due | self._wanted) - set(present))
         detached = self._detached_at is not None and now >= self._detached_at + DETACHED_S
@@ -313,5 +318,6 @@ class Member:
         """Say who is in the world, and which nodes are lost: those of this generation,
         and those still to be brought back (a successor brings them back too)."""
         lost = {self.names.get(r, f"daemon {r}") for r in self.world.lost}
-        self.lost_nodes = sorted(lost | set(self._respawn) | set(self._spawning))
+        present = {self.names[r] for r in self.world.alive if r in self.names}
+        self.lost_nodes = sorted((lost | set(self._respawn) | set(self._spawning)) - present)
         self.peers.broadcast(("members", sorted(self.world.alive), self.lost_nodes))
