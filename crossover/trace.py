@@ -115,7 +115,9 @@ def holds_by_device(events: Iterable[dict]) -> dict[str, list[tuple[float, float
              and "name" in ev.get("args", {})}
     out: dict[str, list] = defaultdict(list)
     for ev in events:
-        if ev.get("ph") == "X" and ev.get("name") == "hold" and "device" in ev.get("args", {}):
+        # (a rank that lost its daemon mid-hold records no device: not a device's hold)
+        if ev.get("ph") == "X" and ev.get("name") == "hold" and \
+                ev.get("args", {}).get("device") is not None:
             job = names.get(ev["pid"], str(ev["pid"]))
             out[ev["args"].get("device", "?")].append(
                 (ev["ts"], ev["ts"] + ev["dur"], job, ev["tid"]))
