@@ -139,13 +139,14 @@ def recv_msg(sock: socket.socket) -> Message:
         ConnectionError: the peer closed the connection.
         ProtocolError: the frame is malformed.
     """
-    (length,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+    (length,) = _HEADER.unpack(recv_exact(sock, _HEADER.size))
     if length > MAX_FRAME:
         raise ProtocolError(f"frame of {length} bytes exceeds {MAX_FRAME}")
-    return decode(_recv_exact(sock, length))
+    return decode(recv_exact(sock, length))
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    """Exactly `n` bytes; ConnectionError once the peer closed."""
     buf = bytearray()
     while len(buf) < n:
         chunk = sock.recv(n - len(buf))

@@ -44,7 +44,7 @@ from typing import Any
 from crossover import environment as E
 from crossover.backoff import Backoff, wait_until
 from crossover.daemon.mpichannel import MpiChannel
-from crossover.transport import connect, runtime_dir
+from crossover.transport import connect, recv_exact, runtime_dir
 
 log = logging.getLogger("crossover.relay")
 
@@ -82,18 +82,8 @@ def write_frame(sock: socket.socket, obj: Any) -> None:
 
 def read_frame(sock: socket.socket) -> Any:
     """One object from `write_frame`; ConnectionError once the peer closed."""
-    (n,) = _LEN.unpack(_read_exact(sock, _LEN.size))
-    return pickle.loads(_read_exact(sock, n))
-
-
-def _read_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("the other end closed the connection")
-        buf += chunk
-    return bytes(buf)
+    (n,) = _LEN.unpack(recv_exact(sock, _LEN.size))
+    return pickle.loads(recv_exact(sock, n))
 
 
 def service_env(environ: dict[str, str] | None = None) -> dict[str, str]:
