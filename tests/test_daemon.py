@@ -352,7 +352,9 @@ def test_leader_answers_a_second_join_before_its_own_order_arrives(tmp_path):
     daemon.peers.broadcast = lambda obj: sent.extend((d, obj) for d in (0, 1))
     daemon.peers.inbox.put((0, ("join", "J")))
     daemon.peers.inbox.put((1, ("join", "J")))
-    daemon._handle_peers()  # raised KeyError before the fix
+    daemon._handle_peers()
+    wait_for(lambda: len(sent) >= 2, 10, "the leader's answers")
+    daemon.leader.raise_error()  # raised KeyError before the fix
     # each node is answered itself (the order goes to the nodes that ask, no others)
     assert sorted(sent) == [(0, ("order", "J", 0)), (1, ("order", "J", 0))]
 
@@ -564,6 +566,7 @@ def test_the_leader_tells_the_node_that_runs_ahead_to_hand_over_later(tmp_path):
                               (1, "B", 0.02)]:
         daemon.peers.inbox.put((node, ("waited", job, wait_s)))
     daemon._handle_peers()
+    wait_for(lambda: daemon.leader.handled >= 8, 10, "the leader's thread to handle them")
     delays = [(dest, msg) for dest, msg in sent if msg[0] == "delay"]
     assert delays == [(0, ("delay", pytest.approx(0.04), pytest.approx(0.04)))]
     # this node, told so, delays the next hand-over of a device two jobs share
@@ -585,8 +588,10 @@ def test_without_align_phases_waits_are_not_forwarded(tmp_path):
     sent = []
     daemon.peers.send = lambda dest, obj: sent.append((dest, obj))
     daemon.peers.inbox.put((1, ("waited", "A", 0.5)))
+    daemon.peers.inbox.put((1, ("join", "A")))  # a marker: handled after the wait
     daemon._handle_peers()
-    assert sent == []
+    wait_for(lambda: sent, 10, "the leader's thread to answer the join")
+    assert sent == [(1, ("order", "A", 0))]  # and nothing for the wait
 
 
 @pytest.mark.parametrize("align", [False, True])

@@ -258,3 +258,17 @@ def test_a_node_new_to_a_decided_group_is_told_its_mode():
     lead.handle(2, ("join", "A"))
     assert (2, ("mode", "antiphase", lead.snapshot()["0"]["reason"], {"A": 0, "B": 0})) \
         in peers.sent
+
+
+def test_a_members_holdings_are_answered_with_its_groups_mode():
+    """A mode switch sent while a node changed generation is lost; the holdings it sends
+    the leader afterwards are answered with its groups' modes (a node already in that
+    mode changes nothing). A node holding no job of a decided group is told nothing."""
+    lead, peers, _ = deciding_leader(3)
+    join_and_step(lead, "A", [0, 1])
+    join_and_step(lead, "B", [0, 1])
+    reason = lead.snapshot()["0"]["reason"]
+    peers.sent.clear()
+    lead.handle(1, ("hold", {"A": 0, "B": 1}, ["A", "B"], []))
+    lead.handle(2, ("hold", {}, [], []))
+    assert peers.sent == [(1, ("mode", "antiphase", reason, {"A": 0, "B": 0}))]

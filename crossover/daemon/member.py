@@ -17,11 +17,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from crossover.daemon.generation import Generation
 from crossover.daemon.membership import Changes, Membership
 from crossover.daemon.uplink import Uplink
 from crossover.daemon.world import Leader
+
+if TYPE_CHECKING:
+    from crossover.daemon.leading import LeaderThread
 
 log = logging.getLogger("crossover.daemon")
 
@@ -55,7 +59,7 @@ class Member:
     """
 
     def __init__(self, peers: Uplink, name: str, clock: Callable[[], float],
-                 new_leader: Callable[[Uplink], Leader],
+                 new_leader: Callable[[Uplink], Leader | LeaderThread],
                  holdings: Callable[[], tuple], argv: list[str],
                  log_path: Path | None = None, beat_s: float = 1.0,
                  dead_after_s: float = 5.0) -> None:
@@ -161,10 +165,15 @@ class Member:
             if self.leader is not None:
                 log.warning("daemon %d follows %s from generation %d: no longer the "
                             "leader", rank, names[leader], epoch)
-                self.leader = None
+                self._step_down()
                 self._retire_formed()
             # what this node holds now (a service started again holds nothing)
             self.peers.send_leader(("hold", *self._holdings()))
+
+    def _step_down(self) -> None:
+        if self.leader is not None:
+            self.leader.close()
+            self.leader = None
 
     def _detached(self, epoch: int) -> None:
         self._detached_at = self.clock()
@@ -262,11 +271,12 @@ class Member:
         if changes.stepped_down and self.leader is not None:
             log.warning("daemon %d follows daemon %d from epoch %d: no longer the leader",
                         self.peers.rank, world.leader, world.epoch)
-            self.leader = None
+            self._step_down()
         if changes.took_over:
             log.warning("the leader is lost: daemon %d (node %s) leads from epoch %d and "
                         "rebuilds the jobs' order from what the %d members hold",
                         self.peers.rank, self.name, world.epoch, len(world.alive))
+            self._step_down()
             self.leader = self._new_leader(self.peers)
             # the old leader's node, any lost before it, and the nodes it was yet to
             # bring back (it said which)

@@ -11,7 +11,8 @@ a rank that holds past its lease loses it then. Clients treat a vanished daemon 
 
 The parts, composed here, each with its own module: `Connections` (sockets and frames),
 `Ranks` (what ranks say, and their company), `TableSync` (the slot table and the
-scheduler in one order), `Leader` (daemon 0's decisions). `Daemon` owns the serve loop,
+scheduler in one order), `Leader` (daemon 0's decisions, on a thread of their own:
+`leading`). `Daemon` owns the serve loop,
 the scheduler's clock-driven changes (leases, re-alignment), and what a node does with
 the other daemons' messages.
 """
@@ -28,6 +29,7 @@ from collections.abc import Callable
 
 from crossover import protocol as P
 from crossover.daemon.conns import Connections, RankConn
+from crossover.daemon.leading import LeaderThread
 from crossover.daemon.member import TO_LEADER, Member
 from crossover.daemon.ranks import Node, Ranks
 from crossover.daemon.relay import relay_path
@@ -137,11 +139,11 @@ class Daemon:
         self._usage = RankUsage()
 
     @property
-    def leader(self) -> Leader | None:
+    def leader(self) -> LeaderThread | None:
         """The leader's decisions, where this daemon leads."""
         return self.member.leader
 
-    def _new_leader(self, peers: Uplink) -> Leader:
+    def _new_leader(self, peers: Uplink) -> LeaderThread:
         adaptive, probe_s, hold_s, probe_local, aligning, patience_s, idle_s = \
             self._leader_args
         def modes() -> ModeController:
@@ -149,7 +151,8 @@ class Daemon:
                                   max_hold_s=max(240.0, hold_s), probe_local=probe_local)
         aligner = PhaseAligner(self.clock, min(0.015, patience_s), min(0.25, patience_s)) \
             if aligning else None
-        return Leader(peers, modes if adaptive else None, aligner, idle_s, self.clock)
+        return LeaderThread(Leader(peers, modes if adaptive else None, aligner, idle_s,
+                                   self.clock), self.clock, self._wakeup)
 
     # --- life cycle -------------------------------------------------------------------
     def serve(self) -> None:
@@ -192,7 +195,8 @@ class Daemon:
                 self.conns.drop_silent({id(c) for c, _, _ in self._status_waits.values()})
                 self._expire()
                 if self.leader is not None:
-                    self.leader.check_idle(self.ranks.busy)
+                    self.leader.busy_here = self.ranks.busy
+                    self.leader.raise_error()
                 self._finish_status_waits()
                 self._realign()
                 self.table.publish_plans()
@@ -205,6 +209,8 @@ class Daemon:
             self.sockets.close()
             self.table.close()
             self.peers.close()
+            if self.leader is not None:
+                self.leader.close()
             log.info("daemon for node %s stopped", self.node.name)
 
     def stop(self) -> None:
@@ -218,8 +224,6 @@ class Daemon:
         t = 0.5 if not self.table.replan else 0.01
         deadlines = [self.sched.next_deadline()]
         deadlines.append(self.member.next_deadline())
-        if self.leader is not None:
-            deadlines.append(self.leader.next_deadline())
         for deadline in deadlines:
             if deadline is not None:
                 t = min(t, max(0.0, deadline - self.clock()))
@@ -275,8 +279,6 @@ class Daemon:
             self.ranks.deliver(self.sched.realign())
 
     def _expire(self) -> None:
-        if self.leader is not None:
-            self.leader.tick()
         due = self.sched.next_deadline()
         # (a busy table mutex: expire on a later loop, after the events before now)
         if due is None or due > self.clock() or self.table.waiting \
@@ -298,7 +300,7 @@ class Daemon:
                 continue
             if msg[0] in TO_LEADER:
                 if msg[0] != "waited" or self.sched.exclusive:  # else: another mode's
-                    self.leader.handle(source, msg)
+                    self.leader.post(source, msg)
             else:
                 self._on_peer(source, msg)
 
@@ -310,8 +312,8 @@ class Daemon:
         elif kind == "forget":
             self.ranks.forget(msg[1])
         elif kind == "mode":
-            if self.leader is not None and self.leader.aligner is not None:
-                self.leader.aligner.reset()  # waits of the old mode say nothing of the new
+            if self.leader is not None:
+                self.leader.reset_aligner()
             self.ranks.mode_reason = msg[2]
             self.table.change(None, lambda: self.ranks.set_mode(Mode(msg[1]), msg[3]))
         elif kind == "delay":  # this node's turns ran ahead: hand over later, once
@@ -345,8 +347,9 @@ class Daemon:
         snap["mode_reason"] = self.ranks.mode_reason
         # the nodes' phases: hand-overs this node delayed to get back in step
         snap["handovers_delayed"] = self.handovers_delayed
-        if self.leader is not None and self.leader.snapshot() is not None:
-            snap["mode_decision"] = self.leader.snapshot()
+        decision = self.leader.snapshot() if self.leader is not None else None
+        if decision is not None:
+            snap["mode_decision"] = decision
         # the world as this daemon sees it: who leads, and the nodes lost
         snap["world"] = self.member.snapshot()
         snap["devices_cores"] = dict(self.node.cpu_device(i)

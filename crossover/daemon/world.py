@@ -156,6 +156,9 @@ class Leader:
             self._shut = True  # once: the broadcast reaches this daemon too
             self.peers.broadcast(("shutdown",))
 
+    def close(self) -> None:
+        """Nothing to release (a `leading.LeaderThread` stops its thread)."""
+
     # --- succession and re-formation ------------------------------------------------------
     def expect_holdings(self, ranks: set[int], within_s: float) -> None:
         """Daemons `ranks` were asked what they hold (this leader is new, or they are
@@ -181,6 +184,14 @@ class Leader:
                 log.warning("job %s has order %d on daemon %d but %d elsewhere (two "
                             "leaders at once?): keeping %d", job, order, source, known, known)
             self._add(job, source)
+        # A mode switch sent while the node changed generation was lost: say its
+        # groups' modes again (a node in that mode already changes nothing).
+        for group in sorted({self.groups.group_of(j) for j in present
+                             if j in self._members and source in self._members[j]}):
+            modes = self._modes.get(group)
+            if modes is not None and modes.state != "solo":
+                self.peers.send(source, ("mode", modes.mode.value, modes.reason,
+                                         self._group_points(group)))
         self._deferred.extend((source, job) for job in pending)
         self._awaiting.discard(source)
         self._flush()
