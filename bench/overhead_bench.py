@@ -133,7 +133,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--framework", choices=("horovod", "ddp"), default="horovod")
-    parser.add_argument("--cost-runs", type=int, default=6,
+    parser.add_argument("--cost-runs", type=int, default=12,
                         help="launches of the in-process step-cost script (0: none)")
     parser.add_argument("--cost-steps", type=int, default=300,
                         help="timed steps per model in each of those launches")

@@ -9,6 +9,7 @@ import contextlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -330,6 +331,51 @@ def test_a_cut_link_costs_each_host_only_its_messages_and_the_world_heals(tmp_pa
                 assert time.monotonic() < deadline, (tmp_path / "daemons.log").read_text()
                 time.sleep(1.0)
             assert {h: daemon_status(runtime, h)[h]["daemon"]["pid"] for h in hosts} == pids
+        finally:
+            with contextlib.suppress(ConnectionError):
+                stop_world(runtime, hosts[0])
+            daemons.stop()
+            for proc in psutil.process_iter(["cmdline"]):
+                if str(runtime) in (proc.info["cmdline"] or []):
+                    with contextlib.suppress(psutil.Error):
+                        proc.kill()
+
+
+def test_a_killed_hosts_node_is_taken_back_by_a_generation_across_the_hosts(tmp_path):
+    """Host 1's node service and relay are SIGKILLed: the leader on host 0 starts a new
+    generation, an mpirun from its own namespace to host 1's over the remote-shell agent
+    (its MCA settings inherited from the first world's), which starts a new service
+    there; the world is whole again, host 0's service the same."""
+    from crossover.probe import daemon_status, stop_world
+
+    runtime = tmp_path / "run"
+    with EmulatedCluster(mbit=1000) as cluster:
+        daemons = Daemons(cluster, runtime, "crossover", tmp_path / "daemons.log")
+        hosts = cluster.hosts
+        try:
+            before = {h: daemon_status(runtime, h)[h] for h in hosts}
+            for pid in (before[hosts[1]]["daemon"]["pid"],
+                        before[hosts[1]]["world"]["relay_pid"]):
+                os.kill(pid, signal.SIGKILL)
+
+            def whole() -> dict | None:
+                try:
+                    nodes = daemon_status(runtime, hosts[0], timeout_s=5.0)
+                except ConnectionError:
+                    return None
+                leaders = {s["world"]["leader_node"] for s in nodes.values()}
+                ok = sorted(nodes) == sorted(hosts) and len(leaders) == 1 and all(
+                    not s["world"]["lost"] and s["world"]["relay"] for s in nodes.values())
+                return nodes if ok else None
+            deadline = time.monotonic() + 90
+            time.sleep(2.0)  # the kill is seen
+            while (nodes := whole()) is None:
+                assert time.monotonic() < deadline, (tmp_path / "daemons.log").read_text()
+                time.sleep(1.0)
+            assert nodes[hosts[0]]["daemon"]["pid"] == before[hosts[0]]["daemon"]["pid"]
+            assert nodes[hosts[1]]["daemon"]["pid"] != before[hosts[1]]["daemon"]["pid"]
+            assert nodes[hosts[1]]["world"]["generation"] > before[hosts[1]]["world"][
+                "generation"]
         finally:
             with contextlib.suppress(ConnectionError):
                 stop_world(runtime, hosts[0])
