@@ -2,6 +2,7 @@
 while jobs train on them.
 
     .venv/bin/python bench/chaos_world.py [--nodes 4] [--minutes 8] [--fault-every 4]
+    .venv/bin/python bench/chaos_world.py --emulated [--minutes 8] [--fault-every 4]
 
 N fake-node daemons under one mpirun (Open MPI's recovery on, as crossoverrun starts a
 world); two 2-rank PyTorch jobs (examples/torch_mlp.py) at any time, each rank on a
@@ -20,8 +21,18 @@ few seconds (exponentially distributed, mean --fault-every) one fault strikes:
     node_kill     SIGKILL a node's service and relay at once, the leader's or another's
                   (the node is lost; a new generation starts a service there)
     rank_stop     SIGSTOP one rank for up to lease + 1 s, then SIGCONT
+    link_cut      (--emulated) one host's link down for 2-12 s, then up: each side
+                  serves on alone, and the world is one again after (no job starts
+                  while it is down, and none is cut in its first RENDEZVOUS_S: a launch
+                  over a down link fails with or without crossover)
 
-A daemon already down or stopped gets no second fault. Checked and written to
+--emulated: the two emulated hosts of bench/cluster.py (network namespaces joined by a
+1000 Mbit/s link, root only) instead of fake nodes; every job has a rank on each.
+
+A daemon already down or stopped gets no second fault, and the last node that answers
+is never killed whole: with no service and no relay left anywhere nothing can bring the
+world back (crossoverrun's watcher starts a new one then; this storm has none).
+Checked and written to
 bench/results/chaos_world.json (the keys of chaos.json, plus `nodes`):
     mismatches      finished jobs whose weights differ from the same job trained alone
                     without crossover (bit for bit): must be 0
@@ -60,13 +71,18 @@ from chaos import (  # noqa: E402
     compare_with_solo,
     let_finish,
 )
+from cluster import LINK, EmulatedCluster  # noqa: E402
 from common import write_result  # noqa: E402
+from jobs import JOB_ENV, cluster_launch  # noqa: E402
 
 from crossover.launch.local import mpi_env, terminate_group  # noqa: E402
 from crossover.probe import daemon_status, stop_world  # noqa: E402
 
 FAULTS = {"member_kill": 0.15, "leader_kill": 0.1, "member_stop": 0.15,
-          "leader_stop": 0.1, "relay_kill": 0.15, "node_kill": 0.15, "rank_stop": 0.2}
+          "leader_stop": 0.1, "relay_kill": 0.15, "node_kill": 0.15, "rank_stop": 0.2,
+          "link_cut": 0.1}
+#: a job's launch and rendezvous are over this long after its start (no link cut before)
+RENDEZVOUS_S = 8.0
 #: a daemon fault disturbs slot waits from its start to this long after its end
 SETTLE_S = 15.0
 
@@ -74,18 +90,27 @@ SETTLE_S = 15.0
 class World:
     """The daemons' world: who answers, who leads, and their processes."""
 
-    def __init__(self, nodes: int, runtime: Path, env: dict, log: Path) -> None:
-        self.names = [f"fake{i}" for i in range(nodes)]
+    def __init__(self, nodes: int, runtime: Path, env: dict, log: Path,
+                 cluster: EmulatedCluster | None = None) -> None:
+        self.cluster = cluster
+        self.names = list(cluster.hosts) if cluster else [f"fake{i}" for i in range(nodes)]
         self.runtime = runtime
-        cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "--mca",
-               "orte_enable_recovery", "1", "-np", str(nodes), sys.executable, "-m",
-               "crossover", "daemon", "--policy", "auto", "--lease", "3",
-               "--runtime-dir", str(runtime)]
+        daemon = [sys.executable, "-m", "crossover", "daemon", "--policy", "auto",
+                  "--lease", "3", "--runtime-dir", str(runtime)]
+        if cluster is not None:
+            cmd = cluster.mpirun(daemon)
+            env = {**env, "OMPI_MCA_orte_enable_recovery": "1"}
+        else:
+            cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "--mca",
+                   "orte_enable_recovery", "1", "-np", str(nodes), *daemon]
+            env = {**env, "CROSSOVER_FAKE_NODES": str(nodes)}
         with open(log, "w") as out:
-            self.proc = subprocess.Popen(cmd, env={**env, "CROSSOVER_FAKE_NODES": str(nodes)},
-                                         stdout=out, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True)
+        nodes = len(self.names)
         self.busy: set[str] = set()  # nodes whose daemon is down or stopped by a fault
+        self.cut = False  # a host's link is down
+        self.cut_due = False  # a cut waits for the running jobs' rendezvous to end
         deadline = time.monotonic() + 60
         while len(self.status()) < nodes:
             if time.monotonic() > deadline or self.proc.poll() is not None:
@@ -137,9 +162,13 @@ def start_job(n: int, rng: random.Random, world: World, env: dict, tmp: Path) ->
     weights, log = tmp / f"{name}.pt", tmp / f"{name}.log"
     script = [sys.executable, str(SCRIPT), "--seed", str(seed), "--steps", str(steps),
               "--out", str(weights)]
-    cmd = ["mpirun", "--oversubscribe", "--bind-to", "none"]
-    for i, node in enumerate(rng.sample(world.names, 2)):
-        cmd += [*([":"] if i else []), "-np", "1", "-x", f"CROSSOVER_NODE={node}", *script]
+    if world.cluster is not None:  # a rank on each host
+        cmd, env = cluster_launch(world.cluster)(script), {**env, **JOB_ENV}
+    else:
+        cmd = ["mpirun", "--oversubscribe", "--bind-to", "none"]
+        for i, node in enumerate(rng.sample(world.names, 2)):
+            cmd += [*([":"] if i else []), "-np", "1", "-x", f"CROSSOVER_NODE={node}",
+                    *script]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env={**env, "CROSSOVER_JOB": name}, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
@@ -168,12 +197,34 @@ def inject(kind: str, world: World, jobs: list[RunningJob], rng: random.Random,
             stops.append((job.name, at, time.time()))
         later.append((time.monotonic() + pause, cont))
         return f"SIGSTOP {pause:.1f} s a rank of {job.name}"
+    if kind == "link_cut":
+        # one cut at a time, and only past the jobs' rendezvous: a job that cannot
+        # reach its peers while it starts fails without crossover too (Gloo's store).
+        # Until the running jobs are past theirs, the cut is due and no job starts.
+        if world.cut:
+            return None
+        world.cut_due = any(time.monotonic() - j.started < RENDEZVOUS_S
+                            for j in jobs if j.proc.poll() is None)
+        if world.cut_due:
+            return None
+        host = rng.choice(world.names)
+        pause, at = rng.uniform(2.0, 12.0), time.time()
+        link = ["ip", "-n", host, "link", "set", LINK]
+        subprocess.run([*link, "down"], check=True, timeout=30)
+        world.cut = True
+
+        def reconnect() -> None:
+            subprocess.run([*link, "up"], check=True, timeout=30)
+            world.cut = False
+            windows.append((at, time.time() + SETTLE_S))
+        later.append((time.monotonic() + pause, reconnect))
+        return f"link of {host} down for {pause:.1f} s"
     nodes = world.status()
     leader = next((s["world"]["leader_node"] for s in nodes.values()), None)
     targets = [n for n in nodes if n not in world.busy
                and (kind == "node_kill" or (n == leader) == kind.startswith("leader"))]
-    if not targets:
-        return None
+    if not targets or (kind == "node_kill" and len(nodes) <= 1):
+        return None  # (a world with no node left alive has nothing to come back from)
     node = rng.choice(targets)
     pid = nodes[node]["daemon"]["pid"]
     at = time.time()
@@ -219,14 +270,22 @@ def main() -> int:
     ap.add_argument("--fault-every", type=float, default=4.0, metavar="S")
     ap.add_argument("--job-timeout", type=float, default=240.0)
     ap.add_argument("--out", default="chaos_world")
+    ap.add_argument("--emulated", action="store_true",
+                    help="the two emulated hosts (root), with link cuts, not fake nodes")
     args = ap.parse_args()
+    with EmulatedCluster(mbit=1000) if args.emulated else contextlib.nullcontext() as c:
+        return run(args, c)
+
+
+def run(args: argparse.Namespace, cluster: EmulatedCluster | None) -> int:
     rng = random.Random(args.seed)
     tmp = Path(tempfile.mkdtemp(prefix="crossover-chaos-world-"))
     runtime, traces = tmp / "run", tmp / "traces"
     env = {**os.environ, **mpi_env(), "CROSSOVER_RUNTIME_DIR": str(runtime),
            "CROSSOVER_TRACE": str(traces), "OMPI_MCA_mpi_yield_when_idle": "1"}
     env.pop("CROSSOVER_FAKE_NODES", None)
-    world = World(args.nodes, runtime, env, tmp / "daemon.log")
+    world = World(args.nodes, runtime, env, tmp / "daemon.log", cluster)
+    faults_here = {k: w for k, w in FAULTS.items() if cluster or k != "link_cut"}
     jobs: list[RunningJob] = []
     faults: Counter = Counter()
     later: list = []
@@ -235,7 +294,7 @@ def main() -> int:
     hangs, n, answering = [], 0, []
     end = time.monotonic() + args.minutes * 60
     next_fault = time.monotonic() + rng.expovariate(1 / args.fault_every)
-    print(f"chaos_world: {args.nodes} nodes, {args.minutes:g} min, a fault every "
+    print(f"chaos_world: {len(world.names)} nodes, {args.minutes:g} min, a fault every "
           f"~{args.fault_every:g} s, work in {tmp}", flush=True)
     try:
         while time.monotonic() < end:
@@ -244,11 +303,13 @@ def main() -> int:
                     hangs.append(j.name)
                     terminate_group(j.proc, grace_s=2)
                     print(f"chaos_world: HANG {j.name}", flush=True)
-            while len([j for j in jobs if j.proc.poll() is None]) < 2:
+            while len([j for j in jobs if j.proc.poll() is None]) < 2 and not (
+                    world.cut or world.cut_due):
                 n += 1
                 jobs.append(start_job(n, rng, world, env, tmp))
-            if time.monotonic() >= next_fault:
-                kind = rng.choices(list(FAULTS), weights=list(FAULTS.values()))[0]
+            if time.monotonic() >= next_fault or world.cut_due:
+                kind = "link_cut" if world.cut_due else rng.choices(
+                    list(faults_here), weights=list(faults_here.values()))[0]
                 what = inject(kind, world, jobs, rng, later, windows, stops)
                 if what is not None:
                     faults[kind] += 1
@@ -291,7 +352,8 @@ def main() -> int:
                     a < y and x < b for jj, x, y in stops if jj == job)
                 waits.append((b - a, quiet))
     result = {
-        "nodes": args.nodes, "minutes": args.minutes, "seed": args.seed,
+        "nodes": len(world.names), "emulated_hosts": cluster is not None,
+        "minutes": args.minutes, "seed": args.seed,
         "jobs_run": len(jobs), "jobs_compared": len(finished) - len(failed),
         "jobs_failed": failed, "faults_injected": dict(faults),
         "faults_total": sum(faults.values()), "mismatches": len(mismatches),

@@ -104,8 +104,11 @@ class Daemons:
         log.unlink(missing_ok=True)
         log.symlink_to(runtime / "daemon.log")
         self._log = log.open("a")
+        # Open MPI's recovery on, as crossoverrun starts a world: a relay's death ends
+        # only that relay
         env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1",
-               "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "PYTHONPATH": str(REPO)}
+               "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "PYTHONPATH": str(REPO),
+               "OMPI_MCA_orte_enable_recovery": "1"}
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
         sockets = [runtime / f"node-{h}.sock" for h in cluster.hosts]

@@ -384,3 +384,43 @@ def test_a_killed_hosts_node_is_taken_back_by_a_generation_across_the_hosts(tmp_
                 if str(runtime) in (proc.info["cmdline"] or []):
                     with contextlib.suppress(psutil.Error):
                         proc.kill()
+
+
+def test_a_member_whose_relay_and_leader_are_gone_leads_and_the_world_comes_back(tmp_path):
+    """Host 1's relay is killed, then host 0's whole node (the leader) before it formed
+    a new generation: host 1's service is left with no relay and no leader. Within
+    ORPHANED_S it leads and forms a generation that starts a service on host 0."""
+    from crossover.daemon.member import ORPHANED_S
+    from crossover.probe import daemon_status, stop_world
+
+    runtime = tmp_path / "run"
+    with EmulatedCluster(mbit=1000) as cluster:
+        daemons = Daemons(cluster, runtime, "crossover", tmp_path / "daemons.log")
+        h0, h1 = cluster.hosts
+        try:
+            before = {h: daemon_status(runtime, h)[h] for h in (h0, h1)}
+            os.kill(before[h1]["world"]["relay_pid"], signal.SIGKILL)
+            time.sleep(6.0)  # the leader has lost host 1, and forms a generation 2 s on
+            for pid in (before[h0]["world"]["relay_pid"], before[h0]["daemon"]["pid"]):
+                os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + ORPHANED_S + 60
+            while True:
+                try:
+                    nodes = daemon_status(runtime, h1, timeout_s=5.0)
+                except ConnectionError:
+                    nodes = {}
+                if sorted(nodes) == sorted((h0, h1)) and all(
+                        s["world"]["leader_node"] == h1 and s["world"]["relay"]
+                        for s in nodes.values()):
+                    break
+                assert time.monotonic() < deadline, (tmp_path / "daemons.log").read_text()
+                time.sleep(1.0)
+            assert nodes[h1]["daemon"]["pid"] == before[h1]["daemon"]["pid"]
+        finally:
+            with contextlib.suppress(ConnectionError):
+                stop_world(runtime, h1)
+            daemons.stop()
+            for proc in psutil.process_iter(["cmdline"]):
+                if str(runtime) in (proc.info["cmdline"] or []):
+                    with contextlib.suppress(psutil.Error):
+                        proc.kill()

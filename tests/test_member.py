@@ -101,3 +101,33 @@ def test_a_leave_voids_a_join_that_waits_for_the_members_holdings():
     assert not any(obj[0] == "order" for _, obj in link.sent)
     leader.check_idle(False)
     assert leader._members == {}
+
+
+def test_a_member_no_generation_takes_back_leads_and_forms_one(monkeypatch):
+    """n1's relay is gone and so is its leader's whole node, before the leader formed a
+    new generation: nothing would ever take n1 back. ORPHANED_S after its relay's loss
+    n1 leads and forms a generation over every node it knows (before that, it waits)."""
+    import crossover.daemon.member as member_mod
+
+    formed: list[tuple] = []
+
+    class Recorded:
+        def __init__(self, nodes, epoch, leader, *_):
+            formed.append((nodes, epoch, leader))
+            self.epoch, self.nodes, self.started_at, self.timeout_s = epoch, nodes, 0.0, 1e9
+            self.failed = False
+
+    monkeypatch.setattr(member_mod, "Generation", Recorded)
+    clock, link = Clock(), Link()
+    link.rank, link.size, link.leader = 1, 2, 0
+    m = member("n1", clock, link)
+    m.attached(3, 1, ["n0", "n1"], 0)
+    link.attached = False
+    m.route(1, ("detached", 3))
+    clock.t = member_mod.ORPHANED_S - 1.0
+    m.tick()
+    assert m.leader is None and formed == []  # the leader may still form one
+    clock.t = member_mod.ORPHANED_S + 0.5
+    m.tick()
+    assert m.leader is not None and m.world.leads
+    assert formed == [(["n0", "n1"], 5, "n1")]

@@ -36,6 +36,10 @@ RESPAWN_TRIES = 6
 #: a leader whose relay is gone forms a new generation this long after (then backing
 #: off while they fail)
 DETACHED_S = 1.0
+#: a member whose relay is gone and that no generation took back within this long leads
+#: and forms one itself: its leader may be gone too (nothing else would bring the world
+#: back if that leader's whole node died before it formed a generation)
+ORPHANED_S = 30.0
 
 #: what only the leader a daemon follows may tell it
 FROM_LEADER = frozenset({"order", "forget", "mode", "delay", "shutdown", "members"})
@@ -193,6 +197,8 @@ class Member:
         """Beat, act on peers lost, and (the leader) form a generation when due."""
         if self.peers.attached and self.peers.size > 1:
             self._apply(self.world.tick())
+        elif self._orphaned():
+            self._lead_orphaned()
         forming = self._forming
         if forming is not None and (forming.failed or self.clock() - forming.started_at
                                     > forming.timeout_s):
@@ -209,8 +215,28 @@ class Member:
         if self.leader is not None and self._forming is None and self.peers.relayed:
             self._form()
 
+    def _orphaned(self) -> bool:
+        return (self.leader is None and self.peers.relayed and self._detached_at is not None
+                and self.clock() - self._detached_at >= ORPHANED_S)
+
+    def _lead_orphaned(self) -> None:
+        """No generation took this node back since its relay was lost: lead, and form
+        one over every node this service knows (a newer generation of another leader,
+        if there is one, wins at each service, and this node then follows it)."""
+        world = self.world
+        log.warning("node %s: no generation took it back within %.0f s of its relay's "
+                    "loss (its leader %s may be gone too): it leads from epoch %d and "
+                    "forms one", self.name, ORPHANED_S, self.names.get(world.leader, "?"),
+                    world.epoch + 1)
+        world.lead(self.peers.rank, world.epoch + 1)
+        self.peers.leader = self.peers.rank
+        self.leader = self._new_leader(self.peers)
+        self._lead(set(world.alive))  # `_form` then forms a generation over them
+
     def next_deadline(self) -> float | None:
         ends = [self.world.next_deadline()] if self.peers.size > 1 else []
+        if self._detached_at is not None and self.leader is None:
+            ends.append(self._detached_at + ORPHANED_S)
         if self.leader is not None:
             ends += list(self._respawn.values())
             if self._wanted:
