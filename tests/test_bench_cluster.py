@@ -294,12 +294,26 @@ def test_a_reference_run_whose_left_over_process_holds_its_pipes_is_still_read()
 
 
 
+def _stop_world(daemons: Daemons, runtime: Path, host: str) -> None:
+    """Stop a test's daemon world through `host`'s service, then whatever of it (services
+    and generations outlive their mpirun) still names its runtime directory."""
+    from crossover.probe import stop_world
+
+    with contextlib.suppress(ConnectionError):
+        stop_world(runtime, host)
+    daemons.stop()
+    for proc in psutil.process_iter(["cmdline"]):
+        if str(runtime) in (proc.info["cmdline"] or []):
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+
+
 def test_a_cut_link_costs_each_host_only_its_messages_and_the_world_heals(tmp_path):
     """Two emulated hosts' daemons; host 1's link goes down for 12 s. Each host's service
     answers status all along (with itself, past the 5 s silence: no hang, no stop), and
     once the link is back the world is one again: both nodes under one leader, none
     lost, the same services."""
-    from crossover.probe import daemon_status, stop_world
+    from crossover.probe import daemon_status
 
     runtime = tmp_path / "run"
     with EmulatedCluster(mbit=1000) as cluster:
@@ -332,13 +346,7 @@ def test_a_cut_link_costs_each_host_only_its_messages_and_the_world_heals(tmp_pa
                 time.sleep(1.0)
             assert {h: daemon_status(runtime, h)[h]["daemon"]["pid"] for h in hosts} == pids
         finally:
-            with contextlib.suppress(ConnectionError):
-                stop_world(runtime, hosts[0])
-            daemons.stop()
-            for proc in psutil.process_iter(["cmdline"]):
-                if str(runtime) in (proc.info["cmdline"] or []):
-                    with contextlib.suppress(psutil.Error):
-                        proc.kill()
+            _stop_world(daemons, runtime, hosts[0])
 
 
 def test_a_killed_hosts_node_is_taken_back_by_a_generation_across_the_hosts(tmp_path):
@@ -346,7 +354,7 @@ def test_a_killed_hosts_node_is_taken_back_by_a_generation_across_the_hosts(tmp_
     generation, an mpirun from its own namespace to host 1's over the remote-shell agent
     (its MCA settings inherited from the first world's), which starts a new service
     there; the world is whole again, host 0's service the same."""
-    from crossover.probe import daemon_status, stop_world
+    from crossover.probe import daemon_status
 
     runtime = tmp_path / "run"
     with EmulatedCluster(mbit=1000) as cluster:
@@ -377,13 +385,7 @@ def test_a_killed_hosts_node_is_taken_back_by_a_generation_across_the_hosts(tmp_
             assert nodes[hosts[1]]["world"]["generation"] > before[hosts[1]]["world"][
                 "generation"]
         finally:
-            with contextlib.suppress(ConnectionError):
-                stop_world(runtime, hosts[0])
-            daemons.stop()
-            for proc in psutil.process_iter(["cmdline"]):
-                if str(runtime) in (proc.info["cmdline"] or []):
-                    with contextlib.suppress(psutil.Error):
-                        proc.kill()
+            _stop_world(daemons, runtime, hosts[0])
 
 
 def test_a_member_whose_relay_and_leader_are_gone_leads_and_the_world_comes_back(tmp_path):
@@ -391,7 +393,7 @@ def test_a_member_whose_relay_and_leader_are_gone_leads_and_the_world_comes_back
     a new generation: host 1's service is left with no relay and no leader. Within
     ORPHANED_S it leads and forms a generation that starts a service on host 0."""
     from crossover.daemon.member import ORPHANED_S
-    from crossover.probe import daemon_status, stop_world
+    from crossover.probe import daemon_status
 
     runtime = tmp_path / "run"
     with EmulatedCluster(mbit=1000) as cluster:
@@ -417,10 +419,4 @@ def test_a_member_whose_relay_and_leader_are_gone_leads_and_the_world_comes_back
                 time.sleep(1.0)
             assert nodes[h1]["daemon"]["pid"] == before[h1]["daemon"]["pid"]
         finally:
-            with contextlib.suppress(ConnectionError):
-                stop_world(runtime, h1)
-            daemons.stop()
-            for proc in psutil.process_iter(["cmdline"]):
-                if str(runtime) in (proc.info["cmdline"] or []):
-                    with contextlib.suppress(psutil.Error):
-                        proc.kill()
+            _stop_world(daemons, runtime, h1)

@@ -12,9 +12,8 @@ a rank that holds past its lease loses it then. Clients treat a vanished daemon 
 The parts, composed here, each with its own module: `Connections` (sockets and frames),
 `Ranks` (what ranks say, and their company), `TableSync` (the slot table and the
 scheduler in one order), `Leader` (daemon 0's decisions, on a thread of their own:
-`leading`). `Daemon` owns the serve loop,
-the scheduler's clock-driven changes (leases, re-alignment), and what a node does with
-the other daemons' messages.
+`leading`). `Daemon` owns the serve loop, the scheduler's clock-driven changes (leases,
+re-alignment), and what a node does with the other daemons' messages.
 """
 
 from __future__ import annotations
