@@ -19,8 +19,8 @@ def ms(compute: float, gap: float) -> Profile:
     return Profile(compute / 1e3, gap / 1e3)
 
 
-# Per-step profiles of the benchmark rows in bench/results/crossover.json and
-# crossover_ddp.json (each row's compute and communication per job step), with the mode
+# Per-step profiles of benchmark rows (bench/results/crossover.json, and crossover_ddp.json
+# as first measured: each row's compute and communication per job step), with the mode
 # that ran faster there: always antiphase against plain co-location. A row where the two
 # ran within a few percent of each other is a close call: the controller measures.
 TABLE = [
@@ -156,6 +156,22 @@ def test_a_close_profile_measures_the_other_mode_too():
     assert [m for _, m in got] == ["antiphase", "concurrent", "antiphase"], got
     assert ctl.state == "hold" and ctl.reason.startswith("antiphase 1.14x concurrent"), \
         ctl.reason
+
+
+def test_a_close_profile_that_a_probe_decided_is_checked_against_the_probes_rates():
+    """The prediction that could not tell is not the one the hold is held to: the hold
+    check names the probe's rates, and the prediction does not count as overruled."""
+    ctl = ModeController(FakeClock(), hold_s=100.0)
+
+    def anti(now: float) -> float:  # 8 steps/s while probed, 5 once held
+        return 8.0 if now < 8.0 else 5.0
+
+    got = simulate(ctl, ctl.clock, {"a": {A: anti, C: 7.0}, "b": {A: anti, C: 7.0}},
+                   until=20.0, profiles={"a": ms(81, 25), "b": ms(81, 25)})  # 1.15x at most
+    assert [m for _, m in got] == ["antiphase", "concurrent", "antiphase", "concurrent"], got
+    assert ctl.reason.startswith("antiphase held ran 0.") \
+        and "the probe's concurrent rates" in ctl.reason, ctl.reason
+    assert not ctl._overruled
 
 
 def test_with_prediction_off_the_controller_probes_concurrent_first():

@@ -19,10 +19,9 @@ Probing: each mode gets a window in which every job's step rate is measured from
 progress reports (after settling steps, over at least `min_steps` steps and `probe_s`
 seconds). The first window (concurrent, so a newcomer computes at once; antiphase for
 jobs without profiles, which it profiles) settles for `warmup_steps`: a job that has
-just started runs its first steps slowly. A pair of
-windows gives each job's speedup under antiphase (its rate normalised by its rate under
-concurrent grants); antiphase is chosen when the jobs' mean speedup is at least
-1 + `margin`, else concurrent (do no harm).
+just started runs its first steps slowly. A pair of windows gives each job's speedup
+under antiphase (its rate normalised by its rate under concurrent grants); antiphase is
+chosen when the jobs' mean speedup is at least 1 + `margin`, else concurrent (do no harm).
 
 One pair is noisy on a busy host (bench/pair_noise.py), so a mean speedup closer to the
 margin than `pair_noise` / sqrt(pairs) is measured again, by another pair in the reverse
@@ -300,6 +299,7 @@ class ModeController:
                 predicted = self._from_prediction("profiled in antiphase")
                 if predicted is not None:
                     return predicted
+                self._prediction = None  # it could not tell: the pair decides, not it
             nxt = self._plan.pop(0)
             return self._open(nxt, f"probing {nxt.value}")
         return self._pair_done()
