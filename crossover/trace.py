@@ -172,6 +172,21 @@ def handovers(events: Iterable[dict]) -> dict[str, int]:
             for dev, spans in holds_by_device(events).items()}
 
 
+def busy(events: Iterable[dict]) -> dict[str, float]:
+    """Per device, the share of its traced time (first hold's start to last hold's end)
+    in which some rank held it: near 1, turns left the device idle almost never, and a
+    makespan above the jobs' compute comes from the holds themselves."""
+    out = {}
+    for dev, spans in holds_by_device(events).items():
+        first, last = spans[0][0], max(end for _, end, _, _ in spans)
+        held, reach = 0.0, first
+        for start, end, _, _ in spans:  # sorted by start: count each instant once
+            held += max(0.0, end - max(start, reach))
+            reach = max(reach, end)
+        out[dev] = held / (last - first) if last > first else 1.0
+    return out
+
+
 def overlaps(events: Iterable[dict]) -> list[tuple[str, tuple, tuple]]:
     """Pairs of holds by different jobs on one device that overlap in time."""
     found = []

@@ -8,14 +8,17 @@ cluster. Where it cannot, it says why and runs both jobs' ranks on this host.
 It runs each job alone, the two one after the other, the two together with plain
 Horovod, and the two together under crossover (the default policy, auto); prints each
 arm's per-job samples/s and makespan with the bound max(sum of compute, sum of
-communication, the link's own transfer time), and writes the merged Chrome trace of the
-crossover run and its Gantt chart. Every number printed is measured in this run.
+communication, the link's own transfer time), how much of the time crossover kept the
+devices held and each job's hold against its compute alone, and writes the merged
+Chrome trace of the crossover run and its Gantt chart. Every number printed is measured
+in this run.
 """
 
 from __future__ import annotations
 
 import argparse
 import shutil
+import statistics
 import sys
 from pathlib import Path
 
@@ -74,6 +77,23 @@ def report(results: dict[str, list[dict]], link_s: float) -> None:
           "from the solo runs")
 
 
+def explain_holds(events: list[dict], results: dict[str, list[dict]], steps: int) -> None:
+    """Where crossover's makespan goes: how much of the time each device was held, and
+    each job's hold against its compute a step alone (a hold longer than that compute is
+    the cost of sharing the device's host, which no order of turns removes)."""
+    held = ", ".join(f"{dev} {100 * share:.1f} %" for dev, share in trace.busy(events).items())
+    print(f"\ndevices held under crossover: {held} of the time")
+    holds: dict[str, list[float]] = {}
+    for spans in trace.holds_by_device(events).values():
+        for start, end, job, _ in spans:
+            holds.setdefault(job, []).append((end - start) / 1e3)
+    for job, ms in sorted(holds.items()):
+        alone = results.get(f"{job} alone")
+        compute = f", compute a step alone {1e3 * alone[0]['compute_s'] / steps:.1f} ms" \
+            if alone else ""
+        print(f"  {job}: median hold {statistics.median(ms):.1f} ms{compute}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100)
@@ -118,6 +138,7 @@ def main() -> None:
     events = trace.merge(sorted(traces.glob("*.json")), merged)
     gantt = args.out / "crossover_gantt.png"
     trace.plot_gantt(events, gantt, title="slot holds per device, two jobs under crossover")
+    explain_holds(events, results, args.steps)
     modes = [ev["name"] for ev in events if ev.get("ph") == "i"]
     print(f"\nmode switches seen by the ranks: {len(modes)}; the daemon's decisions: "
           f"grep mode {args.out / 'daemon.log'}")

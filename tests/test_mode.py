@@ -137,6 +137,22 @@ def test_a_close_call_that_leans_antiphase_takes_it_and_the_hold_check_guards_it
     assert ctl.reason.startswith("antiphase held ran 0.88x"), ctl.reason  # (settling)
 
 
+@pytest.mark.parametrize("pair_noise,given_up", [(0.1, False), (0.0, True)])
+def test_the_hold_check_allows_for_the_noise_of_the_probes_concurrent_window(pair_noise,
+                                                                            given_up):
+    """The modes tie, but the host ran 6 % faster through the concurrent window and 25 %
+    through the antiphase one: antiphase is taken (1.18x), and its hold then runs 0.94x
+    the concurrent rates the probe read. That is within one window's noise
+    (pair_noise / sqrt 2): the hold stays. Taking the probe's rates as exact (no noise),
+    the check gives up a mode that was never slower."""
+    rates = scaled(TIE, lambda t: 1.06 if t < 2.1 else 1.25 if t < 4.3 else 1.0)
+    ctl, clock = controller(hold_s=100.0, pair_noise=pair_noise)
+    got = simulate(ctl, clock, rates, until=30.0)
+    assert [m for _, m in got][:3] == ["concurrent", "antiphase", "antiphase"], got
+    assert ctl.reason.startswith("antiphase held ran 0.9") == given_up, ctl.reason
+    assert (ctl.mode == C) == given_up, got
+
+
 def test_decision_reason_names_each_jobs_speedup():
     ctl, clock = controller()
     simulate(ctl, clock, LONG_COMM, until=10.0)

@@ -43,6 +43,14 @@ def test_handovers_count_the_changes_of_job_on_each_device(tmp_path):
     assert trace.handovers(events) == {"n/cpu0": 3, "n/cpu1": 1}
 
 
+def test_busy_is_the_share_of_a_devices_time_some_rank_held_it(tmp_path):
+    a = spans(tmp_path, "a", [(0.0, 1.0), (2.0, 3.0)])
+    b = spans(tmp_path, "b", [(0.5, 1.5), (3.0, 4.0)])  # overlapping a's first: counted once
+    c = spans(tmp_path, "c", [(0.0, 2.0)], device="n/cpu1")
+    busy = trace.busy(trace.merge([a, b, c], tmp_path / "m.json"))
+    assert busy == {"n/cpu0": pytest.approx(3.5 / 4.0), "n/cpu1": pytest.approx(1.0)}
+
+
 def test_rank_skew_measures_how_far_apart_a_jobs_ranks_start_their_holds(tmp_path):
     paths = []
     for job, rank, device, lag in [("a", 0, "n0/cpu0", 0.0), ("a", 1, "n1/cpu0", 0.05),

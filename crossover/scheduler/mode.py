@@ -39,8 +39,9 @@ The hold check: across nodes only each job's allreduce ties the nodes' timing, s
 a long hold their turns can drift apart and antiphase lose what the probe measured
 (docs/design.md, the limits). So each watch window compares the jobs' rates over the
 whole antiphase hold with the probe's (or the prediction's) concurrent rates: below
-1 - `keep_margin`, the controller serves concurrently (the safe mode). Concurrent is
-not checked the same way: a probe's antiphase rates read high, in its best seconds.
+1 - `keep_margin`, less a probe's noise (its windows read high by chance: `pair_noise`
+/ sqrt(2 x windows)), it serves concurrently (the safe mode). Concurrent is not checked
+the same way: a probe's antiphase rates read high, in its best seconds.
 
 Jobs whose ranks all share one host's CPU are not probed: their allreduce is memory
 copying on the very cores the other job computes on, so there is no gap to fill. They
@@ -85,8 +86,8 @@ class ModeController:
         margin: antiphase must beat concurrent by this fraction to be chosen.
         drift: relative change of a job's rate, in the held mode, that re-probes.
         keep_margin: a hold in antiphase ends, for concurrent, once the jobs' mean rate
-            over the hold falls this fraction below the concurrent rates (probed or
-            predicted).
+            over the hold falls this fraction below the concurrent rates (predicted; a
+            probe's, less their noise).
         pair_noise: one pair's relative noise: a mean speedup below 1 + margin decides
             once this far below it, divided by sqrt(pairs).
         max_pairs: a probe decides after this many pairs whatever they measured.
@@ -100,10 +101,9 @@ class ModeController:
 
     def __init__(self, clock: Callable[[], float], probe_s: float = 2.0, min_steps: int = 3,
                  settle_steps: int = 2, warmup_steps: int = 8, max_probe_s: float = 15.0,
-                 hold_s: float = 30.0,
-                 watch_s: float = 5.0, max_hold_s: float = 240.0, margin: float = 0.03,
-                 drift: float = 0.5, keep_margin: float = 0.03, cutoff: float = 0.25,
-                 pair_noise: float = 0.1, max_pairs: int = 3,
+                 hold_s: float = 30.0, watch_s: float = 5.0, max_hold_s: float = 240.0,
+                 margin: float = 0.03, drift: float = 0.5, keep_margin: float = 0.03,
+                 cutoff: float = 0.25, pair_noise: float = 0.1, max_pairs: int = 3,
                  probe_local: bool = False, predict_clear: float = 0.2,
                  handover_s: float = 0.0005) -> None:
         if not (0 < probe_s <= max_probe_s and min_steps >= 1 and settle_steps >= 0
@@ -150,9 +150,8 @@ class ModeController:
     # --- events ---------------------------------------------------------------------
     def progress(self, job: str, steps: int, local: bool = False,
                  profile: Profile | None = None) -> list[ModeSwitch]:
-        """A rank of `job` reports that the job has made `steps` steps (`local`: all the
-        job's ranks compute on one host's CPU and allreduce in its memory; `profile`:
-        what its recent steps were made of)."""
+        """A rank of `job` reports its `steps` so far (`local`: all the job's ranks compute
+        on one host's CPU and allreduce in its memory; `profile`: its recent steps)."""
         if job not in self._steps:
             self._steps[job], self._local[job] = steps, local
             return self._restart(f"job {job} joined")
@@ -190,8 +189,7 @@ class ModeController:
         """The current mode, state and measurements, JSON-ready (for status)."""
         return {"mode": self.mode.value, "state": self.state, "reason": self.reason,
                 "rates": {m.value: dict(r) for m, r in self._rates.items()},
-                "pairs": [dict(p) for p in self._pairs],
-                "profiles": self._profiles.snapshot()}
+                "pairs": [dict(p) for p in self._pairs], "profiles": self._profiles.snapshot()}
 
     # --- internals ------------------------------------------------------------------
     def _note_profile(self, job: str, steps: int, profile: Profile | None) -> bool:
@@ -391,7 +389,9 @@ class ModeController:
         self._watched = self._watched or rates  # the first watch window after a decision
         held = self._held.against(self._concurrent, self._steps, self.min_steps,
                                   self.clock()) if self._held is not None else None
-        if held is not None and held[0] < 1 - self.keep_margin:
+        noise = 0.0 if self._prediction is not None or not self._concurrent else \
+            self.pair_noise / (2 * len(self._concurrent)) ** 0.5  # (module doc)
+        if held is not None and held[0] < 1 - self.keep_margin - noise:
             source = "the predicted" if self._prediction is not None else "the probe's"
             self._overruled = self._overruled or self._prediction is not None
             return self._hold(Mode.CONCURRENT,
