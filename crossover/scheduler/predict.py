@@ -3,9 +3,13 @@
 Every job's rank 0 tells its daemon, with its step count, what its steps are made of
 (`Profile`): the time the device computes for it (forward, backward, the update) and
 the gap in which its gradients are on the wire and the device idles for it. A job's
-steps alone, and its steps in antiphase, show both as they are; concurrent steps do not
-(the neighbour's compute stretches the job's own), so the controller keeps a profile
-only from those (`crossover.scheduler.mode`).
+steps alone show both as they are. Its steps in antiphase show its compute, but the gap
+can read long: the job's communication then runs while the other job computes (on a
+CPU device, on the same core), and hosts whose turns crossed add a turn to it, so a
+prediction from antiphase profiles can over-state what antiphase gains (gaps of 32-99
+ms against 11-24 ms alone in bench/results/crossover_link.json). Concurrent steps show
+neither (the neighbour's compute stretches the job's own), so the controller keeps a
+profile only from the first two (`crossover.scheduler.mode`).
 
 From the profiles, one round in which every job makes one step lasts:
 
