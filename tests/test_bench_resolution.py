@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from resolution import assess, null_ratios, pooled_noise, run_times  # noqa: E402
+from resolution import assess, noise, null_ratios, run_times  # noqa: E402
+
+E = math.exp
 
 
 def _run(*seconds: float, start: float = 0.0) -> list[dict]:
@@ -19,60 +21,83 @@ def _run(*seconds: float, start: float = 0.0) -> list[dict]:
     return [{"seconds": s, "start": start, "end": start + s} for s in seconds]
 
 
-@pytest.mark.parametrize(("times", "sigma"), [
-    ({"a": [1.0, 1.0, 1.0]}, 0.0),
-    # one arm, two runs e^-s and e^s: residuals +-s, one degree of freedom
-    ({"a": [math.exp(-0.1), math.exp(0.1)]}, math.sqrt(2) * 0.1),
-    # a second arm with the same spread at another speed pools to the same figure
-    ({"a": [math.exp(-0.1), math.exp(0.1)], "b": [2 * math.exp(-0.1), 2 * math.exp(0.1)]},
-     math.sqrt(2) * 0.1),
-    # an arm of one run adds nothing
-    ({"a": [math.exp(-0.1), math.exp(0.1)], "b": [5.0]}, math.sqrt(2) * 0.1),
+@pytest.mark.parametrize(("times", "residual", "shared"), [
+    ({"a": [1.0, 1.0], "b": [2.0, 2.0]}, 0.0, 0.0),
+    # every arm slower in the second repetition alike: all of it is the repetition's
+    ({"a": [1.0, E(0.2)], "b": [2.0, 2 * E(0.2)], "c": [3.0, 3 * E(0.2)]},
+     0.0, math.sqrt(0.02)),
+    # two arms moving in opposite directions: all of it is the runs' own (one degree of
+    # freedom, residuals +-0.05 in each of the four cells)
+    ({"a": [1.0, E(0.1)], "b": [1.0, E(-0.1)]}, math.sqrt(4 * 0.05 ** 2), 0.0),
 ])
-def test_pooled_noise_table(times: dict[str, list[float]], sigma: float) -> None:
-    assert pooled_noise(times) == pytest.approx(sigma)
+def test_noise_table(times: dict[str, list[float]], residual: float, shared: float) -> None:
+    assert noise(times) == pytest.approx((residual, shared), abs=1e-9)
 
 
 @pytest.mark.parametrize(("times", "says"), [
-    ({"a": [3.0], "b": [4.0]}, "no arm has two runs"),
-    ({"a": [3.0, 0.0]}, "times must be > 0"),
+    ({"a": [3.0], "b": [4.0]}, "two or more each.*--reps 2"),
+    ({"a": [3.0, 3.1]}, "two arms or more"),
+    ({"a": [3.0, 3.1], "b": [3.0, 3.1, 3.2]}, "same number of runs"),
+    ({"a": [3.0, 0.0], "b": [3.0, 3.1]}, "times must be > 0"),
 ])
-def test_pooled_noise_refuses_what_it_cannot_measure(times, says) -> None:
+def test_noise_refuses_what_it_cannot_measure(times, says) -> None:
     with pytest.raises(ValueError, match=says):
-        pooled_noise(times)
+        noise(times)
 
 
 def test_without_noise_a_perfect_auto_reads_exactly_one() -> None:
-    assert set(null_ratios(3, 0.0, 1.2, trials=50)) == {1.0}
+    assert set(null_ratios(3, 0.0, 0.0, 1.2, trials=50)) == {1.0}
+
+
+def test_a_repetitions_shared_slowdown_cancels_in_the_ratio() -> None:
+    assert null_ratios(3, 0.0, 0.2, 1.0, trials=200) == pytest.approx([1.0] * 200)
 
 
 def test_the_faster_of_two_noisy_modes_biases_the_ratio_low() -> None:
     """Two fixed modes equally fast: the faster median of the two is, on average, faster
     than auto's, though auto is as fast as either; a mode far slower takes no part."""
-    close = statistics.median(null_ratios(3, 0.08, 1.0, trials=4000))
-    apart = statistics.median(null_ratios(3, 0.08, 1.5, trials=4000))
+    close = statistics.median(null_ratios(3, 0.08, 0.0, 1.0, trials=4000))
+    apart = statistics.median(null_ratios(3, 0.08, 0.0, 1.5, trials=4000))
     assert close < 0.985
     assert apart == pytest.approx(1.0, abs=0.01)
 
 
 def test_null_ratios_refuses_bad_input() -> None:
     with pytest.raises(ValueError, match="other_slower >= 1"):
-        null_ratios(3, 0.05, 0.9)
+        null_ratios(3, 0.05, 0.0, 0.9)
 
 
-def test_a_row_is_read_per_repetition_and_assessed() -> None:
-    """Sequential is the sum of a repetition's solos (one result each); the other arms
-    are makespans of runs (a result per job)."""
-    row = {"workload": "mlp", "mbit": 1000.0, "raw": {
-        "solo_a": [*_run(5.0), *_run(5.2)], "solo_b": [*_run(6.0), *_run(5.8)],
-        "solo_daemon": [*_run(9.0), *_run(9.0)],
-        "plain_together": [_run(12.0, 11.0), _run(12.4, 12.0)],
-        "crossover": [_run(10.0, 9.0), _run(10.2, 10.0)],
-        "auto": [_run(10.0, 9.5), _run(11.0, 10.0)]}}
-    assert run_times(row) == {"sequential": [11.0, 11.0], "plain_together": [12.0, 12.4],
-                              "crossover": [10.0, 10.2], "auto": [10.0, 11.0]}
-    out = assess(row, target=0.99)
-    assert out["reps"] == 2
-    assert out["auto_vs_best_fixed_mode"] == pytest.approx(10.1 / 10.5, abs=1e-3)
-    assert 0 < out["run_noise"] < 0.1
-    assert 0 <= out["p_null"] <= 1 and 0 <= out["null_reaches_target"] <= 1
+def _row(auto: list[float]) -> dict:
+    """A row of three repetitions: always antiphase the better mode, plain together 10 %
+    slower, runs off by about 2 %, and `auto`'s makespans."""
+    wobble = [1.0, 1.02, 0.98]
+    return {"workload": "mlp", "mbit": 1000.0, "raw": {
+        "solo_a": [*_run(5.0), *_run(5.2), *_run(5.1)],
+        "crossover": [_run(10 * w) for w in wobble],
+        "plain_together": [_run(11 * w) for w in wobble[::-1]],
+        "auto": [_run(a) for a in auto]}}
+
+
+def test_a_row_is_read_as_the_makespans_of_its_arms_together() -> None:
+    """From the first job's start to the last job's end; sequential and solos are not
+    read (a sum of solo runs, which the ratio does not use)."""
+    row = _row([10.0, 10.5, 10.2])
+    row["raw"]["plain_together"][0] = _run(11.5, 10.0, start=0.5)
+    times = run_times(row)
+    assert list(times) == ["crossover", "plain_together", "auto"]
+    assert times["crossover"] == pytest.approx([10.0, 10.2, 9.8])
+    assert times["plain_together"] == pytest.approx([11.5, 11.22, 11.0])
+    assert times["auto"] == pytest.approx([10.0, 10.5, 10.2])
+
+
+@pytest.mark.parametrize(("auto", "low", "high"), [
+    ([13.0, 13.2, 12.9], 0.0, 0.01),   # auto clearly slower: a perfect auto never reads so low
+    ([10.0, 10.1, 9.9], 0.2, 1.0),     # as fast as the better mode: nothing to tell
+    ([8.0, 8.1, 7.9], 0.99, 1.0),      # faster than both
+])
+def test_p_null_says_how_often_a_perfect_auto_reads_as_low(auto, low, high) -> None:
+    out = assess(_row(auto), target=0.99)
+    assert out["reps"] == 3
+    assert low <= out["p_null"] <= high
+    assert low <= out["p_null_even"] <= high
+    assert out["auto_vs_best_fixed_mode"] == pytest.approx(10.0 / statistics.median(auto))
