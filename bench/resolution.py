@@ -126,6 +126,22 @@ def assess(row: dict, target: float) -> dict:
             "p_null_even": _share_at_most(even, measured)}
 
 
+def rows_of(path: Path) -> list[dict]:
+    """The rows of a result file that ran auto and both fixed modes.
+
+    Raises:
+        ValueError: the file cannot be read or is not a crossover_bench.py result.
+    """
+    try:
+        rows = json.loads(path.read_text())["rows"]
+        return [row for row in rows
+                if {"auto", *FIXED_MODES} <= set(row.get("raw", {}))]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{path}: not a readable result of bench/crossover_bench.py "
+                         f"({type(exc).__name__}: {exc}); give its bench/results/*.json"
+                         ) from None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="+", type=Path,
@@ -135,11 +151,10 @@ def main() -> None:
     parser.add_argument("--name", default="resolution")
     args = parser.parse_args()
     rows = []
-    for path in args.results:
-        for row in json.loads(path.read_text()).get("rows", []):
-            if "auto" in row.get("raw", {}):
-                rows.append({"file": path.name, **assess(row, args.target)})
-                r = rows[-1]
+    try:
+        for path in args.results:
+            for row in rows_of(path):
+                rows.append(r := {"file": path.name, **assess(row, args.target)})
                 print(f"{r['file']:24s} {r['workload']:12s} {r['mbit'] or 'one host'!s:>9} "
                       f"noise {100 * r['residual_noise']:4.1f} % a run, "
                       f"{100 * r['repetition_noise']:4.1f} % a repetition; measured "
@@ -147,9 +162,12 @@ def main() -> None:
                       f"{r['null_median']:.2f} p5 {r['null_p5']:.2f}, reaches {args.target} "
                       f"{100 * r['null_reaches_target']:.0f} %, p_null {r['p_null']:.3f} "
                       f"({r['p_null_even']:.3f} modes even)", flush=True)
+    except ValueError as exc:
+        sys.exit(str(exc))
     if not rows:
-        sys.exit(f"no rows with an auto arm in {', '.join(map(str, args.results))}: give "
-                 f"result files of bench/crossover_bench.py")
+        sys.exit(f"no rows with auto, always antiphase and plain together in "
+                 f"{', '.join(map(str, args.results))}: give result files of "
+                 f"bench/crossover_bench.py")
     every = math.prod(r["null_reaches_target"] for r in rows)
     print(f"a perfect auto reaches {args.target} on all {len(rows)} rows "
           f"{100 * every:.1f} % of the time")

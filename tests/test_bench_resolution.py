@@ -3,6 +3,7 @@ and the ratio an auto exactly as fast as the better fixed mode would read (pure)
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from resolution import assess, noise, null_ratios, run_times  # noqa: E402
+from resolution import assess, noise, null_ratios, rows_of, run_times  # noqa: E402
 
 E = math.exp
 
@@ -101,3 +102,19 @@ def test_p_null_says_how_often_a_perfect_auto_reads_as_low(auto, low, high) -> N
     assert low <= out["p_null"] <= high
     assert low <= out["p_null_even"] <= high
     assert out["auto_vs_best_fixed_mode"] == pytest.approx(10.0 / statistics.median(auto))
+
+
+def test_rows_of_keeps_the_rows_with_auto_and_both_fixed_modes(tmp_path: Path) -> None:
+    whole, partial = _row([10.0, 10.1, 9.9]), _row([10.0, 10.1, 9.9])
+    del partial["raw"]["crossover"]
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"rows": [whole, partial]}))
+    assert rows_of(path) == [whole]
+
+
+@pytest.mark.parametrize("text", ["not json", "[1, 2]", '{"no": "rows"}', '{"rows": [3]}'])
+def test_a_file_that_is_no_result_is_named_with_the_fix(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match="bad.json: not a readable result.*bench/results"):
+        rows_of(path)
