@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import threading
 import time
 
 import pytest
@@ -145,3 +146,26 @@ def test_a_relay_that_reads_nothing_is_dropped_and_never_holds_the_service(tmp_p
     start = time.monotonic()
     assert node.accept() == (1, 1, ["a", "x"], 0)
     assert time.monotonic() - start < 2.0
+
+
+def test_a_stopping_service_sends_the_frame_its_writer_holds_before_its_goodbye(tmp_path):
+    """A world's idle shutdown: the leader's service queues the stop for the other nodes
+    and stops at once. The writer may have taken that frame off the queue and not yet
+    written it; closing on an empty queue then dropped it, and the other nodes' relays
+    never stopped (their mpirun ended in an error after the finalize timeout)."""
+    node = Node(tmp_path)
+    relay = node.relay(0, 0, ["x", "b"], 0)
+    node.accept()
+    with node.uplink._writing:  # the writer takes the frame, then waits here
+        node.uplink.send(1, ("shutdown",))
+        deadline = time.monotonic() + 5
+        while not node.uplink._out.empty() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        closing = threading.Thread(target=node.uplink.close)
+        closing.start()
+        time.sleep(0.2)  # long enough to find the queue empty
+    closing.join(timeout=5)
+    assert not closing.is_alive()
+    relay.settimeout(5)
+    assert read_frame(relay) == ("to", 1, ("shutdown",))
+    assert read_frame(relay) == ("bye", "stop")

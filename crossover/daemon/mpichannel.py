@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -56,6 +57,20 @@ class MpiChannel:
                 return
             if len(self._in_flight) >= 64:
                 self._reap()
+
+    def flush(self, timeout_s: float) -> int:
+        """Complete the sends in flight, for at most `timeout_s`; how many did not. Before
+        MPI_Finalize: a send still in flight there may never leave (a node of a stopping
+        world never told to stop keeps every relay's finalize waiting)."""
+        deadline = time.monotonic() + timeout_s
+        backoff = Backoff(0.001, 0.05)
+        while True:
+            with self._sending:
+                self._reap()
+                left = len(self._in_flight)
+            if not left or time.monotonic() >= deadline:
+                return left
+            time.sleep(backoff.next())
 
     def close(self) -> None:
         self._stop.set()

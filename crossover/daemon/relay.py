@@ -59,6 +59,8 @@ RESTARTS, RESTART_WINDOW_S = 5, 60.0
 #: how long a relay of a stopping world waits in MPI_Finalize (it waits for every
 #: member; a member that died makes it wait for ever)
 FINALIZE_S = 10.0
+#: how long a relay of a stopping world waits for its last messages to other nodes to go
+FLUSH_S = 2.0
 #: the launcher's variables of one MPI process, which a nested mpirun must not inherit
 _LAUNCH_PREFIXES = ("PMIX_", "OMPI_COMM_", "OMPI_MCA_orte_", "OMPI_MCA_ess",
                     "OMPI_MCA_pmix", "OMPI_MCA_shmem_", "OMPI_FILE_", "OMPI_FIRST_",
@@ -175,6 +177,10 @@ class Relay:
                           "leaving the node to the leader", name, len(restarts),
                           RESTART_WINDOW_S)
                 break
+        left = peers.flush(FLUSH_S) if why == "stop" else 0
+        if left:
+            log.warning("relay of node %s: %d message(s) to other nodes had not left when "
+                        "the world stopped", name, left)
         peers.close()
         if why == "stop":  # the world stops (every relay does this now): end it cleanly
             done = threading.Thread(target=MPI.Finalize, daemon=True)

@@ -140,7 +140,9 @@ class Uplink:
         """This service stops: what it has queued goes out first (a world's shutdown,
         say, for the other nodes; at most FLUSH_S), then its relay ends too."""
         deadline = time.monotonic() + FLUSH_S
-        while self._sock is not None and not self._out.empty() and \
+        # unfinished, not empty: the writer may have taken the last frame off the queue
+        # and not yet written it (closing first would drop it: a node never told to stop)
+        while self._sock is not None and self._out.unfinished_tasks and \
                 time.monotonic() < deadline:
             time.sleep(0.005)
         sock, self._sock = self._sock, None
@@ -164,17 +166,23 @@ class Uplink:
     def _write(self) -> None:
         while True:
             sock, frame = self._out.get()
-            with self._writing:
-                if sock is not self._sock:
-                    continue  # for a relay since replaced
+            try:
+                self._write_one(sock, frame)
+            finally:
+                self._out.task_done()  # written or dropped: `close` waits for this
+
+    def _write_one(self, sock: socket.socket, frame: Any) -> None:
+        with self._writing:
+            if sock is not self._sock:
+                return  # for a relay since replaced
+            try:
+                write_frame(sock, frame)
+            except OSError:  # a frame may be cut short: that relay is done
+                self.send_errors += 1
                 try:
-                    write_frame(sock, frame)
-                except OSError:  # a frame may be cut short: that relay is done
-                    self.send_errors += 1
-                    try:
-                        sock.shutdown(socket.SHUT_RDWR)  # its reader finds the end
-                    except OSError:
-                        pass
+                    sock.shutdown(socket.SHUT_RDWR)  # its reader finds the end
+                except OSError:
+                    pass
 
 
 def _close(sock: socket.socket, why: str) -> None:
