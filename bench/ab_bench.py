@@ -35,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jobs  # noqa: E402
 from cluster import EmulatedCluster  # noqa: E402
-from common import arm_order, stop_all, write_result  # noqa: E402
+from common import DecisionLog, arm_order, stop_all, write_result  # noqa: E402
 
 from crossover.launch.local import DaemonProcess  # noqa: E402
 
@@ -143,20 +143,24 @@ def main() -> None:
             launch, job_env = jobs.cluster_launch(cluster), jobs.JOB_ENV
         else:
             launch, job_env = jobs.one_host_launch, jobs.ONE_HOST_ENV
-        runs = []
+        runs, logs = [], {}
         for arm in arms:
             runtime = None
             if arm in POLICIES:
                 runtime = tmp / f"run-{arm}"
                 log = tmp / f"daemon-{arm}.log"
+                logs[arm] = DecisionLog(log)
                 daemons.append(jobs.Daemons(cluster, runtime, POLICIES[arm], log) if args.mbit
                                else DaemonProcess(runtime, POLICIES[arm], log=log))
             runs.append(runner(arm, launch, runtime, args.workload, args.steps, job_env, tmp,
                                args.start_together))
+        decided: dict[str, list[list[str]]] = {arm: [] for arm in logs}
         for pair in range(args.pairs):
             pair_times = [0.0, 0.0]
             for i in arm_order(2, pair):
                 pair_times[i] = runs[i](f"p{pair}")
+                if arms[i] in logs:
+                    decided[arms[i]].append(logs[arms[i]].new())
             times.append((pair_times[0], pair_times[1]))
             print(f"  pair {pair + 1}/{args.pairs}: {arms[0]} {pair_times[0]:.2f} s, "
                   f"{arms[1]} {pair_times[1]:.2f} s ({pair_times[0] / pair_times[1]:.2f}x)",
@@ -166,6 +170,7 @@ def main() -> None:
         "arms": list(arms), "workload": args.workload, "mbit": args.mbit,
         "steps": args.steps, "pairs": args.pairs, "start_together": args.start_together,
         "order": "pair i runs A then B for even i, B then A for odd i", **verdict,
+        "decisions": {arm: d for arm, d in decided.items() if any(d)},
         "wall_s": time.monotonic() - started})
     a, b = arms
     print(f"{a} {verdict[f'{a}_median_s']:.2f} s, {b} {verdict[f'{b}_median_s']:.2f} s "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -86,3 +87,18 @@ def stop_all(daemons: Sequence[Any]) -> None:
         daemons[0].stop()
     finally:
         stop_all(daemons[1:])
+
+
+class DecisionLog:
+    """The mode decisions a daemon's log gained since the last `new()`: each switch's
+    reason, in order (a daemon that serves many runs: what the latest run decided)."""
+
+    PATTERN = re.compile(r" mode (?:antiphase|concurrent) for group \d+ \([^)]*\): (.*)$", re.M)
+
+    def __init__(self, log: Path) -> None:
+        self.log, self._read = log, 0
+
+    def new(self) -> list[str]:
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        found, self._read = self.PATTERN.findall(text[self._read:]), len(text)
+        return found

@@ -29,7 +29,6 @@ and crossover_gantt.png (one auto run, from its traces).
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import sys
 import tempfile
@@ -39,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cluster import EmulatedCluster  # noqa: E402
-from common import RESULTS, arm_order, stop_all, write_result  # noqa: E402
+from common import RESULTS, DecisionLog, arm_order, stop_all, write_result  # noqa: E402
 from jobs import (  # noqa: E402
     JOB_ENV,
     ONE_HOST_ENV,
@@ -105,8 +104,9 @@ def measure(launch: Callable[[list[str]], list[str]], runtimes: dict[str, Path],
     logs = tmp / "logs"
     logs.mkdir(exist_ok=True)
     decisions: list[list[str]] = []  # per repetition, the auto daemon's switches
-    # The daemon serves every row: start after what earlier rows wrote.
-    read = len(auto_log.read_text(errors="replace")) if auto_log and auto_log.exists() else 0
+    auto_decisions = DecisionLog(auto_log) if auto_log is not None else None
+    if auto_decisions is not None:
+        auto_decisions.new()  # the daemon serves every row: skip what earlier rows wrote
 
     def traces_of(arm: str, rep: int) -> Path:
         """Where a traced run writes: the last auto run's make the Gantt chart (main)."""
@@ -124,7 +124,6 @@ def measure(launch: Callable[[list[str]], list[str]], runtimes: dict[str, Path],
         arms["solo_daemon"] += run([f"{tag}D"], {"CROSSOVER_RUNTIME_DIR": str(runtimes["auto"])})
 
     def run_arm(tag: str, arm: str, rep: int) -> None:
-        nonlocal read
         if arm == "plain_together":
             arms[arm].append(run([f"{tag}P{x}" for x in letters], plain))
             return
@@ -133,12 +132,8 @@ def measure(launch: Callable[[list[str]], list[str]], runtimes: dict[str, Path],
             env["CROSSOVER_TRACE"] = str(traces_of(arm, rep))
         letter = "L" if arm == ALIGNED_ARM[0] else arm[0].upper()  # (auto has "A")
         arms[arm].append(run([f"{tag}{letter}{x}" for x in letters], env))
-        if arm == "auto" and auto_log is not None:
-            text = auto_log.read_text(errors="replace")
-            decisions.append(re.findall(
-                r" mode (?:antiphase|concurrent) for group \d+ \([^)]*\): (.*)$",
-                text[read:], re.M))
-            read = len(text)
+        if arm == "auto" and auto_decisions is not None:
+            decisions.append(auto_decisions.new())
 
     blocks = ["solos", "plain_together", *policy_arms]
     for rep in range(reps):

@@ -1,5 +1,5 @@
-"""The order in which a benchmark runs its arms, repetition by repetition (pure), and
-the teardown of its daemons."""
+"""The order in which a benchmark runs its arms, repetition by repetition (pure), the
+teardown of its daemons, and the reading of a daemon's decisions."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from common import arm_order, stop_all  # noqa: E402
+from common import DecisionLog, arm_order, stop_all  # noqa: E402
 from jobs import TORCH_EXIT_ABORT, result_line  # noqa: E402
 
 from crossover.launch.local import DaemonProcess  # noqa: E402
@@ -238,3 +238,18 @@ RESULT = '{"model": "mlp", "seconds": 1.0}'
 def test_a_reference_job_counts_as_done_when_torch_aborts_after_its_result(
         output, rc, reference, done):
     assert result_line(output, rc, reference) == (RESULT if done else None)
+
+
+def test_a_decision_log_gives_each_run_the_decisions_it_added(tmp_path):
+    log = tmp_path / "daemon.log"
+    decisions = DecisionLog(log)
+    assert decisions.new() == []  # no log yet
+    line = "crossover-daemon 2026-11-28 12:51:47,088 mode {} for group 0 (nodes 0-1): {}\n"
+    log.write_text(line.format("antiphase", "job A joined: probing antiphase")
+                   + "crossover-daemon 2026-11-28 12:51:48,000 a job joined\n"
+                   + line.format("concurrent", "probing concurrent"))
+    assert decisions.new() == ["job A joined: probing antiphase", "probing concurrent"]
+    with open(log, "a") as out:
+        out.write(line.format("antiphase", "antiphase 1.20x concurrent: antiphase"))
+    assert decisions.new() == ["antiphase 1.20x concurrent: antiphase"]
+    assert decisions.new() == []

@@ -308,12 +308,14 @@ def test_reports_out_of_order_are_ignored():
 
 
 def test_bad_settings_are_named():
-    with pytest.raises(ValueError, match="probe_s=0"):
+    """Each broken rule is named with the values given, and only the broken ones."""
+    with pytest.raises(ValueError, match=r"need 0 < probe_s <= max_probe_s \(got \(0, 15.0\)\)$"):
         ModeController(FakeClock(), probe_s=0)
-    with pytest.raises(ValueError, match="max_pairs=0"):
+    with pytest.raises(ValueError, match=r"need max_pairs >= 1 \(got 0\)$"):
         ModeController(FakeClock(), max_pairs=0)
-    with pytest.raises(ValueError, match="keep_margin=1"):
-        ModeController(FakeClock(), keep_margin=1)
+    with pytest.raises(ValueError, match=r"need drift > 0 \(got 0\); 0 <= keep_margin < 1 "
+                                         r"\(got 1\)$"):
+        ModeController(FakeClock(), keep_margin=1, drift=0)
 
 
 # --- the scheduler's switch ---------------------------------------------------------

@@ -158,6 +158,50 @@ def test_a_close_profile_measures_the_other_mode_too():
         ctl.reason
 
 
+# A close prediction (the profiles bound antiphase's gain at 1.15x) and one pair: the
+# pair decides concurrent only where antiphase reads below 1 + margin - pair_noise (0.93x).
+LEAN = [
+    # (row, antiphase rate, concurrent rate, the switches, the mode held)
+    ("even: antiphase", 7.0, 7.0, ["antiphase", "concurrent", "antiphase"], A),
+    ("antiphase 0.95x, within one pair's noise: antiphase", 6.65, 7.0,
+     ["antiphase", "concurrent", "antiphase"], A),
+    ("antiphase 0.86x, beyond it: concurrent", 6.0, 7.0, ["antiphase", "concurrent",
+                                                          "concurrent"], C),
+]
+
+
+@pytest.mark.parametrize("row,anti,conc,switches,mode", LEAN, ids=[t[0] for t in LEAN])
+def test_a_close_prediction_costs_one_pair_which_overrules_it_only_by_far(
+        row, anti, conc, switches, mode):
+    ctl = ModeController(FakeClock(), hold_s=100.0)
+    got = simulate(ctl, ctl.clock, {"a": {A: anti, C: conc}, "b": {A: anti, C: conc}},
+                   until=20.0, profiles={"a": ms(81, 25), "b": ms(81, 25)})
+    assert [m for _, m in got] == switches, got
+    assert ctl.state == "hold" and ctl.mode == mode and len(ctl._pairs) == 1, ctl.reason
+    if mode == A:  # and the hold check, against the probe's concurrent rates, keeps it
+        assert ctl.reason.endswith(
+            "), within the noise of 1.03x, and antiphase at most 1.15x concurrent (a "
+            "81.0/25.0 ms, b 81.0/25.0 ms): the hold check watches it: antiphase"), ctl.reason
+
+
+def test_without_a_prediction_a_close_pair_that_leans_concurrent_measures_on():
+    """The same even rates with prediction off: up to three pairs, then concurrent."""
+    ctl = ModeController(FakeClock(), hold_s=100.0, predict_clear=0)
+    simulate(ctl, ctl.clock, {"a": {A: 7.0, C: 7.0}, "b": {A: 7.0, C: 7.0}}, until=30.0,
+             profiles={"a": ms(81, 25), "b": ms(81, 25)})
+    assert ctl.mode == C and len(ctl._pairs) == 3, ctl.reason
+
+
+def test_a_re_probe_after_a_hold_is_not_leaning_on_the_profiles():
+    """The lean is the probe's that began from the close prediction; the probe at the end
+    of the hold measures its pairs, as without one."""
+    ctl = ModeController(FakeClock(), hold_s=10.0)
+    simulate(ctl, ctl.clock, {"a": {A: 7.0, C: 7.0}, "b": {A: 7.0, C: 7.0}}, until=50.0,
+             profiles={"a": ms(81, 25), "b": ms(81, 25)})
+    assert ctl.mode == C and ctl.reason.startswith("antiphase 1.00x concurrent over 3 pairs"), \
+        ctl.reason
+
+
 def test_a_close_profile_that_a_probe_decided_is_checked_against_the_probes_rates():
     """The prediction that could not tell is not the one the hold is held to: the hold
     check names the probe's rates, and the prediction does not count as overruled."""

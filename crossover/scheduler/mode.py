@@ -9,43 +9,46 @@ Predicted first. Every job reports, with its steps, what a step is made of (comp
 on the device, the gap of its communication: `crossover.scheduler.predict`). When the
 jobs change, the controller bounds what antiphase can gain from the profiles the jobs
 showed alone or in antiphase (a newcomer without one is taken to be like the others).
-Below 1 + `margin` antiphase cannot pay: concurrent at once, which is what plain
-co-location does. At or above 1 + `predict_clear` it pays: antiphase at once, and the
-hold check (below) compares the hold's rates with the predicted concurrent ones. A
-newcomer's own profile, once it has one, updates the prediction; the held mode changes
-only if the prediction then says otherwise. Only between the two does it measure.
+Below 1 + `margin`: concurrent at once, which is what plain co-location does. At or
+above 1 + `predict_clear`: antiphase at once, the hold check (below) comparing the
+hold's rates with the predicted concurrent ones. A newcomer's own profile updates the
+prediction; the held mode changes only if it then says otherwise. Between the two: a
+probe.
 
 Probing: each mode gets a window in which every job's step rate is measured from its
 progress reports (after settling steps, over at least `min_steps` steps and `probe_s`
-seconds). The first window (concurrent, so a newcomer computes at once; antiphase for
-jobs without profiles, which it profiles) settles for `warmup_steps`: a job that has
-just started runs its first steps slowly. A pair of windows gives each job's speedup
-under antiphase (its rate normalised by its rate under concurrent grants); antiphase is
-chosen when the jobs' mean speedup is at least 1 + `margin`, else concurrent (do no harm).
+seconds); the first (concurrent, so a newcomer computes at once; antiphase for jobs
+without profiles, which it profiles) settles for `warmup_steps`, as a job's first steps
+run slowly. A pair of windows gives each job's speedup under antiphase (its rate over
+its concurrent rate); antiphase is chosen at a mean speedup of 1 + `margin` or more,
+else concurrent (do no harm).
 
-One pair is noisy on a busy host (bench/pair_noise.py), so a mean speedup closer to the
-margin than `pair_noise` / sqrt(pairs) is measured again, by another pair in the reverse
-order (C A, A C, C A: a steady drift of the host's speed biases the pairs in opposite
-directions), up to `max_pairs`; the decision takes the mean over the pairs. A close call
-that leans antiphase takes it at once (measuring on costs as much as it can save: half
-of every pair runs in the mode that may lose), and the hold check guards it; one that
-leans concurrent measures on (no check would find what a concurrent hold gives up).
+One pair is noisy on a busy host (bench/pair_noise.py): a mean speedup closer to the
+margin than `pair_noise` / sqrt(pairs) is measured again, by a pair in the reverse order
+(C A, A C, C A: a steady drift of the host's speed biases them in opposite directions),
+up to `max_pairs`, and the mean over the pairs decides. A close call that leans
+antiphase takes it at once (measuring on costs as much as it can save: half of every
+pair runs in the mode that may lose), guarded by the hold check; one that leans
+concurrent measures on (no check finds what a concurrent hold gives up), unless the
+probe began from profiles too close to call: they bound antiphase's gain above the
+margin, and one pair within its noise does not overrule them (antiphase, guarded). So
+a close prediction costs one pair.
 
-The decision holds for `hold_s`, doubled each time a re-probe confirms it (up to
-`max_hold_s`); meanwhile windows of `watch_s` watch the rates, and a job whose rate
+A decision holds for `hold_s`, doubled each time a re-probe confirms it (up to
+`max_hold_s`); windows of `watch_s` watch the rates meanwhile, and a job whose rate
 moves by more than `drift` from the hold's first watch window starts a re-probe.
 
 The hold check: across nodes only each job's allreduce ties the nodes' timing, so over
 a long hold their turns can drift apart and antiphase lose what the probe measured
-(docs/design.md, the limits). So each watch window compares the jobs' rates over the
-whole antiphase hold with the probe's (or the prediction's) concurrent rates: below
-1 - `keep_margin`, less a probe's noise (its windows read high by chance: `pair_noise`
-/ sqrt(2 x windows)), it serves concurrently (the safe mode). Concurrent is not checked
+(docs/design.md, the limits). Each watch window compares the jobs' rates over the whole
+antiphase hold with the probe's (or the prediction's) concurrent rates: below 1 -
+`keep_margin`, less a probe's noise (its windows read high by chance: `pair_noise` /
+sqrt(2 x windows)), it serves concurrently (the safe mode). Concurrent is not checked
 the same way: a probe's antiphase rates read high, in its best seconds.
 
 Jobs whose ranks all share one host's CPU are not probed: their allreduce is memory
-copying on the very cores the other job computes on, so there is no gap to fill. They
-are served concurrently at once (`probe_local` probes them anyway).
+copying on the cores the other job computes on, no gap to fill: concurrent at once
+(`probe_local` probes them anyway).
 
 Pure: time comes from an injected clock; every call returns the switches it decided (a
 probe's decision is returned even when it keeps the mode), so the daemon only has to
@@ -59,7 +62,7 @@ from dataclasses import dataclass
 
 from crossover.protocol import Mode
 from crossover.scheduler.predict import Prediction, Profile, Profiles
-from crossover.scheduler.window import RateWindow, each_job
+from crossover.scheduler.window import RateWindow, each_job, mean_speedup, per_job
 
 
 @dataclass(frozen=True)
@@ -85,11 +88,9 @@ class ModeController:
         max_hold_s: the longest hold, after repeated confirmations.
         margin: antiphase must beat concurrent by this fraction to be chosen.
         drift: relative change of a job's rate, in the held mode, that re-probes.
-        keep_margin: a hold in antiphase ends, for concurrent, once the jobs' mean rate
-            over the hold falls this fraction below the concurrent rates (predicted; a
-            probe's, less their noise).
-        pair_noise: one pair's relative noise: a mean speedup below 1 + margin decides
-            once this far below it, divided by sqrt(pairs).
+        keep_margin: an antiphase hold ends, for concurrent, once the jobs' mean rate over
+            it falls this fraction below the concurrent rates (module doc).
+        pair_noise: one pair's relative noise (module doc).
         max_pairs: a probe decides after this many pairs whatever they measured.
         cutoff: a probe window ends early, after `min_steps`, once every job runs slower
             than under the other mode by this fraction.
@@ -106,17 +107,17 @@ class ModeController:
                  cutoff: float = 0.25, pair_noise: float = 0.1, max_pairs: int = 3,
                  probe_local: bool = False, predict_clear: float = 0.2,
                  handover_s: float = 0.0005) -> None:
-        if not (0 < probe_s <= max_probe_s and min_steps >= 1 and settle_steps >= 0
-                and 0 < hold_s <= max_hold_s and margin >= 0 and drift > 0
-                and 0 <= keep_margin < 1 and pair_noise >= 0 and max_pairs >= 1):
-            raise ValueError(
-                f"mode controller: need 0 < probe_s <= max_probe_s, min_steps >= 1, "
-                f"settle_steps >= 0, 0 < hold_s <= max_hold_s, margin >= 0, drift > 0, "
-                f"0 <= keep_margin < 1, pair_noise >= 0, max_pairs >= 1; "
-                f"got probe_s={probe_s}, max_probe_s={max_probe_s}, min_steps={min_steps}, "
-                f"settle_steps={settle_steps}, hold_s={hold_s}, max_hold_s={max_hold_s}, "
-                f"margin={margin}, drift={drift}, keep_margin={keep_margin}, "
-                f"pair_noise={pair_noise}, max_pairs={max_pairs}")
+        broken = [f"{rule} (got {got})" for rule, ok, got in (
+            ("0 < probe_s <= max_probe_s", 0 < probe_s <= max_probe_s, (probe_s, max_probe_s)),
+            ("min_steps >= 1", min_steps >= 1, min_steps),
+            ("settle_steps >= 0", settle_steps >= 0, settle_steps),
+            ("0 < hold_s <= max_hold_s", 0 < hold_s <= max_hold_s, (hold_s, max_hold_s)),
+            ("margin >= 0", margin >= 0, margin), ("drift > 0", drift > 0, drift),
+            ("0 <= keep_margin < 1", 0 <= keep_margin < 1, keep_margin),
+            ("pair_noise >= 0", pair_noise >= 0, pair_noise),
+            ("max_pairs >= 1", max_pairs >= 1, max_pairs)) if not ok]
+        if broken:
+            raise ValueError(f"mode controller: need {'; '.join(broken)}")
         self.clock = clock
         self.probe_s, self.min_steps, self.settle_steps = probe_s, min_steps, settle_steps
         self.warmup_steps = max(warmup_steps, settle_steps)
@@ -128,6 +129,7 @@ class ModeController:
         self.predict_clear, self.handover_s = predict_clear, handover_s
         self._profiles = Profiles()  # from steps alone or in antiphase
         self._prediction: Prediction | None = None  # the one the current hold came from
+        self._lean = False  # this probe began as the jobs changed: the profiles may lean
         self._overruled = False  # the hold check gave a predicted antiphase up
         self._local: dict[str, bool] = {}  # job -> all its ranks on one host's CPU
         self.mode = Mode.ANTIPHASE
@@ -237,7 +239,7 @@ class ModeController:
             return None
         if mode is not None:
             return self._from_prediction(why)
-        return self._probe([held.other, held], f"{why}: {figures}: probing")
+        return self._probe([held.other, held], f"{why}: {figures}: probing", lean=True)
 
     def _restart(self, why: str) -> list[ModeSwitch]:
         self._rates, self._measured, self._pairs, self._concurrent = {}, {}, [], []
@@ -257,10 +259,11 @@ class ModeController:
             return predicted
         unknown = self._prediction is None and self.predict_clear > 0  # (module doc)
         first = Mode.ANTIPHASE if unknown else Mode.CONCURRENT
-        return self._probe([first, first.other], f"{why}: probing", self.warmup_steps)
+        return self._probe([first, first.other], f"{why}: probing", self.warmup_steps, True)
 
-    def _probe(self, plan: list[Mode], why: str, settle: int | None = None) -> list[ModeSwitch]:
-        self._prediction = None
+    def _probe(self, plan: list[Mode], why: str, settle: int | None = None,
+               lean: bool = False) -> list[ModeSwitch]:
+        self._prediction, self._lean = None, lean
         self.state, self._order, self._plan, self._hold_until = "probe", plan, plan[1:], None
         self._watched, self._pairs, self._concurrent, self._held = {}, [], [], None
         self._open(plan[0], f"{why} {plan[0].value}", settle=settle)
@@ -320,8 +323,8 @@ class ModeController:
 
     def _pair_done(self) -> list[ModeSwitch]:
         """Both modes measured once more: decide; within the noise of the margin, take
-        antiphase if the mean speedup leans that way, else measure another pair (module
-        doc)."""
+        antiphase if the mean speedup or the profiles lean that way, else measure another
+        pair (module doc)."""
         anti, conc = self._rates[Mode.ANTIPHASE], self._rates[Mode.CONCURRENT]
         # A job too slow to make min_steps steps in a window (max_probe_s ended it) has
         # a rate of one step or none, which says nothing: the others decide, if any.
@@ -331,7 +334,7 @@ class ModeController:
                             float("inf") if anti[j] > 0 else 1.0 for j in sorted(jobs)})
         self._concurrent.append({j: conc[j] for j in jobs})
         n = len(self._pairs)
-        mean = self._mean_speedup()
+        mean = mean_speedup(self._pairs)
         noise = self.pair_noise / n ** 0.5
         if mean >= 1 + self.margin:  # antiphase, and within the noise the hold check guards it
             close = n < self.max_pairs and mean - 1 - self.margin < noise
@@ -340,6 +343,11 @@ class ModeController:
                                 if close else "")
         if n >= self.max_pairs or 1 + self.margin - mean >= noise:
             return self._decide()
+        lean = self._profiles.predict(self._steps, self.handover_s) \
+            if self._lean and self.predict_clear > 0 and not self._overruled else None
+        if lean is not None and lean.bound >= 1 + self.margin:  # they lean antiphase (doc)
+            return self._decide(f", within the noise of {1 + self.margin:.2f}x, and "
+                                f"{lean.reason}: the hold check watches it", Mode.ANTIPHASE)
         # The reverse order: the first window continues the mode just measured.
         self._order = self._order[::-1]
         self._plan = self._order[1:]
@@ -350,21 +358,12 @@ class ModeController:
         self.reason = why
         return [ModeSwitch(self.mode, why)]  # (the mode does not change: this is news)
 
-    def _mean_speedup(self) -> float:
-        """The jobs' mean speedup under antiphase, each job's averaged over the pairs."""
-        per_job = self._per_job()
-        return sum(per_job.values()) / max(len(per_job), 1)
-
-    def _per_job(self) -> dict[str, float]:
-        jobs = set.intersection(*(set(p) for p in self._pairs)) if self._pairs else set()
-        return {j: sum(p[j] for p in self._pairs) / len(self._pairs) for j in sorted(jobs)}
-
-    def _decide(self, note: str = "") -> list[ModeSwitch]:
-        mean, n = self._mean_speedup(), len(self._pairs)
-        best = Mode.ANTIPHASE if mean >= 1 + self.margin else Mode.CONCURRENT
+    def _decide(self, note: str = "", best: Mode | None = None) -> list[ModeSwitch]:
+        mean, n = mean_speedup(self._pairs), len(self._pairs)
+        best = best or (Mode.ANTIPHASE if mean >= 1 + self.margin else Mode.CONCURRENT)
         pairs = f" over {n} pairs" if n > 1 and not note else ""
         return self._hold(best, f"antiphase {mean:.2f}x concurrent{pairs} "
-                                f"({each_job(self._per_job())}){note}: {best.value}")
+                                f"({each_job(per_job(self._pairs))}){note}: {best.value}")
 
     def _hold(self, mode: Mode, why: str) -> list[ModeSwitch]:
         # A re-probe that confirms the last decision holds it twice as long.

@@ -67,3 +67,16 @@ class RateWindow:
 def each_job(per_job: dict[str, float]) -> str:
     """Each job's figure, for a reason: "a 1.30x, b 1.25x"."""
     return ", ".join(f"{j} {s:.2f}x" for j, s in per_job.items())
+
+
+def per_job(pairs: list[dict[str, float]]) -> dict[str, float]:
+    """Each job's speedup under antiphase averaged over `pairs` (each {job: speedup}),
+    for the jobs in every pair."""
+    jobs = set.intersection(*(set(p) for p in pairs)) if pairs else set()
+    return {j: sum(p[j] for p in pairs) / len(pairs) for j in sorted(jobs)}
+
+
+def mean_speedup(pairs: list[dict[str, float]]) -> float:
+    """The jobs' mean of `per_job` (0 without a job in every pair)."""
+    each = per_job(pairs)
+    return sum(each.values()) / max(len(each), 1)
