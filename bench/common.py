@@ -39,10 +39,18 @@ def machine() -> dict:
 
 def code_version() -> str:
     """The commit the benchmark ran (with -dirty for uncommitted changes), so that a
-    result can be told apart from one of older code."""
-    res = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO,
-                         capture_output=True, text=True, timeout=30)
-    return res.stdout.strip() if res.returncode == 0 else "unknown"
+    result can be told apart from one of older code. Results do not count: a benchmark
+    writes its pictures before its numbers."""
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
+                              timeout=30)
+
+    rev = git("rev-parse", "--short", "HEAD")
+    if rev.returncode != 0:
+        return "unknown"
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                  ":(exclude)bench/results")
+    return rev.stdout.strip() + ("-dirty" if changed.stdout.strip() else "")
 
 
 def write_result(name: str, payload: dict) -> Path:
@@ -100,5 +108,6 @@ class DecisionLog:
 
     def new(self) -> list[str]:
         text = self.log.read_text(errors="replace") if self.log.exists() else ""
-        found, self._read = self.PATTERN.findall(text[self._read:]), len(text)
+        end = text.rfind("\n") + 1  # a line still being written is read next time
+        found, self._read = self.PATTERN.findall(text[self._read:end]), max(end, self._read)
         return found

@@ -253,3 +253,9 @@ def test_a_decision_log_gives_each_run_the_decisions_it_added(tmp_path):
         out.write(line.format("antiphase", "antiphase 1.20x concurrent: antiphase"))
     assert decisions.new() == ["antiphase 1.20x concurrent: antiphase"]
     assert decisions.new() == []
+    with open(log, "a") as out:  # a line the daemon is still writing
+        out.write(line.format("concurrent", "antiphase 0.8").rstrip("\n"))
+    assert decisions.new() == []
+    with open(log, "a") as out:
+        out.write("5x concurrent: concurrent\n")
+    assert decisions.new() == ["antiphase 0.85x concurrent: concurrent"]

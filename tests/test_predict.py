@@ -184,6 +184,54 @@ def test_a_close_prediction_costs_one_pair_which_overrules_it_only_by_far(
             "81.0/25.0 ms, b 81.0/25.0 ms): the hold check watches it: antiphase"), ctl.reason
 
 
+def test_a_close_prediction_at_an_arrival_costs_one_pair_too():
+    """Job a ran alone (its profile: 1.15x at most), b arrives: the probe begins from the
+    close prediction itself (concurrent first), and one even pair holds antiphase."""
+    ctl, steps = ModeController(FakeClock(), hold_s=100.0), {}
+    even, profiles = {A: 7.0, C: 7.0}, {"a": ms(81, 25), "b": ms(81, 25)}
+    simulate(ctl, ctl.clock, {"a": even}, until=2.0, steps=steps, profiles=profiles)
+    got = simulate(ctl, ctl.clock, {"a": even, "b": even}, until=20.0, steps=steps,
+                   profiles=profiles)
+    assert [m for _, m in got] == ["concurrent", "antiphase", "antiphase"], got
+    assert ctl.mode == A and len(ctl._pairs) == 1 and "and antiphase at most 1.15x" in \
+        ctl.reason, ctl.reason
+
+
+def test_a_newcomers_close_profile_costs_one_pair():
+    """A clear prediction held antiphase; the newcomer's own profile makes it close
+    (`_repredict`): one even pair keeps antiphase."""
+    clock = FakeClock()
+    ctl, steps = ModeController(clock, hold_s=100.0), {}
+    joined_alone(ctl, clock, ms(50, 25))
+    steps["a"] = 10
+
+    class Late(dict):  # b's profile reaches the controller from 3 s on
+        def get(self, job, default=None):
+            return None if job == "b" and clock.now < 3.0 else dict.get(self, job, default)
+
+    got = simulate(ctl, clock, {"a": {A: 7.0, C: 7.0}, "b": {A: 7.0, C: 7.0}}, until=30.0,
+                   steps=steps, profiles=Late(a=ms(50, 25), b=ms(150, 5)))
+    assert [m for _, m in got] == ["antiphase", "concurrent", "antiphase", "antiphase"], got
+    assert got[1][0] > 3.0 and ctl.mode == A and len(ctl._pairs) == 1, ctl.reason
+    assert "and antiphase at most" in ctl.reason, ctl.reason
+
+
+def test_a_one_pair_antiphase_that_stops_paying_is_given_up_by_the_hold_check():
+    """The lean held antiphase on an even pair; from 12 s antiphase runs 0.79x the
+    probe's concurrent rates, and the hold check (its bar 0.90x after one pair) gives it
+    up, long before the hold's end."""
+    ctl = ModeController(FakeClock(), hold_s=100.0)
+
+    def anti(now: float) -> float:
+        return 7.0 if now < 12.0 else 5.5
+
+    got = simulate(ctl, ctl.clock, {"a": {A: anti, C: 7.0}, "b": {A: anti, C: 7.0}},
+                   until=40.0, profiles={"a": ms(81, 25), "b": ms(81, 25)})
+    assert [m for _, m in got] == ["antiphase", "concurrent", "antiphase", "concurrent"], got
+    assert got[-1][0] < 40.0 and ctl.reason.startswith("antiphase held ran 0.") \
+        and "the probe's concurrent rates" in ctl.reason, ctl.reason
+
+
 def test_without_a_prediction_a_close_pair_that_leans_concurrent_measures_on():
     """The same even rates with prediction off: up to three pairs, then concurrent."""
     ctl = ModeController(FakeClock(), hold_s=100.0, predict_clear=0)

@@ -138,7 +138,8 @@ class Uplink:
 
     def close(self) -> None:
         """This service stops: what it has queued goes out first (a world's shutdown,
-        say, for the other nodes; at most FLUSH_S), then its relay ends too."""
+        say, for the other nodes; FLUSH_S, and a write to a relay that reads nothing may
+        hold the writer's lock up to 2 x SEND_TIMEOUT_S), then its relay ends too."""
         deadline = time.monotonic() + FLUSH_S
         # unfinished, not empty: the writer may have taken the last frame off the queue
         # and not yet written it (closing first would drop it: a node never told to stop)

@@ -30,9 +30,10 @@ up to `max_pairs`, and the mean over the pairs decides. A close call that leans
 antiphase takes it at once (measuring on costs as much as it can save: half of every
 pair runs in the mode that may lose), guarded by the hold check; one that leans
 concurrent measures on (no check finds what a concurrent hold gives up), unless the
-probe began from profiles too close to call: they bound antiphase's gain above the
-margin, and one pair within its noise does not overrule them (antiphase, guarded). So
-a close prediction costs one pair.
+probe began as the jobs changed and their profiles (as they came, or from its first
+antiphase window) were too close to call: they bound antiphase's gain above the margin,
+and one pair within its noise does not overrule them: antiphase, guarded (the check's
+bar 1 - `keep_margin` less one pair's noise). A close prediction costs one pair.
 
 A decision holds for `hold_s`, doubled each time a re-probe confirms it (up to
 `max_hold_s`); windows of `watch_s` watch the rates meanwhile, and a job whose rate
