@@ -177,12 +177,12 @@ class Relay:
                           "leaving the node to the leader", name, len(restarts),
                           RESTART_WINDOW_S)
                 break
-        left = peers.flush(FLUSH_S) if why == "stop" else 0
-        if left:
-            log.warning("relay of node %s: %d message(s) to other nodes had not left when "
-                        "the world stopped", name, left)
         peers.close()
         if why == "stop":  # the world stops (every relay does this now): end it cleanly
+            left = peers.flush(FLUSH_S)  # what this node sent last, the others must get
+            if left:
+                log.warning("relay of node %s: %d message(s) to other nodes had not left "
+                            "when the world stopped", name, left)
             done = threading.Thread(target=MPI.Finalize, daemon=True)
             done.start()
             done.join(FINALIZE_S)

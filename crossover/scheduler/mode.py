@@ -51,9 +51,8 @@ Jobs whose ranks all share one host's CPU are not probed: their allreduce is mem
 copying on the cores the other job computes on, no gap to fill: concurrent at once
 (`probe_local` probes them anyway).
 
-Pure: time comes from an injected clock; every call returns the switches it decided (a
-probe's decision is returned even when it keeps the mode), so the daemon only has to
-apply and announce them.
+Pure: time comes from an injected clock; every call returns the switches it decided
+(a probe's decision even where it keeps the mode), for the daemon to apply and announce.
 """
 
 from __future__ import annotations
@@ -204,12 +203,15 @@ class ModeController:
             and steps >= w.base.get(job, steps) + w.settle)
         return profile is not None and own and self._profiles.note(job, profile)
 
+    def _predicted(self) -> Prediction | None:
+        """None with predicting off, or once the hold check overruled a prediction (until
+        the jobs change: else the two could take turns deciding)."""
+        return self._profiles.predict(self._steps, self.handover_s) \
+            if self.predict_clear > 0 and not self._overruled else None
+
     def _verdict(self) -> tuple[Mode | None, str]:
         """The mode the profiles favour (None: too close to call, or no profile), why."""
-        # Not once the hold check overruled a prediction (until the jobs change): else
-        # the two could take turns deciding.
-        self._prediction = self._profiles.predict(self._steps, self.handover_s) \
-            if self.predict_clear > 0 and not self._overruled else None
+        self._prediction = self._predicted()
         if self._prediction is None:
             return None, ""
         return self._prediction.favours(self.margin, self.predict_clear), \
@@ -323,9 +325,8 @@ class ModeController:
         return bool(ratios) and max(ratios) < 1 - self.cutoff
 
     def _pair_done(self) -> list[ModeSwitch]:
-        """Both modes measured once more: decide; within the noise of the margin, take
-        antiphase if the mean speedup or the profiles lean that way, else measure another
-        pair (module doc)."""
+        """Both modes measured once more: decide; within the noise of the margin antiphase
+        if the mean speedup or the profiles lean so, else another pair (module doc)."""
         anti, conc = self._rates[Mode.ANTIPHASE], self._rates[Mode.CONCURRENT]
         # A job too slow to make min_steps steps in a window (max_probe_s ended it) has
         # a rate of one step or none, which says nothing: the others decide, if any.
@@ -344,8 +345,7 @@ class ModeController:
                                 if close else "")
         if n >= self.max_pairs or 1 + self.margin - mean >= noise:
             return self._decide()
-        lean = self._profiles.predict(self._steps, self.handover_s) \
-            if self._lean and self.predict_clear > 0 and not self._overruled else None
+        lean = self._predicted() if self._lean else None
         if lean is not None and lean.bound >= 1 + self.margin:  # they lean antiphase (doc)
             return self._decide(f", within the noise of {1 + self.margin:.2f}x, and "
                                 f"{lean.reason}: the hold check watches it", Mode.ANTIPHASE)
