@@ -75,6 +75,7 @@ from cluster import LINK, EmulatedCluster  # noqa: E402
 from common import write_result  # noqa: E402
 from jobs import JOB_ENV, cluster_launch  # noqa: E402
 
+from crossover.daemon.relay import relay_mca_env, relay_mca_flags  # noqa: E402
 from crossover.launch.local import mpi_env, terminate_group  # noqa: E402
 from crossover.probe import daemon_status, stop_world  # noqa: E402
 
@@ -99,10 +100,10 @@ class World:
                   "--lease", "3", "--runtime-dir", str(runtime)]
         if cluster is not None:
             cmd = cluster.mpirun(daemon)
-            env = {**env, "OMPI_MCA_orte_enable_recovery": "1"}
+            env = {**env, **relay_mca_env()}
         else:
-            cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "--mca",
-                   "orte_enable_recovery", "1", "-np", str(nodes), *daemon]
+            cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", *relay_mca_flags(),
+                   "-np", str(nodes), *daemon]
             env = {**env, "CROSSOVER_FAKE_NODES": str(nodes)}
         with open(log, "w") as out:
             self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,

@@ -20,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cluster import EmulatedCluster  # noqa: E402
 
+from crossover.daemon.relay import relay_mca_env  # noqa: E402
 from crossover.launch.local import Job, mpirun, run_together, terminate_group  # noqa: E402
 from crossover.probe import stop_world  # noqa: E402
 
@@ -104,11 +105,11 @@ class Daemons:
         log.unlink(missing_ok=True)
         log.symlink_to(runtime / "daemon.log")
         self._log = log.open("a")
-        # Open MPI's recovery on, as crossoverrun starts a world: a relay's death ends
-        # only that relay
+        # Open MPI's settings as crossoverrun starts a world: a relay's death ends only
+        # that relay
         env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1",
                "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "PYTHONPATH": str(REPO),
-               "OMPI_MCA_orte_enable_recovery": "1"}
+               **relay_mca_env()}
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
         sockets = [runtime / f"node-{h}.sock" for h in cluster.hosts]

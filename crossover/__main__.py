@@ -39,9 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
                         version=f"crossover {crossover.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    d = sub.add_parser("daemon", help="run this node's coordinator (one per node; under "
-                                      "mpirun --mca orte_enable_recovery 1 --map-by "
-                                      "ppr:1:node for several nodes)")
+    d = sub.add_parser("daemon", help="run this node's coordinator (one per node; for "
+                                      "several nodes under mpirun --mca "
+                                      "orte_enable_recovery 1 --mca "
+                                      "orte_allowed_exit_without_sync 1 --map-by "
+                                      "ppr:1:node)")
     d.add_argument("--policy", choices=list(POLICIES), default="auto",
                    help="auto (default): antiphase where it measures faster, else the jobs "
                         "run concurrently; crossover: always antiphase; round-robin: hand "

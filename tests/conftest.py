@@ -22,6 +22,7 @@ import psutil
 import pytest
 
 from crossover import trace
+from crossover.daemon.relay import relay_mca_flags
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -155,7 +156,7 @@ class Cluster:
             env["CROSSOVER_FAKE_NODES"] = str(nodes)
             self.env["CROSSOVER_FAKE_NODES"] = str(nodes)
             # as crossoverrun starts a world: one daemon's death does not end the others
-            cmd = mpirun(nodes, "--mca", "orte_enable_recovery", "1", PY, *args)
+            cmd = mpirun(nodes, *relay_mca_flags(), PY, *args)
             names = [f"fake{i}" for i in range(nodes)]
             # the nodes' services log to the runtime directory's daemon.log (they outlive
             # the mpirun that started them): one file with mpirun's own output

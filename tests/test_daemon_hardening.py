@@ -16,6 +16,7 @@ import pytest
 
 from crossover import protocol as P
 from crossover.client import RankInfo, SlotClient
+from crossover.daemon.relay import relay_mca_flags
 from crossover.protocol import Phase
 from crossover.transport import recv_msg, runtime_dir
 from tests.conftest import PY, REPO, Cluster, mpirun, wait_for
@@ -374,13 +375,17 @@ def test_the_session_runtime_dir_is_preferred(tmp_path, monkeypatch):
 def test_a_rank_that_leaves_before_its_job_has_an_order_is_forgotten(cluster: Cluster):
     """Two daemons: a rank of a new job says hello to the second and hangs up before
     the leader's order comes back. The leader must forget the job, or its idle
-    shutdown never fires."""
+    shutdown never fires; then every node stops, and so does the world's mpirun."""
     env = dict(cluster.env, CROSSOVER_FAKE_NODES="2")
     log = cluster.tmp / "daemons.log"
+    services = cluster.runtime / "daemon.log"
+
+    def logs() -> str:
+        return f"{log.read_text()}\n--- the services' log ---\n{services.read_text()}"
     with open(log, "w") as out:
         daemons = subprocess.Popen(
-            mpirun(2, PY, "-m", "crossover", "daemon", "--idle-shutdown", "3"), env=env,
-            stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+            mpirun(2, *relay_mca_flags(), PY, "-m", "crossover", "daemon", "--idle-shutdown",
+                   "3"), env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
     try:
         sock1 = cluster.runtime / "node-fake1.sock"
         wait_for(sock1.exists, 60, "the second daemon")
@@ -390,11 +395,19 @@ def test_a_rank_that_leaves_before_its_job_has_an_order_is_forgotten(cluster: Cl
             body = P.encode(hello("ghost"))
             s.sendall(len(body).to_bytes(4, "big") + body)
             s.close()  # before the order: the leader is a message away
-        assert daemons.wait(timeout=30) == 0, log.read_text()
+        wait_for(lambda: "no job for 3 s: shutting down" in services.read_text(), 30,
+                 "the leader's idle shutdown")
+        wait_for(lambda: not any(cluster.runtime.glob("node-*.sock")), 30,
+                 "every node's service to stop")
+        assert daemons.wait(timeout=30) == 0, logs()
     finally:
         if daemons.poll() is None:
             daemons.kill()
-    assert "no job for 3 s: shutting down" in (cluster.runtime / "daemon.log").read_text()
+    # the leader's stop reached the other node: both relays of the world ended on it
+    # (a node never told takes the leader for lost and forms a world of its own)
+    relays = log.read_text()
+    assert relays.count("(generation 0) ends: stop") == 2, logs()
+    assert "did not return" not in relays, logs()
 
 
 def test_a_busy_mutex_on_one_device_does_not_hold_the_leases_of_another(cluster: Cluster):

@@ -169,3 +169,19 @@ def test_a_stopping_service_sends_the_frame_its_writer_holds_before_its_goodbye(
     relay.settimeout(5)
     assert read_frame(relay) == ("to", 1, ("shutdown",))
     assert read_frame(relay) == ("bye", "stop")
+
+
+def test_a_broadcast_reaches_the_other_nodes_before_this_one_acts_on_it(tmp_path):
+    """The leader's idle shutdown is broadcast from its thread. This node's own copy
+    wakes the serve loop, which stops and closes the uplink at once: the copies for the
+    other nodes must be queued by then (they were dropped when this node's came first,
+    and the other nodes served on until they took the leader for lost)."""
+    node = Node(tmp_path)
+    relay = node.relay(0, 0, ["x", "b", "c"], 0)
+    node.accept()
+    node.uplink._wakeup = node.uplink.close  # the serve loop at its quickest
+    node.uplink.broadcast(("shutdown",))
+    relay.settimeout(5)
+    assert [read_frame(relay) for _ in range(3)] == [
+        ("to", 1, ("shutdown",)), ("to", 2, ("shutdown",)), ("bye", "stop")]
+    assert node.next() == (0, ("shutdown",))

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from crossover import environment as E
-from crossover.daemon.relay import daemon_flags, service_env
+from crossover.daemon.relay import daemon_flags, relay_mca_flags, service_env
 
 log = logging.getLogger("crossover.daemon")
 
@@ -42,8 +42,8 @@ def generation_command(nodes: list[str], epoch: int, leader: str,
                        argv: list[str]) -> list[str]:
     """The mpirun of one relay per node of `nodes` (in rank order), of generation
     `epoch`, led by the service of node `leader`."""
-    cmd = ["mpirun", "--mca", "orte_enable_recovery", "1", "--bind-to", "none",
-           "--oversubscribe", "-np", str(len(nodes))]
+    cmd = ["mpirun", *relay_mca_flags(), "--bind-to", "none", "--oversubscribe", "-np",
+           str(len(nodes))]
     if not all(map(is_fake, nodes)):
         cmd += ["--map-by", "ppr:1:node", "-H", ",".join(f"{n}:1" for n in nodes)]
     return [*cmd, sys.executable, "-m", "crossover", "daemon", *daemon_flags(argv),

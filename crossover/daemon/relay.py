@@ -66,6 +66,12 @@ _LAUNCH_PREFIXES = ("PMIX_", "OMPI_COMM_", "OMPI_MCA_orte_", "OMPI_MCA_ess",
                     "OMPI_MCA_pmix", "OMPI_MCA_shmem_", "OMPI_FILE_", "OMPI_FIRST_",
                     "OMPI_APP_", "OMPI_NUM_APP", "OMPI_UNIVERSE", "OMPI_COMMAND",
                     "OMPI_MCA_initial_wdir", "OMPI_MCA_mpi_oversubscribe")
+#: Open MPI's settings for every mpirun of relays. Recovery: a relay's end ends that
+#: relay only, not its world. Exit without sync: a relay may end without MPI_Finalize
+#: (one whose peers died would wait in it for ever), and Open MPI 4 sometimes reports a
+#: process that did finalize as "exiting improperly" (its finalize and its exit race in
+#: mpirun); either way mpirun must not fail a world whose relays all ended well.
+RELAY_MCA = {"orte_enable_recovery": "1", "orte_allowed_exit_without_sync": "1"}
 #: the flags that say which node or generation a daemon process is of
 _OWN = ("--node", "--generation", "--leader", "--nodes")
 _FAKE = re.compile(r"fake\d+")
@@ -86,6 +92,24 @@ def read_frame(sock: socket.socket) -> Any:
     """One object from `write_frame`; ConnectionError once the peer closed."""
     (n,) = _LEN.unpack(recv_exact(sock, _LEN.size))
     return pickle.loads(recv_exact(sock, n))
+
+
+def relay_mca_flags() -> list[str]:
+    """`RELAY_MCA` as mpirun's command-line flags."""
+    return [arg for name, value in RELAY_MCA.items() for arg in ("--mca", name, value)]
+
+
+def relay_mca_env() -> dict[str, str]:
+    """`RELAY_MCA` as the environment variables mpirun reads them from."""
+    return {f"OMPI_MCA_{name}": value for name, value in RELAY_MCA.items()}
+
+
+def missing_relay_mca(environ: dict[str, str] | None = None) -> list[str]:
+    """The settings of `RELAY_MCA` that a relay's world (`environ`: a relay's
+    environment, which mpirun gives its --mca flags) was started without."""
+    env = os.environ if environ is None else environ
+    return [name for name in RELAY_MCA
+            if env.get(f"OMPI_MCA_{name}", "0").lower() not in ("1", "true", "yes")]
 
 
 def service_env(environ: dict[str, str] | None = None) -> dict[str, str]:
@@ -146,12 +170,12 @@ class Relay:
         comm = MPI.COMM_WORLD
         comm.Set_errhandler(MPI.ERRORS_RETURN)
         rank = comm.Get_rank()
-        if comm.Get_size() > 1 and os.environ.get(
-                "OMPI_MCA_orte_enable_recovery", "0").lower() not in ("1", "true", "yes"):
-            log.warning("this world was started without --mca orte_enable_recovery 1: "
-                        "Open MPI ends every relay of it when one ends, and so the world; "
-                        "start it with `mpirun --mca orte_enable_recovery 1 ...` "
-                        "(crossoverrun does)")
+        missing = missing_relay_mca()
+        if comm.Get_size() > 1 and missing:
+            flags = " ".join(f"--mca {name} 1" for name in missing)
+            log.warning("this world was started without %s: Open MPI ends every relay of "
+                        "it when one ends, or fails it when one ends without finalizing; "
+                        "start it with `mpirun %s ...` (crossoverrun does)", flags, flags)
         # a fake node is the one the leader named; a host is what it calls itself
         fake = self.nodes is not None and E.fake_nodes() and _FAKE.fullmatch(self.nodes[rank])
         name = self.nodes[rank] if fake else E.node_name(rank)
@@ -178,6 +202,7 @@ class Relay:
                           RESTART_WINDOW_S)
                 break
         peers.close()
+        log.info("relay of node %s (generation %d) ends: %s", name, self.epoch, why)
         if why == "stop":  # the world stops (every relay does this now): end it cleanly
             left = peers.flush(FLUSH_S)  # what this node sent last, the others must get
             if left:
@@ -186,6 +211,10 @@ class Relay:
             done = threading.Thread(target=MPI.Finalize, daemon=True)
             done.start()
             done.join(FINALIZE_S)
+            if done.is_alive():
+                log.warning("relay of node %s: MPI_Finalize did not return in %g s (a "
+                            "member of the world did not stop); leaving without it",
+                            name, FINALIZE_S)
         return 0
 
     def _attach(self, name: str, hello: tuple) -> bool:

@@ -87,10 +87,13 @@ class Uplink:
         self.send(self.leader, obj)
 
     def broadcast(self, obj: Any) -> None:
-        """Send to every service not known to be lost, this one included."""
-        for dest in range(self.size):
-            if dest not in self.lost:
-                self.send(dest, obj)
+        """Send to every service not known to be lost, this one included, last: its copy
+        wakes the serve loop, which may act on it at once (a shutdown closes this
+        uplink), so the others' copies must be queued by then."""
+        others = [dest for dest in range(self.size) if dest not in self.lost | {self.rank}]
+        for dest in others:
+            self.send(dest, obj)
+        self.send(self.rank, obj)
 
     # --- relays ---------------------------------------------------------------------------
     def accept(self, listener: socket.socket) -> tuple | None:

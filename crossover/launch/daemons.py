@@ -25,6 +25,7 @@ import psutil
 
 from crossover import environment as E
 from crossover.backoff import Backoff, wait_until
+from crossover.daemon.relay import relay_mca_flags
 from crossover.probe import daemon_listens, daemon_status, grow_world, stop_world
 from crossover.transport import runtime_dir, socket_path
 
@@ -229,9 +230,9 @@ def start_daemon(rdir: Path, policy: str, hosts: list[str], idle_shutdown_s: flo
     if remote:
         # this machine once, however many of its names the job gave
         everyone = remote + (["localhost"] if len(remote) < len(set(hosts)) else [])
-        # orte_enable_recovery: one daemon's death does not end the others
-        # (`crossover.daemon.membership` finds it and the world serves on)
-        cmd = ["mpirun", "--mca", "orte_enable_recovery", "1", "--map-by", "ppr:1:node",
+        # one daemon's death does not end the others (`crossover.daemon.membership`
+        # finds it and the world serves on)
+        cmd = ["mpirun", *relay_mca_flags(), "--map-by", "ppr:1:node",
                "-H", ",".join(f"{h}:1" for h in everyone), "-np", str(len(everyone)), *args]
     else:
         cmd = args
