@@ -56,7 +56,7 @@ class Counting:
         self.sent[obj[0]] += 1
         self.total += 1
 
-    def broadcast(self, obj: tuple) -> None:
+    def broadcast(self, obj: tuple, lost_too: bool = False) -> None:
         for dest in range(self.size):
             self.send(dest, obj)
 

@@ -23,7 +23,7 @@ class Channel:
     def send(self, dest: int, obj: tuple) -> None:
         self.sent.append((dest, obj))
 
-    def broadcast(self, obj: tuple) -> None:
+    def broadcast(self, obj: tuple, lost_too: bool = False) -> None:
         for dest in range(self.size):
             self.send(dest, obj)
 

@@ -30,9 +30,9 @@ class Link:
     def send_leader(self, obj: tuple) -> None:
         self.send(self.leader, obj)
 
-    def broadcast(self, obj: tuple) -> None:
+    def broadcast(self, obj: tuple, lost_too: bool = False) -> None:
         for dest in range(self.size):
-            if dest not in self.lost:
+            if lost_too or dest not in self.lost:
                 self.send(dest, obj)
 
 

@@ -294,8 +294,10 @@ def test_the_glyph_task_is_new_glyphs_with_a_large_test_set():
     assert torch.cdist(new.view(-1, 64), old.view(-1, 64)).min() > 0.5
 
 
-# the bare flag fine-tunes on the digits 5-9, as the freezing benchmarks run it
-@pytest.mark.parametrize("task,epochs,floor", [([], 3, 0.85), (["glyphs"], 1, 0.7)])
+# the bare flag fine-tunes on the digits 5-9, as the freezing benchmarks run it; the
+# glyphs take two epochs: after one, accuracy sits at the floor and moves with the CPU's
+# vector instructions (0.682 on a Zen 3 without AVX-512; 0.809 after two)
+@pytest.mark.parametrize("task,epochs,floor", [([], 3, 0.85), (["glyphs"], 2, 0.7)])
 def test_the_digits_example_fine_tunes(tmp_path, body_cache, cluster, task, epochs, floor):
     proc = Proc(mpirun(2, PY, "examples/pipeline_digits.py", "--finetune", *task, "--depth",
                        "6", "--lr", "0.05", "--epochs", str(epochs), "--plot",

@@ -12,7 +12,15 @@ import time
 import pytest
 
 from crossover.daemon.generation import generation_command
-from crossover.daemon.relay import daemon_flags, read_frame, service_argv, service_env, write_frame
+from crossover.daemon.relay import (
+    daemon_flags,
+    missing_relay_mca,
+    read_frame,
+    relay_mca_flags,
+    service_argv,
+    service_env,
+    write_frame,
+)
 from crossover.daemon.sockets import NodeSockets
 from crossover.daemon.uplink import Uplink
 
@@ -52,6 +60,16 @@ def test_a_generation_of_fake_nodes_runs_here_and_one_of_hosts_one_relay_per_hos
     monkeypatch.delenv("CROSSOVER_FAKE_NODES")
     cmd = generation_command(["a", "b"], 1, "a", ["daemon"])
     assert cmd[cmd.index("-H") + 1] == "a:1,b:1" and "ppr:1:node" in cmd
+    assert " ".join(relay_mca_flags()) in " ".join(cmd)
+
+
+def test_a_relay_names_the_open_mpi_settings_its_world_was_started_without():
+    flags = relay_mca_flags()
+    assert flags[flags.index("orte_enable_recovery") - 1] == "--mca"
+    assert missing_relay_mca({}) == ["orte_enable_recovery", "orte_allowed_exit_without_sync"]
+    assert missing_relay_mca({"OMPI_MCA_orte_enable_recovery": "true",
+                              "OMPI_MCA_orte_allowed_exit_without_sync": "0"}) == [
+        "orte_allowed_exit_without_sync"]
 
 
 class Node:
@@ -185,3 +203,17 @@ def test_a_broadcast_reaches_the_other_nodes_before_this_one_acts_on_it(tmp_path
     assert [read_frame(relay) for _ in range(3)] == [
         ("to", 1, ("shutdown",)), ("to", 2, ("shutdown",)), ("bye", "stop")]
     assert node.next() == (0, ("shutdown",))
+
+
+def test_a_worlds_stop_reaches_a_node_taken_for_lost_and_other_broadcasts_do_not(tmp_path):
+    """A node silent past the leader's patience may only be slow: told nothing, it would
+    serve on after the world stopped and form a world of its own."""
+    node = Node(tmp_path)
+    relay = node.relay(0, 0, ["x", "b", "c"], 0)
+    node.accept()
+    node.uplink.lost = {1}
+    node.uplink.broadcast(("members",))
+    node.uplink.broadcast(("shutdown",), lost_too=True)
+    relay.settimeout(5)
+    assert [read_frame(relay) for _ in range(3)] == [
+        ("to", 2, ("members",)), ("to", 1, ("shutdown",)), ("to", 2, ("shutdown",))]

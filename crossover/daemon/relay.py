@@ -315,8 +315,9 @@ class Relay:
 
 def run_relay(epoch: int, leader_node: str | None, nodes: list[str] | None,
               args: list[str], directory: str | None) -> int:
-    """`crossover daemon` under mpirun: this node's relay. Exits without MPI_Finalize
-    (a collective call that would wait for members that died)."""
+    """`crossover daemon` under mpirun: this node's relay. Finalizes MPI only when its
+    world stops (every member does then); otherwise it exits without: MPI_Finalize is a
+    collective call that would wait for members that died."""
     logging.basicConfig(level=logging.INFO, format="crossover-relay %(asctime)s %(message)s",
                         stream=sys.stderr)
     code = Relay(epoch, leader_node, nodes, args, directory).run()

@@ -263,7 +263,7 @@ class Daemon:
         """Stop every daemon of this world: the leader says so to all (this one too);
         a member asks the leader, and stops."""
         if self.leader is not None:
-            self.peers.broadcast(("shutdown",))
+            self.peers.broadcast(("shutdown",), lost_too=True)
         else:
             self.peers.send_leader(("stop_world",))
             self.stop()

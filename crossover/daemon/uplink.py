@@ -86,14 +86,16 @@ class Uplink:
     def send_leader(self, obj: Any) -> None:
         self.send(self.leader, obj)
 
-    def broadcast(self, obj: Any) -> None:
-        """Send to every service not known to be lost, this one included, last: its copy
-        wakes the serve loop, which may act on it at once (a shutdown closes this
+    def broadcast(self, obj: Any, lost_too: bool = False) -> None:
+        """Send to every service not known to be lost (`lost_too`: to those as well: a
+        world's stop must reach a node that was only slow), this one included, last: its
+        copy wakes the serve loop, which may act on it at once (a shutdown closes this
         uplink), so the others' copies must be queued by then."""
-        others = [dest for dest in range(self.size) if dest not in self.lost | {self.rank}]
-        for dest in others:
-            self.send(dest, obj)
-        self.send(self.rank, obj)
+        rank, size, lost = self.rank, self.size, set() if lost_too else set(self.lost)
+        for dest in range(size):
+            if dest != rank and dest not in lost:
+                self.send(dest, obj)
+        self.send(rank, obj)
 
     # --- relays ---------------------------------------------------------------------------
     def accept(self, listener: socket.socket) -> tuple | None:

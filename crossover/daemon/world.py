@@ -104,7 +104,7 @@ class Leader:
         elif kind == "leave":
             self._leave(source, msg[1])
         elif kind == "stop_world":  # `crossover stop` on a member's node
-            self.peers.broadcast(("shutdown",))
+            self.peers.broadcast(("shutdown",), lost_too=True)
         elif kind == "waited":
             self._align(msg[1], source, msg[2])
         elif kind == "progress":
@@ -154,7 +154,7 @@ class Leader:
         elif now - self._idle_since >= self.idle_shutdown_s:
             log.info("no job for %.0f s: shutting down", self.idle_shutdown_s)
             self._shut = True  # once: the broadcast reaches this daemon too
-            self.peers.broadcast(("shutdown",))
+            self.peers.broadcast(("shutdown",), lost_too=True)
 
     def close(self) -> None:
         """Nothing to release (a `leading.LeaderThread` stops its thread)."""

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import crossover
 from crossover import environment as E
+from crossover.daemon.relay import relay_mca_flags
 from crossover.launch import cli
 from crossover.launch.daemons import UsageError, daemon_watch, ensure_daemon
 from crossover.launch.running import merge_traces, run_runner_child
@@ -92,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         if not _single_node(parsed) and args.crossover_daemon == "auto":
             raise UsageError(f"--nnodes {parsed.nnodes}: --crossover-daemon auto starts a "
                              f"daemon for this host only; start one daemon world over the "
-                             f"nodes (mpirun -H ... crossover daemon) and give its runtime "
+                             f"nodes (mpirun {' '.join(relay_mca_flags())} -H ... crossover "
+                             f"daemon) and give its runtime "
                              f"directory to --crossover-daemon on every node")
         job = args.crossover_job or \
             f"{Path(parsed.training_script).stem.replace('.', '_')}-{os.getpid()}"
