@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -310,21 +311,30 @@ def test_the_digits_example_fine_tunes(tmp_path, body_cache, cluster, task, epoc
     assert list((body_cache / "crossover").glob("strokes-mlp-6x256-pretrained-*.pt"))
 
 
-def two_ranks(tmp_path, cluster, name: str, code: str) -> str:
-    """`code` as a script on 2 ranks under mpirun (crossover off); its output, within
-    120 s."""
+def two_ranks(tmp_path, cluster, name: str, code: str) -> tuple[str, str]:
+    """`code` as a script on 2 ranks under mpirun (crossover off), within 120 s; what
+    its `say(text)` calls wrote (rank 0's lines, then rank 1's) and the run's output.
+    Each rank says into its own file: mpirun forwards the ranks' stdout as it reads it,
+    so two ranks' prints can interleave mid-line."""
     script = tmp_path / f"{name}.py"
-    script.write_text(code)
+    said = tmp_path / f"{name}.said"
+    script.write_text(
+        "import os\n"
+        f"_said = open({str(said)!r} + os.environ['OMPI_COMM_WORLD_RANK'], 'w')\n"
+        "def say(text):\n"
+        "    _said.write(text + '\\n')\n"
+        "    _said.flush()\n" + code)
     proc = Proc(mpirun(2, PY, str(script)), dict(cluster.env, CROSSOVER_ENABLE="0"),
                 tmp_path / f"{name}.log")
     cluster.procs.append(proc)
-    return proc.wait(120)
+    out = proc.wait(120)
+    return "".join(Path(f"{said}{rank}").read_text() for rank in range(2)), out
 
 
 def test_a_planning_error_on_rank_0_reaches_every_rank(tmp_path, cluster):
     """Rank 0 plans; if it fails (here: inputs named unlike the model's forward), every
     rank raises the reason instead of waiting for a plan that never comes."""
-    out = two_ranks(tmp_path, cluster, "bad",
+    said, out = two_ranks(tmp_path, cluster, "bad",
         "import sys, torch\n"
         "from crossover.pipeline.models import build\n"
         "from crossover.pipeline.train import PipelineTrainer\n"
@@ -333,27 +343,27 @@ def test_a_planning_error_on_rank_0_reaches_every_rank(tmp_path, cluster):
         "try:\n"
         "    PipelineTrainer(spec.module, spec.loss, batch=8, example={'pixels': x['x']})\n"
         "except ValueError as exc:\n"
-        "    print('refused:', exc, flush=True)\n")
-    assert out.count("planning on rank 0 failed: the inputs are named ['pixels'] but the "
-                     "model's traced forward takes ['x']: name them so") == 2, out
+        "    say(f'refused: {exc}')\n")
+    assert said.count("planning on rank 0 failed: the inputs are named ['pixels'] but the "
+                      "model's traced forward takes ['x']: name them so") == 2, said + out
 
 
 def test_a_bug_in_rank_0s_planning_ends_every_rank(tmp_path, cluster):
     """An error rank 0's planning was not written to expect (here an AttributeError)
     is raised there with its traceback, and the other ranks raise it by name instead
     of waiting in the broadcast for ever."""
-    out = two_ranks(tmp_path, cluster, "bug",
+    said, out = two_ranks(tmp_path, cluster, "bug",
         "from mpi4py import MPI\n"
         "from crossover.pipeline.waits import from_rank_0\n"
         "try:\n"
         "    from_rank_0(MPI.COMM_WORLD, 'planning', lambda: None.kind)\n"
         "except AttributeError as exc:\n"
-        "    print('rank 0 raised', exc, flush=True)\n"
+        "    say(f'rank 0 raised {exc}')\n"
         "except ValueError as exc:\n"
-        "    print('told:', exc, flush=True)\n")
-    assert "rank 0 raised 'NoneType' object has no attribute 'kind'" in out, out
-    assert ("told: planning on rank 0 failed: AttributeError: 'NoneType' object has no "
-            "attribute 'kind'") in out, out
+        "    say(f'told: {exc}')\n")
+    assert said == ("rank 0 raised 'NoneType' object has no attribute 'kind'\n"
+                    "told: planning on rank 0 failed: AttributeError: 'NoneType' object "
+                    "has no attribute 'kind'\n"), said + out
 
 
 FREEZE_JOB = """
