@@ -21,7 +21,8 @@ value is expected by chance); large, the row cannot tell. The noise figures come
 few runs each (8 degrees of freedom for 3 repetitions of 5 arms) and are themselves
 uncertain by about a quarter. Paired runs (`ab_bench.py`) resolve finer differences.
 
-Writes bench/results/<name>.json (default resolution).
+Writes bench/results/<name>.json (default resolution). Without `--name` it will not
+replace a resolution.json of other result files (README cites that one).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
+from common import RESULTS, write_result  # noqa: E402
 from jobs import makespan  # noqa: E402
 
 #: The two modes auto chooses between, as arms that hold one fixed.
@@ -142,14 +143,36 @@ def rows_of(path: Path) -> list[dict]:
                          ) from None
 
 
+def replaces_other_files(out: Path, files: list[str]) -> str | None:
+    """Why writing the resolution of `files` to `out` would replace that of other result
+    files, with the fix; None if `out` is new, unreadable, or of the same files."""
+    try:
+        before = sorted({row["file"] for row in json.loads(out.read_text())["rows"]})
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if before == sorted(set(files)):
+        return None
+    return (f"{out} holds the resolution of {', '.join(before)}; to keep it, give this "
+            f"one a name of its own (--name resolution_<setting>), or replace it with "
+            f"--name {out.stem}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="+", type=Path,
                         help="crossover_bench.py result files, of one code version")
     parser.add_argument("--target", type=float, default=0.99,
                         help="the ratio auto should reach on every row (default 0.99)")
-    parser.add_argument("--name", default="resolution")
+    parser.add_argument("--name", default=None,
+                        help="result name (default resolution, which it will not replace "
+                             "with the resolution of other files)")
     args = parser.parse_args()
+    if args.name is None:
+        args.name = "resolution"
+        refused = replaces_other_files(RESULTS / "resolution.json",
+                                       [p.name for p in args.results])
+        if refused:
+            sys.exit(refused)
     rows = []
     try:
         for path in args.results:

@@ -12,7 +12,14 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from resolution import assess, noise, null_ratios, rows_of, run_times  # noqa: E402
+from resolution import (  # noqa: E402
+    assess,
+    noise,
+    null_ratios,
+    replaces_other_files,
+    rows_of,
+    run_times,
+)
 
 E = math.exp
 
@@ -118,3 +125,14 @@ def test_a_file_that_is_no_result_is_named_with_the_fix(tmp_path: Path, text: st
     path.write_text(text)
     with pytest.raises(ValueError, match="bad.json: not a readable result.*bench/results"):
         rows_of(path)
+
+
+def test_the_default_name_does_not_replace_the_resolution_of_other_files(
+        tmp_path: Path) -> None:
+    out = tmp_path / "resolution.json"
+    assert replaces_other_files(out, ["a.json"]) is None  # new
+    out.write_text(json.dumps({"rows": [{"file": "b.json"}, {"file": "a.json"}]}))
+    assert replaces_other_files(out, ["a.json", "b.json"]) is None  # the same files again
+    said = replaces_other_files(out, ["c.json"])
+    assert said is not None and "holds the resolution of a.json, b.json" in said
+    assert "--name resolution_<setting>" in said and "--name resolution" in said
