@@ -43,7 +43,9 @@ from typing import Any
 
 from crossover import environment as E
 from crossover.backoff import Backoff, wait_until
+from crossover.daemon.conns import peer_credentials
 from crossover.daemon.mpichannel import MpiChannel
+from crossover.procstats import process_state
 from crossover.transport import connect, recv_exact, runtime_dir
 
 log = logging.getLogger("crossover.relay")
@@ -56,6 +58,9 @@ SERVICE_START_S = 30.0
 #: a relay starts its node's service again when it dies, up to RESTARTS times in
 #: RESTART_WINDOW_S (past that, the node is left to the leader's next generation)
 RESTARTS, RESTART_WINDOW_S = 5, 60.0
+#: how long a relay waits for its dead service's process to be gone before it starts
+#: another (a SIGKILLed process closes its sockets one by one as it ends)
+SERVICE_GONE_S = 5.0
 #: how long a relay of a stopping world waits in MPI_Finalize (it waits for every
 #: member; a member that died makes it wait for ever)
 FINALIZE_S = 10.0
@@ -163,6 +168,7 @@ class Relay:
         os.set_blocking(self._wake_w, False)
         self._formed = threading.Event()
         self._service: socket.socket | None = None
+        self._service_pid: int | None = None  # the process at the other end
 
     def run(self) -> int:
         from mpi4py import MPI
@@ -194,13 +200,20 @@ class Relay:
                 break
             # The service died (no word from it): start another at once, in this
             # generation, so the node is served again without the world re-forming.
+            if not self._ended(name):
+                break
             now = time.monotonic()
             restarts = [t for t in restarts if now - t < RESTART_WINDOW_S] + [now]
-            if len(restarts) > RESTARTS or not self._attach(name, hello):
+            if len(restarts) > RESTARTS:
                 log.error("relay of node %s: its service died %d times in %.0f s; "
                           "leaving the node to the leader", name, len(restarts),
                           RESTART_WINDOW_S)
                 break
+            log.warning("relay of node %s: its service (process %s) died; starting "
+                        "another (%d of at most %d in %.0f s)", name, self._service_pid,
+                        len(restarts), RESTARTS, RESTART_WINDOW_S)
+            if not self._attach(name, hello):
+                break  # it said why
         peers.close()
         log.info("relay of node %s (generation %d) ends: %s", name, self.epoch, why)
         if why == "stop":  # the world stops (every relay does this now): end it cleanly
@@ -220,13 +233,28 @@ class Relay:
     def _attach(self, name: str, hello: tuple) -> bool:
         """Connect to node `name`'s service (started if none listens) and say hello."""
         try:
-            self._service = self._find_service(name)
+            self._service = self._find_service(name, dead=self._service_pid)
+            self._service_pid = peer_credentials(self._service)[1]
             write_frame(self._service, hello)
             return True
         except (OSError, ConnectionError) as exc:
             log.error("relay of node %s (generation %d): no service to serve (%s)", name,
                       self.epoch, exc)
             return False
+
+    def _ended(self, name: str) -> bool:
+        """Whether the service that closed the connection has ended (waiting for it a
+        while): until then its listener may still take a connection, which then dies at
+        once, a restart spent on nothing. One that runs on was cut off, not dead: the
+        node is left to the leader's next generation."""
+        pid = self._service_pid
+        if pid is None or wait_until(lambda: process_state(pid) in ("gone", "zombie"),
+                                     SERVICE_GONE_S, Backoff(0.005, 0.1)):
+            return True
+        log.error("relay of node %s: its service (process %d) closed the connection but "
+                  "still runs after %g s; leaving the node to the leader", name, pid,
+                  SERVICE_GONE_S)
+        return False
 
     def _forward(self, peers: MpiChannel) -> str:
         """Forward until the service ends the connection: "stop" (it stops, and so does
@@ -262,8 +290,10 @@ class Relay:
             sel.close()
             self._service.close()
 
-    def _find_service(self, name: str) -> socket.socket:
-        """Connected to node `name`'s service; started first if none listens."""
+    def _find_service(self, name: str, dead: int | None = None) -> socket.socket:
+        """Connected to node `name`'s service; started first if none listens. The
+        listener of process `dead` (a service that died and is still ending) is no
+        service."""
         path = relay_path(name, self.directory)
         started: subprocess.Popen | None = None
         sock: socket.socket | None = None
@@ -272,7 +302,11 @@ class Relay:
             nonlocal sock, started
             try:
                 sock = connect(path, 2.0)
-                return True
+                if dead is None or peer_credentials(sock)[1] != dead:
+                    return True
+                sock.close()
+                sock = None
+                return False  # still ending: wait until its listener is gone
             except OSError:
                 pass
             if started is None:
