@@ -14,9 +14,10 @@ how likely as many pairs or more would favour one arm if the arms were equally f
 
 Arms: `sequential` (each job alone, plain Horovod, one after the other: the sum of
 their times), `plain` (the jobs at once, plain Horovod), and the daemon policies `off`
-(hooks on, every request granted), `crossover` (always antiphase) and `auto` (the
-default). `--mbit 0` runs on this host, as `make demo` does; otherwise on the emulated
-two-host cluster of `crossover_bench.py`, with its jobs and environment (`jobs.py`).
+(hooks on, every request granted), `crossover` (always antiphase), `aligned` (always
+antiphase, the hosts' phases aligned: `--align-phases`) and `auto` (the default).
+`--mbit 0` runs on this host, as `make demo` does; otherwise on the emulated two-host
+cluster of `crossover_bench.py`, with its jobs and environment (`jobs.py`).
 Writes bench/results/ab_<name>.json (default name: the arms, workload and setting).
 """
 
@@ -39,8 +40,10 @@ from common import DecisionLog, arm_order, stop_all, write_result  # noqa: E402
 
 from crossover.launch.local import DaemonProcess  # noqa: E402
 
-#: The arms that run under a daemon, and its policy.
-POLICIES = {"off": "off", "crossover": "crossover", "auto": "auto"}
+#: The arms that run under a daemon, and its policy (`aligned`: always antiphase with
+#: the hosts' phases kept in step, `--align-phases`; emulated hosts only).
+POLICIES = {"off": "off", "crossover": "crossover", "auto": "auto",
+            "aligned": "crossover --align-phases"}
 ARMS = ("sequential", "plain", *POLICIES)
 
 
@@ -120,6 +123,8 @@ def main() -> None:
     if len(arms) != 2 or arms[0] == arms[1] or not set(arms) <= set(ARMS):
         parser.error(f"--arms {args.arms!r}: give two different arms of {', '.join(ARMS)}, "
                      f"e.g. --arms plain,auto")
+    if "aligned" in arms and not args.mbit:
+        parser.error("--arms aligned aligns the hosts' phases: give --mbit (emulated hosts)")
     unknown = set(args.workload.split("+")) - set(jobs.WORKLOADS)
     if unknown or args.workload.count("+") > 1:
         parser.error(f"--workload {args.workload!r}: one of {list(jobs.WORKLOADS)}, or two "

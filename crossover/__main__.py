@@ -186,7 +186,7 @@ def _stop(args: argparse.Namespace) -> int:
 
 def _daemon(args: argparse.Namespace) -> int:
     from crossover.daemon import Daemon
-    from crossover.daemon.sockets import DaemonRunning
+    from crossover.daemon.sockets import RUNNING_EXIT, DaemonRunning
 
     if args.node is not None:
         os.environ[E.NODE] = args.node  # read as CROSSOVER_NODE is, by node_identity
@@ -213,7 +213,7 @@ def _daemon(args: argparse.Namespace) -> int:
         daemon.serve()
     except DaemonRunning as exc:  # one daemon per node and directory
         print(f"crossover daemon: {exc}", file=sys.stderr)
-        return 2
+        return RUNNING_EXIT
     return 0
 
 

@@ -131,3 +131,40 @@ def test_a_member_no_generation_takes_back_leads_and_forms_one(monkeypatch):
     m.tick()
     assert m.leader is not None and m.world.leads
     assert formed == [(["n0", "n1"], 5, "n1")]
+
+
+def test_a_successor_that_steps_down_ends_the_generation_it_was_forming(monkeypatch):
+    """n0's relay died (its service lives): n1 found n0 silent, succeeded it (epoch 2)
+    and started a generation (3) to bring n0 back. Then n0's own generation 2 reached
+    n1: n1 follows n0 again, and the generation it was forming is killed, not left to
+    form a world led by a daemon that no longer leads (it did, with a relay started on a
+    node whose service was just then being started again)."""
+    import crossover.daemon.member as member_mod
+
+    started: list = []
+
+    class Recorded:
+        def __init__(self, nodes, epoch, leader, *_):
+            self.epoch, self.nodes, self.leader = epoch, nodes, leader
+            self.started_at, self.timeout_s, self.failed, self.killed = 0.0, 1e9, False, False
+            started.append(self)
+
+        def kill(self):
+            self.killed = True
+
+    monkeypatch.setattr(member_mod, "Generation", Recorded)
+    clock, link = Clock(), Link()
+    link.rank, link.size, link.leader = 1, 3, 0
+    m = member("n1", clock, link)
+    m.attached(1, 1, ["n0", "n1", "n2"], 0)
+    clock.t = 6.0  # n0 silent past 5 s: n1 leads from epoch 2
+    m.tick()
+    assert m.leader is not None and m.world.epoch == 2
+    clock.t = 6.0 + member_mod.RESPAWN_S + 0.1
+    m.tick()
+    assert [(g.epoch, g.nodes, g.leader) for g in started] == [(3, ["n1", "n2", "n0"], "n1")]
+    m.attached(2, 1, ["n0", "n1", "n2"], 0)  # n0's generation, formed meanwhile
+    assert m.leader is None and started[0].killed
+    clock.t += 60.0
+    m.tick()
+    assert len(started) == 1  # a member forms nothing

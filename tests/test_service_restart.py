@@ -55,3 +55,48 @@ def test_each_death_of_a_service_costs_one_restart_and_no_new_generation(cluster
         wait_for(lambda: len(restarts()) >= 3, 10, "the relay's third restart in its log")
         assert restarts() == [(str(pid), str(n)) for n, pid in enumerate(killed, 1)], \
             (cluster.tmp / "daemon.log").read_text()
+
+
+def test_a_relay_waits_for_a_service_that_another_relay_is_starting(tmp_path, monkeypatch):
+    """A new generation's relay finds no service listening on its node, but another
+    relay's service is starting there (it holds the node's lock): the service the relay
+    starts exits (RUNNING_EXIT) and the relay connects to the other once it listens,
+    rather than give its node up."""
+    import fcntl
+    import socket
+    import threading
+    import time
+
+    from crossover.daemon.relay import Relay, relay_path
+
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("CROSSOVER_RUNTIME_DIR", str(runtime))
+    lock = open(runtime / "node-fake7.lock", "w")  # noqa: SIM115
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the other service, starting
+    relay = Relay(1, "fake7", ["fake7"], ["daemon"], str(runtime))
+    started: list = []
+    real_start = relay._start_service
+    monkeypatch.setattr(relay, "_start_service",
+                        lambda name: started.append(real_start(name)) or started[-1])
+
+    def listen_late() -> None:  # once the relay's own service has exited
+        wait_for(lambda: bool(started) and started[0].poll() is not None, 30,
+                 "the relay's service to exit")
+        time.sleep(0.5)
+        server.bind(str(relay_path("fake7", runtime)))
+        server.listen(1)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    thread = threading.Thread(target=listen_late, daemon=True)
+    thread.start()
+    try:
+        sock = relay._find_service("fake7")
+        assert started[0].returncode == 3 and len(started) == 1
+        peer, _ = server.accept()
+        assert peer.getsockname() == sock.getpeername()
+        sock.close()
+        peer.close()
+    finally:
+        thread.join(30)
+        server.close()
+        lock.close()

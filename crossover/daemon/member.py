@@ -175,9 +175,18 @@ class Member:
             self.peers.send_leader(("hold", *self._holdings()))
 
     def _step_down(self) -> None:
+        """No longer the leader: nor the generation it was forming (it would form a world
+        led by a daemon that follows another), nor the nodes it meant to bring back."""
         if self.leader is not None:
             self.leader.close()
             self.leader = None
+        if self._forming is not None:
+            log.warning("generation %d (%s), formed by this daemon as the leader: "
+                        "killed", self._forming.epoch, ", ".join(self._forming.nodes))
+            self._forming.kill()
+            self._forming = None
+        self._respawn.clear()
+        self._spawning = []
 
     def _detached(self, epoch: int) -> None:
         self._detached_at = self.clock()

@@ -45,6 +45,7 @@ from crossover import environment as E
 from crossover.backoff import Backoff, wait_until
 from crossover.daemon.conns import peer_credentials
 from crossover.daemon.mpichannel import MpiChannel
+from crossover.daemon.sockets import RUNNING_EXIT
 from crossover.procstats import process_state
 from crossover.transport import connect, recv_exact, runtime_dir
 
@@ -311,11 +312,14 @@ class Relay:
                 pass
             if started is None:
                 started = self._start_service(name)
-            return started.poll() is not None  # it exited: stop waiting
+            # it exited: stop waiting, unless another service was starting there (an
+            # older generation's relay started one again): wait for that one to listen
+            return started.poll() not in (None, RUNNING_EXIT)
         wait_until(attempt, SERVICE_START_S, Backoff(0.02, 0.5))
         if sock is None:
-            why = f"it exited with {started.returncode}" if started is not None and \
-                started.poll() is not None else f"none listened in {SERVICE_START_S:g} s"
+            code = None if started is None else started.poll()
+            why = f"it exited with {code}" if code not in (None, RUNNING_EXIT) else \
+                f"none listened in {SERVICE_START_S:g} s"
             raise ConnectionError(f"node {name}'s service at {path}: {why}")
         return sock
 

@@ -25,6 +25,11 @@ log = logging.getLogger("crossover.daemon")
 FIRST_RELAY_S = 60.0
 
 
+#: the exit status of a daemon that found another serving its node: a relay whose
+#: service exits so waits for that one's listener (it was starting, its lock taken)
+RUNNING_EXIT = 3
+
+
 class DaemonRunning(RuntimeError):
     """Another daemon serves this node and runtime directory (one per node)."""
 
