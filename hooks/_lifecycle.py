@@ -7,6 +7,7 @@ hand-marked loop) and `crossover.hooks.lightning` only map their framework's eve
     begin_compute        acquire: zero_grad, forward, backward hold the device
     end_backward         allreduces in flight: device sync, then release COMMUNICATE
     wait_for_gradients   wait for the allreduces without the slot
+    allreduces_done      (or) the framework waited for them itself: report the wait
     begin_update         acquire: the optimizer update holds the device
     end_step             yield_slot: a step boundary, a waiting job may go first
     close                release IDLE
@@ -89,6 +90,7 @@ class SlotLifecycle:
         #: Moving average of the waits for the allreduces (s); None before the first.
         self.wait_ema_s: float | None = None
         self._released = False  # this step's end_backward gave the device up
+        self._released_at = 0.0  # when (monotonic s)
 
     def begin_compute(self) -> None:
         """Forward and backward hold the device (waits for the grant)."""
@@ -113,6 +115,7 @@ class SlotLifecycle:
             device_sync(self.device)
             self.client.release(Phase.COMMUNICATE)
             self._released = not self.client.holding
+            self._released_at = time.monotonic()
 
     def wait_for_gradients(self, optimizer: Any,
                            synchronize: Callable[[], Any] | None = None) -> Any:
@@ -134,10 +137,19 @@ class SlotLifecycle:
         waited = time.monotonic() - start
         self.wait_ema_s = waited if self.wait_ema_s is None else (
             self.wait_ema_s + WAIT_EMA_WEIGHT * (waited - self.wait_ema_s))
+        self._report_wait(waited)
+        return result
+
+    def allreduces_done(self) -> None:
+        """The step's allreduces are done, waited for by the framework itself (DDP, at the
+        end of backward): report the wait since the release, as `wait_for_gradients`
+        does, for the daemons that keep the nodes' phases in step."""
+        self._report_wait(time.monotonic() - self._released_at)
+
+    def _report_wait(self, waited: float) -> None:
         if self._released:  # the wait started as the device went to the other job
             self.client.note_wait(waited)
             self._released = False
-        return result
 
     def begin_update(self) -> None:
         """The gradients are averaged: the optimizer update holds the device."""

@@ -17,7 +17,8 @@ buffers, a join), so the slot is given up around them. Mapped onto `SlotLifecycl
     module forward done           release if DDP's post-forward syncs buffers
     DDP forward done              begin_compute: acquire (a no-op when held)
     the last bucket handed over   end_backward: device sync, release COMMUNICATE
-    backward done                 begin_update: acquire (after DDP waited for the buckets)
+    backward done                 allreduces_done (the wait), begin_update: acquire
+                                  (after DDP waited for the buckets)
 
 Which bucket is the last one, two ways:
 
@@ -194,7 +195,14 @@ class _SlotHooks:
         # that it runs after DDP's (a rank waiting while it holds its device can stall
         # another job's ranks, and so its own peers).
         queue = torch.autograd.Variable._execution_engine.queue_callback
-        queue(lambda: queue(self.life.begin_update))
+        queue(lambda: queue(self._buckets_reduced))
+
+    def _buckets_reduced(self) -> None:
+        """DDP has waited for every bucket: the update holds the device. The wait since
+        the release tells the daemons how far this node's turns run ahead of the others'
+        (`--align-phases`), as Horovod jobs' waits do."""
+        self.life.allreduces_done()
+        self.life.begin_update()
 
     def register_comm_hook(self, state: object, hook: Any) -> None:
         """The script's own hook: runs inside crossover's (DDP takes only one)."""

@@ -148,6 +148,22 @@ def test_the_wait_is_reported_only_after_a_release(monkeypatch):
     assert client.calls == ["acquire", "release communicate", "waited 0.25"]
 
 
+
+def test_a_wait_the_framework_made_itself_is_reported_from_the_release(monkeypatch):
+    # DDP waits for its buckets at the end of backward: from the release to then
+    wait = fake_waits(monkeypatch)
+    client = RecordingClient()
+    life = SlotLifecycle(client, None)
+
+    life.begin_compute()
+    life.end_backward()
+    wait(0.25)()
+    life.allreduces_done()
+    life.allreduces_done()  # once a release
+    life.begin_update()
+    assert client.calls == ["acquire", "release communicate", "waited 0.25", "acquire"]
+    SlotLifecycle(None, None).allreduces_done()  # crossover off: nothing to report
+
 @pytest.mark.parametrize("pays", [True, False])
 def test_quiet_wait_is_decided_by_one_method(monkeypatch, pays):
     quiet = []
