@@ -155,17 +155,22 @@ def main() -> None:
                 runtime = tmp / f"run-{arm}"
                 log = tmp / f"daemon-{arm}.log"
                 logs[arm] = DecisionLog(log)
+                if arm == "aligned":
+                    delays = DecisionLog(log, DecisionLog.DELAYS)
                 daemons.append(jobs.Daemons(cluster, runtime, POLICIES[arm], log) if args.mbit
                                else DaemonProcess(runtime, POLICIES[arm], log=log))
             runs.append(runner(arm, launch, runtime, args.workload, args.steps, job_env, tmp,
                                args.start_together))
         decided: dict[str, list[list[str]]] = {arm: [] for arm in logs}
+        delayed: list[list[int]] = []  # the aligned arm's corrections a run: leads, ms
         for pair in range(args.pairs):
             pair_times = [0.0, 0.0]
             for i in arm_order(2, pair):
                 pair_times[i] = runs[i](f"p{pair}")
                 if arms[i] in logs:
                     decided[arms[i]].append(logs[arms[i]].new())
+                if arms[i] == "aligned":
+                    delayed.append([int(ms) for ms in delays.new()])
             times.append((pair_times[0], pair_times[1]))
             print(f"  pair {pair + 1}/{args.pairs}: {arms[0]} {pair_times[0]:.2f} s, "
                   f"{arms[1]} {pair_times[1]:.2f} s ({pair_times[0] / pair_times[1]:.2f}x)",
@@ -176,6 +181,7 @@ def main() -> None:
         "steps": args.steps, "pairs": args.pairs, "start_together": args.start_together,
         "order": "pair i runs A then B for even i, B then A for odd i", **verdict,
         "decisions": {arm: d for arm, d in decided.items() if any(d)},
+        **({"aligned_delays_ms": delayed} if delayed else {}),
         "wall_s": time.monotonic() - started})
     a, b = arms
     print(f"{a} {verdict[f'{a}_median_s']:.2f} s, {b} {verdict[f'{b}_median_s']:.2f} s "

@@ -102,12 +102,14 @@ class DecisionLog:
     reason, in order (a daemon that serves many runs: what the latest run decided)."""
 
     PATTERN = re.compile(r" mode (?:antiphase|concurrent) for group \d+ \([^)]*\): (.*)$", re.M)
+    #: a node's hand-over delayed by the phase aligner (`--align-phases`): its lead, ms
+    DELAYS = re.compile(r"'s turns (\d+) ms ahead of another node's", re.M)
 
-    def __init__(self, log: Path) -> None:
-        self.log, self._read = log, 0
+    def __init__(self, log: Path, pattern: re.Pattern = PATTERN) -> None:
+        self.log, self._read, self.pattern = log, 0, pattern
 
     def new(self) -> list[str]:
         text = self.log.read_text(errors="replace") if self.log.exists() else ""
         end = text.rfind("\n") + 1  # a line still being written is read next time
-        found, self._read = self.PATTERN.findall(text[self._read:end]), max(end, self._read)
+        found, self._read = self.pattern.findall(text[self._read:end]), max(end, self._read)
         return found
