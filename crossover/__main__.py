@@ -282,12 +282,14 @@ def status_table(nodes: dict) -> str:
         newest = max(worlds, key=lambda w: w.get("generation", 0))
         detached = sorted(n for n, snap in nodes.items()
                           if not snap.get("world", {}).get("relay", True))
+        forming = [w["forming"] for w in worlds if w.get("forming") is not None]
         rows.append(f"world: {len(nodes)} of {worlds[0]['size']} nodes answer (generation "
                     f"{newest.get('generation', 0)}, leader {newest['leader_node']})"
                     + (f"; lost: {', '.join(lost)} (their ranks run uncoordinated until a "
                        f"daemon is back there)" if lost else "")
                     + (f"; no relay: {', '.join(detached)} (serving their ranks on until "
-                       f"the next generation)" if detached else ""))
+                       f"the next generation)" if detached else "")
+                    + (f"; forming generation {max(forming)}" if forming else ""))
     return "\n".join(rows)
 
 

@@ -94,6 +94,7 @@ class SlotLifecycle:
 
     def begin_compute(self) -> None:
         """Forward and backward hold the device (waits for the grant)."""
+        self._released = False  # a step that ended without its wait (it raised) reports none
         if self.client is not None:
             self.client.acquire()
 

@@ -200,7 +200,8 @@ class _SlotHooks:
     def _buckets_reduced(self) -> None:
         """DDP has waited for every bucket: the update holds the device. The wait since
         the release tells the daemons how far this node's turns run ahead of the others'
-        (`--align-phases`), as Horovod jobs' waits do."""
+        (`--align-phases`), as Horovod jobs' waits do. (With gloo DDP's wait blocks until
+        the allreduces are done; NCCL's would only order the streams and read near 0.)"""
         self.life.allreduces_done()
         self.life.begin_update()
 

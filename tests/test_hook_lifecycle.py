@@ -164,6 +164,12 @@ def test_a_wait_the_framework_made_itself_is_reported_from_the_release(monkeypat
     assert client.calls == ["acquire", "release communicate", "waited 0.25", "acquire"]
     SlotLifecycle(None, None).allreduces_done()  # crossover off: nothing to report
 
+    life.end_backward()  # a backward that raised after its release: no wait to report
+    life.begin_compute()
+    wait(1.0)()
+    life.allreduces_done()
+    assert not any(c == "waited 1" for c in client.calls)
+
 @pytest.mark.parametrize("pays", [True, False])
 def test_quiet_wait_is_decided_by_one_method(monkeypatch, pays):
     quiet = []

@@ -133,12 +133,12 @@ def test_a_member_no_generation_takes_back_leads_and_forms_one(monkeypatch):
     assert formed == [(["n0", "n1"], 5, "n1")]
 
 
-def test_a_successor_that_steps_down_ends_the_generation_it_was_forming(monkeypatch):
+def test_a_successor_that_steps_down_keeps_forming_its_newer_generation(monkeypatch):
     """n0's relay died (its service lives): n1 found n0 silent, succeeded it (epoch 2)
-    and started a generation (3) to bring n0 back. Then n0's own generation 2 reached
-    n1: n1 follows n0 again, and the generation it was forming is killed, not left to
-    form a world led by a daemon that no longer leads (it did, with a relay started on a
-    node whose service was just then being started again)."""
+    and started generation 3 to bring n0 back. Then n0's own generation 2 reached n1:
+    n1 follows n0, but generation 3 runs on (the newest generation wins at every
+    service: had n0 killed its generation 2 for n1's 3, killing 3 too would leave the
+    world without either), and once it forms, n1 leads it."""
     import crossover.daemon.member as member_mod
 
     started: list = []
@@ -164,7 +164,7 @@ def test_a_successor_that_steps_down_ends_the_generation_it_was_forming(monkeypa
     m.tick()
     assert [(g.epoch, g.nodes, g.leader) for g in started] == [(3, ["n1", "n2", "n0"], "n1")]
     m.attached(2, 1, ["n0", "n1", "n2"], 0)  # n0's generation, formed meanwhile
-    assert m.leader is None and started[0].killed
-    clock.t += 60.0
-    m.tick()
-    assert len(started) == 1  # a member forms nothing
+    assert m.leader is None and not started[0].killed
+    m.attached(3, 0, ["n1", "n2", "n0"], 0)  # and then its own
+    assert m.leader is not None and m.world.leads and m._forming is None
+    assert len(started) == 1 and not started[0].killed

@@ -156,5 +156,7 @@ def test_status_names_the_generation_the_lost_and_detached_nodes_and_each_groups
     assert table[-1] == ("world: 3 of 4 nodes answer (generation 2, leader n1); lost: n0 "
                          "(their ranks run uncoordinated until a daemon is back there); no "
                          "relay: n3 (serving their ranks on until the next generation)")
+    nodes["n1"]["world"] = {**world, "forming": 3}  # the leader brings n0 back
+    assert status_table(nodes).endswith("; forming generation 3")
 
 

@@ -175,18 +175,13 @@ class Member:
             self.peers.send_leader(("hold", *self._holdings()))
 
     def _step_down(self) -> None:
-        """No longer the leader: nor the generation it was forming (it would form a world
-        led by a daemon that follows another), nor the nodes it meant to bring back."""
+        # A generation it is forming runs on: the newest generation wins at every
+        # service, so it may still be the one the world settles on (killing it could
+        # leave none, where its rival's leader killed its own for this one), and if it
+        # forms, this daemon leads it.
         if self.leader is not None:
             self.leader.close()
             self.leader = None
-        if self._forming is not None:
-            log.warning("generation %d (%s), formed by this daemon as the leader: "
-                        "killed", self._forming.epoch, ", ".join(self._forming.nodes))
-            self._forming.kill()
-            self._forming = None
-        self._respawn.clear()
-        self._spawning = []
 
     def _detached(self, epoch: int) -> None:
         self._detached_at = self.clock()
@@ -263,7 +258,8 @@ class Member:
                 "epoch": self.world.epoch, "members": len(self.world.alive),
                 "lost": list(self.lost_nodes), "generation": self.peers.key[0],
                 "relay": self.peers.attached or not self.peers.relayed,
-                "relay_pid": self.peers.relay_pid}
+                "relay_pid": self.peers.relay_pid,
+                "forming": None if self._forming is None else self._forming.epoch}
 
     def _form(self) -> None:
         """The leader: form a generation with the nodes wanted and those due again, or

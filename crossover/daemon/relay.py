@@ -299,8 +299,10 @@ class Relay:
         started: subprocess.Popen | None = None
         sock: socket.socket | None = None
 
+        told = False  # that another daemon holds the node's lock
+
         def attempt() -> bool:
-            nonlocal sock, started
+            nonlocal sock, started, told
             try:
                 sock = connect(path, 2.0)
                 if dead is None or peer_credentials(sock)[1] != dead:
@@ -314,12 +316,21 @@ class Relay:
                 started = self._start_service(name)
             # it exited: stop waiting, unless another service was starting there (an
             # older generation's relay started one again): wait for that one to listen
-            return started.poll() not in (None, RUNNING_EXIT)
+            code = started.poll()
+            if code == RUNNING_EXIT and not told:
+                told = True
+                log.warning("relay of node %s: another daemon holds the node's lock (a "
+                            "service that another relay starts); waiting up to %g s for "
+                            "it to listen", name, SERVICE_START_S)
+            return code not in (None, RUNNING_EXIT)
         wait_until(attempt, SERVICE_START_S, Backoff(0.02, 0.5))
         if sock is None:
             code = None if started is None else started.poll()
             why = f"it exited with {code}" if code not in (None, RUNNING_EXIT) else \
-                f"none listened in {SERVICE_START_S:g} s"
+                f"none listened in {SERVICE_START_S:g} s" if code is None else \
+                (f"another daemon holds the node's lock but did not listen for relays in "
+                 f"{SERVICE_START_S:g} s (one started without mpirun in this runtime "
+                 f"directory? stop it with `crossover stop`)")
             raise ConnectionError(f"node {name}'s service at {path}: {why}")
         return sock
 
