@@ -148,7 +148,6 @@ def test_the_wait_is_reported_only_after_a_release(monkeypatch):
     assert client.calls == ["acquire", "release communicate", "waited 0.25"]
 
 
-
 def test_a_wait_the_framework_made_itself_is_reported_from_the_release(monkeypatch):
     # DDP waits for its buckets at the end of backward: from the release to then
     wait = fake_waits(monkeypatch)
@@ -169,6 +168,7 @@ def test_a_wait_the_framework_made_itself_is_reported_from_the_release(monkeypat
     wait(1.0)()
     life.allreduces_done()
     assert not any(c == "waited 1" for c in client.calls)
+
 
 @pytest.mark.parametrize("pays", [True, False])
 def test_quiet_wait_is_decided_by_one_method(monkeypatch, pays):

@@ -3,6 +3,7 @@ relay's link (pure logic: what is sent is recorded, nothing is delivered)."""
 
 from __future__ import annotations
 
+from crossover.daemon import member as member_mod
 from crossover.daemon.member import Member
 from crossover.daemon.world import Leader
 
@@ -34,6 +35,28 @@ class Link:
         for dest in range(self.size):
             if lost_too or dest not in self.lost:
                 self.send(dest, obj)
+
+
+class RecordedGeneration:
+    """A `Generation` that starts no mpirun: it records what it was asked to form."""
+
+    def __init__(self, nodes, epoch, leader, *_) -> None:
+        self.nodes, self.epoch, self.leader = nodes, epoch, leader
+        self.started_at, self.timeout_s, self.failed, self.killed = 0.0, 1e9, False, False
+
+    def kill(self) -> None:
+        self.killed = True
+
+
+def recorded_generations(monkeypatch) -> list[RecordedGeneration]:
+    """The generations the members form from now on, recorded (none started)."""
+    started: list[RecordedGeneration] = []
+
+    def record(*args) -> RecordedGeneration:
+        started.append(RecordedGeneration(*args))
+        return started[-1]
+    monkeypatch.setattr(member_mod, "Generation", record)
+    return started
 
 
 def member(name: str, clock: Clock, link: Link) -> Member:
@@ -107,17 +130,7 @@ def test_a_member_no_generation_takes_back_leads_and_forms_one(monkeypatch):
     """n1's relay is gone and so is its leader's whole node, before the leader formed a
     new generation: nothing would ever take n1 back. ORPHANED_S after its relay's loss
     n1 leads and forms a generation over every node it knows (before that, it waits)."""
-    import crossover.daemon.member as member_mod
-
-    formed: list[tuple] = []
-
-    class Recorded:
-        def __init__(self, nodes, epoch, leader, *_):
-            formed.append((nodes, epoch, leader))
-            self.epoch, self.nodes, self.started_at, self.timeout_s = epoch, nodes, 0.0, 1e9
-            self.failed = False
-
-    monkeypatch.setattr(member_mod, "Generation", Recorded)
+    started = recorded_generations(monkeypatch)
     clock, link = Clock(), Link()
     link.rank, link.size, link.leader = 1, 2, 0
     m = member("n1", clock, link)
@@ -126,11 +139,11 @@ def test_a_member_no_generation_takes_back_leads_and_forms_one(monkeypatch):
     m.route(1, ("detached", 3))
     clock.t = member_mod.ORPHANED_S - 1.0
     m.tick()
-    assert m.leader is None and formed == []  # the leader may still form one
+    assert m.leader is None and started == []  # the leader may still form one
     clock.t = member_mod.ORPHANED_S + 0.5
     m.tick()
     assert m.leader is not None and m.world.leads
-    assert formed == [(["n0", "n1"], 5, "n1")]
+    assert [(g.nodes, g.epoch, g.leader) for g in started] == [(["n0", "n1"], 5, "n1")]
 
 
 def test_a_successor_that_steps_down_keeps_forming_its_newer_generation(monkeypatch):
@@ -139,20 +152,7 @@ def test_a_successor_that_steps_down_keeps_forming_its_newer_generation(monkeypa
     n1 follows n0, but generation 3 runs on (the newest generation wins at every
     service: had n0 killed its generation 2 for n1's 3, killing 3 too would leave the
     world without either), and once it forms, n1 leads it."""
-    import crossover.daemon.member as member_mod
-
-    started: list = []
-
-    class Recorded:
-        def __init__(self, nodes, epoch, leader, *_):
-            self.epoch, self.nodes, self.leader = epoch, nodes, leader
-            self.started_at, self.timeout_s, self.failed, self.killed = 0.0, 1e9, False, False
-            started.append(self)
-
-        def kill(self):
-            self.killed = True
-
-    monkeypatch.setattr(member_mod, "Generation", Recorded)
+    started = recorded_generations(monkeypatch)
     clock, link = Clock(), Link()
     link.rank, link.size, link.leader = 1, 3, 0
     m = member("n1", clock, link)

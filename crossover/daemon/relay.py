@@ -326,11 +326,13 @@ class Relay:
         wait_until(attempt, SERVICE_START_S, Backoff(0.02, 0.5))
         if sock is None:
             code = None if started is None else started.poll()
-            why = f"it exited with {code}" if code not in (None, RUNNING_EXIT) else \
-                f"none listened in {SERVICE_START_S:g} s" if code is None else \
-                (f"another daemon holds the node's lock but did not listen for relays in "
-                 f"{SERVICE_START_S:g} s (one started without mpirun in this runtime "
-                 f"directory? stop it with `crossover stop`)")
+            why = f"none listened in {SERVICE_START_S:g} s"
+            if code == RUNNING_EXIT:
+                why = (f"another daemon holds the node's lock but did not listen for "
+                       f"relays in {SERVICE_START_S:g} s (one started without mpirun in "
+                       f"this runtime directory? stop it with `crossover stop`)")
+            elif code is not None:
+                why = f"it exited with {code}"
             raise ConnectionError(f"node {name}'s service at {path}: {why}")
         return sock
 
