@@ -180,14 +180,14 @@ def test_a_relays_death_costs_nothing_and_its_node_is_taken_back(cluster: Cluste
             wait_for(taken_back, 30, f"{node} in a new generation")
             assert status(cluster, "fake2")[node]["daemon"]["pid"] == service
 
-        def settled() -> bool:  # a member may have succeeded the leader meanwhile, and
+        def one_world() -> bool:  # a member may have succeeded the leader meanwhile, and
             # be forming a generation to take its node back: the newest one wins
             worlds = [s["world"] for s in status(cluster, "fake2").values()]
             return len(worlds) == 4 and all(
                 (w["generation"], w["leader_node"], w["lost"], w["relay"], w["forming"])
                 == (worlds[0]["generation"], worlds[0]["leader_node"], [], True, None)
                 for w in worlds)
-        wait_for(settled, 45, "one generation and one leader on every node, none forming")
+        wait_for(one_world, 45, "one generation and one leader on every node, none forming")
         # a service killed alone is started again by its relay, in the same generation
         snap = status(cluster, "fake2")["fake3"]
         os.kill(snap["daemon"]["pid"], signal.SIGKILL)
