@@ -15,6 +15,13 @@ class Clock:
     def __call__(self) -> float:
         return self.t
 
+    def run(self, m: Member, until: float) -> None:
+        """`m`'s serve loop runs to `until`, ticking every 0.5 s (a longer gap would be
+        a stall, which gives every peer a fresh allowance)."""
+        while self.t < until:
+            self.t = min(until, self.t + 0.5)
+            m.tick()
+
 
 class Link:
     """The service's side of a relay (`Uplink`'s interface), recording what is sent."""
@@ -74,8 +81,7 @@ def test_a_successor_brings_back_the_nodes_its_leader_had_yet_to():
     m.attached(4, 1, ["n0", "n1", "n2"], 0)
     m.route(0, ("members", [0, 1, 2], ["n3"]))
     assert m.lost_nodes == ["n3"]
-    clock.t = 6.0  # the leader silent past 5 s: n1 is next in line
-    m.tick()
+    clock.run(m, 6.0)  # the leader silent past 5 s: n1 is next in line
     assert m.leader is not None
     assert sorted(m._respawn) == ["n0", "n3"]
     # and it tells the members, so that its own successor would too
@@ -157,11 +163,9 @@ def test_a_successor_that_steps_down_keeps_forming_its_newer_generation(monkeypa
     link.rank, link.size, link.leader = 1, 3, 0
     m = member("n1", clock, link)
     m.attached(1, 1, ["n0", "n1", "n2"], 0)
-    clock.t = 6.0  # n0 silent past 5 s: n1 leads from epoch 2
-    m.tick()
+    clock.run(m, 6.0)  # n0 silent past 5 s: n1 leads from epoch 2
     assert m.leader is not None and m.world.epoch == 2
-    clock.t = 6.0 + member_mod.RESPAWN_S + 0.1
-    m.tick()
+    clock.run(m, 6.0 + member_mod.RESPAWN_S + 0.1)
     assert [(g.epoch, g.nodes, g.leader) for g in started] == [(3, ["n1", "n2", "n0"], "n1")]
     m.attached(2, 1, ["n0", "n1", "n2"], 0)  # n0's generation, formed meanwhile
     assert m.leader is None and not started[0].killed

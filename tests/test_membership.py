@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from crossover.daemon.membership import Membership
+from crossover.daemon.membership import Changes, Membership
 
 
 class Clock:
@@ -19,6 +19,22 @@ class Clock:
 def world(rank: int, size: int = 4) -> tuple[Membership, Clock]:
     clock = Clock()
     return Membership(rank, size, clock, beat_s=1.0, dead_after_s=4.0), clock
+
+
+def run_until(m: Membership, clock: Clock, until: float, hear: tuple[int, ...] = ()
+              ) -> Changes:
+    """The daemon runs to `until`, ticking every 0.5 s as the serve loop does, and
+    hears from `hear` before each tick; what the ticks found, merged."""
+    found = Changes()
+    while clock.t < until:
+        clock.t = min(until, clock.t + 0.5)
+        for r in hear:
+            m.heard(r)
+        changes = m.tick()
+        found.lost += changes.lost
+        found.took_over |= changes.took_over
+        found.stalled_s = max(found.stalled_s, changes.stalled_s)
+    return found
 
 
 def test_beats_go_to_the_leader_and_from_it_to_every_member():
@@ -54,31 +70,25 @@ def test_a_lost_leader_is_succeeded_by_the_lowest_live_member():
     table = []
     for rank in (1, 2, 3):
         m, clock = world(rank)
-        clock.t = 4.5
-        changes = m.tick()
+        changes = run_until(m, clock, 4.5, hear=(1, 2, 3))
         table.append((rank, m.leader, m.epoch, changes.took_over))
     assert table == [(1, 1, 1, True), (2, 1, 0, False), (3, 1, 0, False)]
 
 
 def test_a_successor_that_is_silent_too_is_passed_over():
     m, clock = world(3)
-    clock.t = 4.5
-    m.tick()
+    run_until(m, clock, 4.5)
     assert m.leader == 1 and not m.leads
-    clock.t = 8.0
-    assert not m.tick().took_over  # the successor's allowance runs from 4.5
-    clock.t = 9.0
-    m.tick()
+    assert not run_until(m, clock, 8.5).took_over  # the successor's allowance runs from 4.5
+    run_until(m, clock, 9.0)
     assert m.leader == 2
-    clock.t = 13.5
-    changes = m.tick()
+    changes = run_until(m, clock, 13.5)
     assert changes.took_over and m.leads and m.epoch == 1 and m.alive == {3}
 
 
 def test_members_follow_the_successor_and_answer_with_what_they_hold():
     m, clock = world(2)
-    clock.t = 4.5
-    m.tick()
+    run_until(m, clock, 4.5)
     changes = m.lead(1, 1)
     assert changes.follow == 1 and m.leader == 1 and m.epoch == 1
     # a stale claim changes nothing
@@ -93,8 +103,10 @@ def test_a_member_that_never_noticed_the_loss_follows_a_newer_leader():
 
 def test_a_resumed_old_leader_steps_down_on_hearing_a_newer_epoch():
     old, clock = world(0)
-    clock.t = 100.0  # it was stopped; everyone looks silent
-    assert old.tick().lost == [1, 2, 3] and old.leads
+    run_until(old, clock, 1.0, hear=(1, 2, 3))
+    clock.t = 100.0  # it was stopped: the silence it slept through costs no member
+    changes = old.tick()
+    assert changes.stalled_s == 99.0 and changes.lost == [] and old.leads
     old.heard(2)  # the first message after it resumed
     changes = old.newer(1, 1)  # its answer: daemon 2 follows daemon 1 at epoch 1
     assert changes.stepped_down and changes.follow == 1 and not old.leads
@@ -102,20 +114,40 @@ def test_a_resumed_old_leader_steps_down_on_hearing_a_newer_epoch():
 
 def test_a_claim_of_the_same_epoch_naming_a_lost_leader_is_ignored():
     m, clock = world(3)
-    clock.t = 4.5
-    m.tick()  # daemon 0 lost, 1 is next
+    run_until(m, clock, 4.5)  # daemon 0 lost, 1 is next
     assert m.newer(0, 0).follow is None and m.leader == 1
     assert m.newer(5, 0).follow == 0  # a later epoch: it came back and succeeded since
 
 
 def test_a_lost_member_heard_again_is_back():
     leader, clock = world(0)
-    clock.t = 5.0
-    for r in (1, 2):
-        leader.heard(r)
-    assert leader.tick().lost == [3]
+    assert run_until(leader, clock, 5.0, hear=(1, 2)).lost == [3]
     assert leader.heard(3).back == [3] and 3 in leader.alive
     assert leader.heard(3).back == []
+
+
+@pytest.mark.parametrize(("stall", "lost"), [
+    (2.0, [3]),   # a short gap in the ticks is no stall: 3's silence counts from 0
+    (6.0, []),    # a stall past dead_after_s / 2: everyone gets a fresh allowance
+])
+def test_silence_the_daemon_slept_through_loses_no_one(stall, lost):
+    leader, clock = world(0)
+    run_until(leader, clock, 2.5, hear=(1, 2))
+    clock.t += stall
+    changes = leader.tick()
+    assert changes.lost == lost and changes.stalled_s == (stall if stall > 2.0 else 0.0)
+
+
+def test_after_a_stall_silence_while_the_daemon_runs_counts_again():
+    leader, clock = world(0)
+    clock.t = 30.0
+    assert leader.tick().lost == []
+    assert run_until(leader, clock, 34.0, hear=(1, 2)).lost == []  # 4 s: not past
+    assert run_until(leader, clock, 34.5, hear=(1, 2)).lost == [3]
+    member, clock = world(2)
+    clock.t = 30.0
+    member.tick()
+    assert run_until(member, clock, 34.5).took_over is False and member.leader == 1
 
 
 def test_the_member_list_comes_from_the_leader_only():

@@ -299,6 +299,11 @@ class Member:
     # --- leaders and losses -----------------------------------------------------------------
     def _apply(self, changes: Changes) -> None:
         world = self.world
+        if changes.stalled_s:
+            log.warning("daemon %d (node %s) did not run for %.1f s (stopped, or the "
+                        "machine stalled): its peers get a fresh %.0f s before any counts "
+                        "as lost", self.peers.rank, self.name, changes.stalled_s,
+                        world.dead_after_s)
         if changes.stepped_down and self.leader is not None:
             log.warning("daemon %d follows daemon %d from epoch %d: no longer the leader",
                         self.peers.rank, world.leader, world.epoch)

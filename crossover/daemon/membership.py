@@ -19,6 +19,11 @@ the leader to every member, every `beat_s`; any message counts as a beat. The ru
   resumed after its succession) steps down and follows the newer one.
 - **A lost member that speaks again** (stopped, then resumed) is taken back: the leader
   says `lead` to it alone, and its holdings are merged like a successor's.
+- **Silence this daemon slept through is no sign of death.** The daemon ticks at least
+  every half second; a gap of over `dead_after_s / 2` between ticks means it did not run
+  (it was stopped, or the whole machine stalled), and its peers' beats may be unread or
+  not yet sent. Every peer then gets a fresh allowance, and only silence while this
+  daemon runs counts.
 
 Pure: time comes from an injected clock; the calls return what the daemon must do.
 """
@@ -40,6 +45,8 @@ class Changes:
         follow: this daemon now follows another leader: tell it what this node holds.
         stepped_down: this daemon led and now follows a newer leader.
         beat_to: ranks to send a heartbeat to now.
+        stalled_s: this daemon did not run for this long (0 if it did): every peer got
+            a fresh allowance.
     """
 
     lost: list[int] = field(default_factory=list)
@@ -48,6 +55,7 @@ class Changes:
     follow: int | None = None
     stepped_down: bool = False
     beat_to: list[int] = field(default_factory=list)
+    stalled_s: float = 0.0
 
 
 class Membership:
@@ -78,6 +86,7 @@ class Membership:
         self.alive: set[int] = set(range(size))  # as the leader last said, or found
         self._heard: dict[int, float] = dict.fromkeys(range(size), now)
         self._next_beat = now
+        self._ticked = now
 
     @property
     def leads(self) -> bool:
@@ -135,6 +144,10 @@ class Membership:
         """Beats due, and peers whose silence ran past `dead_after_s`."""
         out = Changes()
         now = self.clock()
+        if now - self._ticked > self.dead_after_s / 2:
+            out.stalled_s = now - self._ticked
+            self._heard = dict.fromkeys(self._heard, now)
+        self._ticked = now
         if now >= self._next_beat:
             self._next_beat = now + self.beat_s
             out.beat_to = sorted(self.alive - {self.rank}) if self.leads else \
