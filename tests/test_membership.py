@@ -127,10 +127,11 @@ def test_a_lost_member_heard_again_is_back():
 
 
 @pytest.mark.parametrize(("stall", "lost"), [
-    (2.0, [3]),   # a short gap in the ticks is no stall: 3's silence counts from 0
-    (6.0, []),    # a stall past dead_after_s / 2: everyone gets a fresh allowance
+    (2.0, [3]),   # a gap of dead_after_s / 2 is no stall: 3's silence counts from 0
+    (3.0, []),    # just past it: the gap is not counted (3 silent for 2.5 s)
+    (6.0, []),
 ])
-def test_silence_the_daemon_slept_through_loses_no_one(stall, lost):
+def test_silence_the_daemon_slept_through_is_not_counted(stall, lost):
     leader, clock = world(0)
     run_until(leader, clock, 2.5, hear=(1, 2))
     clock.t += stall
@@ -138,16 +139,37 @@ def test_silence_the_daemon_slept_through_loses_no_one(stall, lost):
     assert changes.lost == lost and changes.stalled_s == (stall if stall > 2.0 else 0.0)
 
 
-def test_after_a_stall_silence_while_the_daemon_runs_counts_again():
+def test_silence_before_and_after_a_stall_counts():
     leader, clock = world(0)
-    clock.t = 30.0
-    assert leader.tick().lost == []
-    assert run_until(leader, clock, 34.0, hear=(1, 2)).lost == []  # 4 s: not past
-    assert run_until(leader, clock, 34.5, hear=(1, 2)).lost == [3]
+    run_until(leader, clock, 3.0, hear=(1, 2))  # 3 silent from 0
+    clock.t = 6.0
+    assert leader.tick().lost == []  # 3 s of silence, not 6
+    assert run_until(leader, clock, 7.0, hear=(1, 2)).lost == []
+    assert run_until(leader, clock, 7.5, hear=(1, 2)).lost == [3]
     member, clock = world(2)
     clock.t = 30.0
-    member.tick()
-    assert run_until(member, clock, 34.5).took_over is False and member.leader == 1
+    assert member.tick().stalled_s == 30.0
+    assert not run_until(member, clock, 34.0).took_over and member.leader == 0
+    run_until(member, clock, 34.5)
+    assert member.leader == 1
+
+
+@pytest.mark.parametrize(("rank", "pass_s", "found_at"), [
+    (0, 3.0, 9.0),   # the leader: member 3 dead from 0, 1 and 2 heard every pass
+    (2, 2.6, 7.8),   # a member: its leader dead from 0, passed over
+])
+def test_a_loop_that_stays_slow_still_finds_the_dead(rank, pass_s, found_at):
+    """Every pass past dead_after_s / 2 looks like a stall; each silence is shortened
+    once only, so the dead are found one pass later than without the rule."""
+    m, clock = world(rank)
+    while clock.t < 60:
+        clock.t = round(clock.t + pass_s, 6)
+        for r in {1, 2} - {rank}:
+            m.heard(r)
+        changes = m.tick()
+        if changes.lost or m.leader != 0:
+            break
+    assert clock.t == found_at and (changes.lost == [3] if rank == 0 else m.leader == 1)
 
 
 def test_the_member_list_comes_from_the_leader_only():

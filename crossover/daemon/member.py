@@ -300,10 +300,10 @@ class Member:
     def _apply(self, changes: Changes) -> None:
         world = self.world
         if changes.stalled_s:
-            log.warning("daemon %d (node %s) did not run for %.1f s (stopped, or the "
-                        "machine stalled): its peers get a fresh %.0f s before any counts "
-                        "as lost", self.peers.rank, self.name, changes.stalled_s,
-                        world.dead_after_s)
+            log.warning("daemon %d (node %s): its loop did not come round for %.1f s "
+                        "(stopped, the machine stalled, or blocked): that gap does not "
+                        "count towards its peers' %.0f s of silence", self.peers.rank,
+                        self.name, changes.stalled_s, world.dead_after_s)
         if changes.stepped_down and self.leader is not None:
             log.warning("daemon %d follows daemon %d from epoch %d: no longer the leader",
                         self.peers.rank, world.leader, world.epoch)

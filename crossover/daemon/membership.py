@@ -19,11 +19,12 @@ the leader to every member, every `beat_s`; any message counts as a beat. The ru
   resumed after its succession) steps down and follows the newer one.
 - **A lost member that speaks again** (stopped, then resumed) is taken back: the leader
   says `lead` to it alone, and its holdings are merged like a successor's.
-- **Silence this daemon slept through is no sign of death.** The daemon ticks at least
-  every half second; a gap of over `dead_after_s / 2` between ticks means it did not run
-  (it was stopped, or the whole machine stalled), and its peers' beats may be unread or
-  not yet sent. Every peer then gets a fresh allowance, and only silence while this
-  daemon runs counts.
+- **Silence this daemon slept through is no sign of death.** Its serve loop comes round
+  at most every half second; a gap of over `dead_after_s / 2` between ticks means it did
+  not run (it was stopped, the whole machine stalled, or its loop was blocked), and its
+  peers' beats may be unread or not yet sent. Each peer's silence is then counted
+  without the gap, once per silence: a loop that stays slow still finds a dead peer,
+  one gap later.
 
 Pure: time comes from an injected clock; the calls return what the daemon must do.
 """
@@ -45,8 +46,8 @@ class Changes:
         follow: this daemon now follows another leader: tell it what this node holds.
         stepped_down: this daemon led and now follows a newer leader.
         beat_to: ranks to send a heartbeat to now.
-        stalled_s: this daemon did not run for this long (0 if it did): every peer got
-            a fresh allowance.
+        stalled_s: this daemon's loop did not come round for this long (0 if it did):
+            the peers' silence is counted without it.
     """
 
     lost: list[int] = field(default_factory=list)
@@ -87,6 +88,7 @@ class Membership:
         self._heard: dict[int, float] = dict.fromkeys(range(size), now)
         self._next_beat = now
         self._ticked = now
+        self._forgiven: set[int] = set()  # peers whose silence a stall already shortened
 
     @property
     def leads(self) -> bool:
@@ -101,7 +103,7 @@ class Membership:
         out = Changes()
         if not 0 <= source < self.size:
             return out  # not of this world (a test's stand-in peer)
-        self._heard[source] = self.clock()
+        self._fresh(source, self.clock())
         if source not in self.alive and source != self.rank:
             self.alive.add(source)
             if self.leads:
@@ -114,7 +116,7 @@ class Membership:
             return False
         now = self.clock()
         for r in set(alive) - self.alive:
-            self._heard[r] = now  # a peer back in the list gets a fresh allowance
+            self._fresh(r, now)  # a peer back in the list gets a fresh allowance
         self.alive = set(alive) | {self.rank}
         return True
 
@@ -126,7 +128,7 @@ class Membership:
         out.stepped_down = self.leads and source != self.rank
         self.leader, self.epoch = source, epoch
         self.alive.add(source)
-        self._heard[source] = self.clock()
+        self._fresh(source, self.clock())
         out.follow = source
         return out
 
@@ -146,7 +148,9 @@ class Membership:
         now = self.clock()
         if now - self._ticked > self.dead_after_s / 2:
             out.stalled_s = now - self._ticked
-            self._heard = dict.fromkeys(self._heard, now)
+            for r in self._heard.keys() - self._forgiven:
+                self._heard[r] = min(now, self._heard[r] + out.stalled_s)
+            self._forgiven |= self._heard.keys()
         self._ticked = now
         if now >= self._next_beat:
             self._next_beat = now + self.beat_s
@@ -161,15 +165,21 @@ class Membership:
             self.alive.discard(self.leader)
             self.leader = min(self.alive)  # this rank is always alive: never empty
             # the successor gets a full allowance from now to claim the lead
-            self._heard[self.leader] = now
+            self._fresh(self.leader, now)
             if self.leads:
                 self.epoch += 1
                 out.took_over = True
                 # members beat to the old leader until they hear of this one
-                self._heard.update(dict.fromkeys(self.alive, now))
+                for r in self.alive:
+                    self._fresh(r, now)
                 out.beat_to = sorted(self.alive - {self.rank})
                 self._next_beat = now + self.beat_s
         return out
+
+    def _fresh(self, peer: int, now: float) -> None:
+        """`peer`'s silence starts again at `now` (a later stall may shorten it again)."""
+        self._heard[peer] = now
+        self._forgiven.discard(peer)
 
     def next_deadline(self) -> float:
         """When `tick` may next have something to do."""
