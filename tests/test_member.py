@@ -16,8 +16,8 @@ class Clock:
         return self.t
 
     def run(self, m: Member, until: float) -> None:
-        """`m`'s serve loop runs to `until`, ticking every 0.5 s (a longer gap would be
-        a stall, which gives every peer a fresh allowance)."""
+        """`m`'s serve loop runs to `until`, ticking every 0.5 s (a gap over half the
+        silence limit would be a stall, which the peers' silence leaves out)."""
         while self.t < until:
             self.t = min(until, self.t + 0.5)
             m.tick()
