@@ -41,9 +41,10 @@ from common import DecisionLog, arm_order, stop_all, write_result  # noqa: E402
 from crossover.launch.local import DaemonProcess  # noqa: E402
 
 #: The arms that run under a daemon, and its policy (`aligned`: always antiphase with
-#: the hosts' phases kept in step, `--align-phases`; emulated hosts only).
+#: the hosts' phases kept in step, `--align-phases`; emulated hosts only; `unshared`:
+#: auto, with concurrent CPU jobs on one host sharing all its cores, `--no-core-shares`).
 POLICIES = {"off": "off", "crossover": "crossover", "auto": "auto",
-            "aligned": "crossover --align-phases"}
+            "aligned": "crossover --align-phases", "unshared": "auto --no-core-shares"}
 ARMS = ("sequential", "plain", *POLICIES)
 
 
@@ -158,7 +159,8 @@ def main() -> None:
                 if arm == "aligned":
                     delays = DecisionLog(log, DecisionLog.DELAYS)
                 daemons.append(jobs.Daemons(cluster, runtime, POLICIES[arm], log) if args.mbit
-                               else DaemonProcess(runtime, POLICIES[arm], log=log))
+                               else DaemonProcess(runtime, POLICIES[arm].split()[0], log=log,
+                                                  options=POLICIES[arm].split()[1:]))
             runs.append(runner(arm, launch, runtime, args.workload, args.steps, job_env, tmp,
                                args.start_together))
         decided: dict[str, list[list[str]]] = {arm: [] for arm in logs}

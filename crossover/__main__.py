@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the nodes' antiphase turns in step: a node whose turns run "
                         "ahead hands its device over later, once (from the ranks' "
                         "allreduce waits; experimental, off by default)")
+    d.add_argument("--no-core-shares", dest="core_shares", action="store_false",
+                   help="policy auto: let CPU jobs served concurrently on one host share "
+                        "all its cores (by default each gets its own share of them)")
 
     d.add_argument("--node", default=None, metavar="NAME",
                    help="the node this daemon serves (default: $CROSSOVER_NODE, else this "
@@ -204,7 +207,8 @@ def _daemon(args: argparse.Namespace) -> int:
                         idle_shutdown_s=args.idle_shutdown, runtime_dir=args.runtime_dir,
                         cpu_devices=args.cpu_devices, mode_probe_s=args.mode_probe,
                         mode_hold_s=args.mode_hold, mode_probe_local=args.mode_probe_local,
-                        align_phases=args.align_phases, hello_timeout_s=args.hello_timeout,
+                        align_phases=args.align_phases, core_shares=args.core_shares,
+                        hello_timeout_s=args.hello_timeout,
                         relayed=args.service, argv=sys.argv[1:])
     except (ValueError, PermissionError) as exc:  # a bad setting, or runtime directory
         print(f"crossover daemon: {exc}", file=sys.stderr)

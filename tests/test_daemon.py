@@ -16,7 +16,7 @@ import pytest
 
 from crossover import protocol as P
 from crossover.client import CrossoverVersionError, RankInfo, SlotClient
-from crossover.protocol import Phase
+from crossover.protocol import Mode, Phase
 from crossover.trace import TraceRecorder, load
 from crossover.transport import FrameBuffer, recv_msg
 from tests.conftest import PY, REPO, Cluster, wait_for
@@ -610,3 +610,31 @@ def test_ranks_report_their_waits_only_to_daemons_that_align(cluster: Cluster, a
         assert [type(m) for m in sent] == ([P.Waited] if align else []), sent
         a.close()
         b.close()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to split")
+@pytest.mark.parametrize("shares", [True, False])
+def test_concurrent_cpu_jobs_get_core_shares_unless_switched_off(cluster: Cluster, shares):
+    """Policy auto serves two CPU jobs of this host concurrently; each is told a share of
+    the host's cores, or none with `--no-core-shares`."""
+    host = os.sched_getaffinity(0)  # a share pins this process: give it back after
+    try:
+        with cluster.daemon(policy="auto", extra=() if shares else ("--no-core-shares",)):
+            a, b = client(cluster, "a"), client(cluster, "b")
+
+            def told() -> bool:  # both have heard of the other, in concurrent mode
+                for c in (a, b):
+                    c.acquire()
+                    c.release(Phase.COMMUNICATE)
+                return all(not c._alone and c._mode is Mode.CONCURRENT for c in (a, b))
+
+            wait_for(told, 30, "the company notices")
+            got = [a._pinning.share, b._pinning.share]
+            if shares:
+                assert all(got) and not set(got[0]) & set(got[1]), got
+            else:
+                assert got == [[], []]
+            a.close()
+            b.close()
+    finally:
+        os.sched_setaffinity(0, host)

@@ -53,12 +53,14 @@ class Ranks:
         aligning: the daemons align the nodes' phases (ranks report their waits).
         deciding: the mode is decided from step rates (ranks report their steps).
         clock: monotonic clock.
+        core_shares: give each concurrent CPU job on this host its own cores (`_shares`).
     """
 
     def __init__(self, node: Node, sched: SlotScheduler, table: TableSync,
                  conns: Connections, peers: Uplink, aligning: bool, deciding: bool,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], core_shares: bool = True) -> None:
         self.node, self.sched, self.table, self.conns = node, sched, table, conns
+        self.core_shares = core_shares
         self.peers, self.aligning, self.deciding, self.clock = peers, aligning, deciding, clock
         self.by_key: dict[tuple[str, int], RankConn] = {}
         self.orders: dict[str, int] = {}  # global job order, decided by the leader
@@ -315,7 +317,8 @@ class Ranks:
     def _shares(self) -> dict[str, list[int]]:
         """Each job's cores on this host (`crossover.placement`), while `auto` serves
         CPU jobs that all live on this host concurrently; otherwise none."""
-        if not (self.sched.policy.adaptive and self.sched.mode == Mode.CONCURRENT):
+        if not (self.core_shares and self.sched.policy.adaptive
+                and self.sched.mode == Mode.CONCURRENT):
             return {}
         ranks: dict[str, int] = {}
         for (job, _), conn in self.by_key.items():

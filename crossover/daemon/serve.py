@@ -63,6 +63,8 @@ class Daemon:
         mode_hold_s: policy auto: how long a mode decision holds before a re-probe.
         mode_probe_local: policy auto: probe jobs whose ranks all share one host's CPU
             too (by default they are served concurrently without a probe).
+        core_shares: policy auto: CPU jobs served concurrently on this host each get
+            their own share of its cores (False: all share every core).
         hello_timeout_s: a connection that neither says hello nor asks for status within
             this long is dropped (a stalled or hostile client holds no descriptor long).
         beat_s: how often the daemons of a world tell each other they live.
@@ -89,6 +91,7 @@ class Daemon:
         mode_hold_s: float = 30.0,
         mode_probe_local: bool = False,
         align_phases: bool = False,
+        core_shares: bool = True,
         hello_timeout_s: float = 10.0,
         beat_s: float = 1.0,
         dead_after_s: float = 5.0,
@@ -129,7 +132,8 @@ class Daemon:
                              log_path=self.path.parent / "daemon.log" if relayed else None,
                              beat_s=beat_s, dead_after_s=dead_after_s)
         self.ranks = Ranks(self.node, self.sched, self.table, self.conns, self.peers,
-                           aligning=aligning, deciding=policy_.adaptive, clock=clock)
+                           aligning=aligning, deciding=policy_.adaptive, clock=clock,
+                           core_shares=core_shares)
         self.handovers_delayed = 0  # on this node, by the leader's corrections
         self._status_waits: dict[int, tuple[RankConn, dict, float]] = {}
         self._status_token = 0

@@ -70,6 +70,7 @@ class DaemonProcess:
         runtime_dir: socket directory to use (a fresh one isolates a run).
         policy, lease_s, idle_shutdown_s: passed to `crossover daemon`.
         log: file for the daemon's output.
+        options: more arguments for `crossover daemon` (e.g. ["--no-core-shares"]).
 
     Raises:
         ValueError: a CROSSOVER_* value the daemon would refuse, one line each.
@@ -78,13 +79,13 @@ class DaemonProcess:
 
     def __init__(self, runtime_dir: Path, policy: str = "auto", lease_s: float = 30.0,
                  idle_shutdown_s: float | None = None, log: Path | None = None,
-                 timeout_s: float = 60.0) -> None:
+                 timeout_s: float = 60.0, options: Sequence[str] = ()) -> None:
         self.runtime_dir = Path(runtime_dir)
         bad = E.check("daemon")  # the daemon would exit with them: say so, not "timed out"
         if bad:
             raise ValueError("\n".join(bad))
         cmd = [sys.executable, "-m", "crossover", "daemon", "--policy", policy,
-               "--lease", str(lease_s), "--runtime-dir", str(self.runtime_dir)]
+               "--lease", str(lease_s), "--runtime-dir", str(self.runtime_dir), *options]
         if idle_shutdown_s is not None:
             cmd += ["--idle-shutdown", str(idle_shutdown_s)]
         self._log = open(log or os.devnull, "w")  # noqa: SIM115 - closed in stop()
