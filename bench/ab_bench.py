@@ -110,7 +110,7 @@ def main() -> None:
     parser.add_argument("--arms", default="plain,auto",
                         help=f"two of {', '.join(ARMS)}, comma-separated (A,B)")
     parser.add_argument("--mbit", type=float, default=2000.0,
-                        help="link rate of the emulated hosts; 0: one host, as make demo")
+                        help="link rate of the emulated hosts; 0: both jobs on this host")
     parser.add_argument("--workload", default="mlp", help="a workload, or a+b for a pair")
     parser.add_argument("--pairs", type=int, default=8)
     parser.add_argument("--steps", type=int, default=100, help="steps per job")

@@ -7,19 +7,16 @@ one host.
 Two emulated hosts (network namespaces, one CPU core each, a veth link shaped with tc);
 each job has one rank per host and averages its gradients over the link (Horovod's Gloo
 over TCP; a `ddp-` workload is a PyTorch DDP job, torchrun on each host meeting at a
-static rendezvous, gloo over TCP); one crossover daemon per host. `--one-host` adds the
-`make demo` setting as rows with `mbit` 0: the jobs' two ranks on this host under mpirun
-(or torchrun), no shaped link. A
-workload `a+b` pairs different models (job A runs a, job B runs b). For each workload
-and setting, side by side, repeated:
+static rendezvous, gloo over TCP); one crossover daemon per host. `--one-host` adds rows
+with `mbit` 0: each job's two ranks on this host, no shaped link. A workload `a+b` pairs
+two models (job A runs a, job B runs b). For each workload and setting, side by side:
 
     solo            each job alone, plain Horovod (or torchrun); sequential = their sum
     overhead        job A alone under the daemon, against the plain solo
     uncoordinated   the jobs at once, hooks on, daemon policy off
     plain together  the jobs at once, plain Horovod (or torchrun)
     crossover       the jobs at once, daemon policy crossover (always antiphase)
-    auto            the jobs at once, daemon policy auto (the default: it measures and
-                    chooses antiphase or concurrent grants)
+    auto            the jobs at once, daemon policy auto (the default)
 
 and the bound max(sum of compute, sum of communication) from the solo runs' own split.
 Medians over the repetitions; writes bench/results/crossover.json, crossover_speedup.png
@@ -257,12 +254,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help="MLP at 500 Mbit/s and on one host, 1 repetition (~4 minutes)")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=60,
-                        help="steps per job: the auto policy measures for about 10 of them")
+    parser.add_argument("--steps", type=int, default=60, help="steps per job")
     parser.add_argument("--mbit", default="2000,1000,500",
                         help="link rates to sweep, Mbit/s, comma-separated ('' for none)")
     parser.add_argument("--one-host", action="store_true",
-                        help="add the make-demo setting: both jobs' ranks on this host")
+                        help="add rows with both jobs' ranks on this host, no link")
     parser.add_argument("--delay-ms", type=float, default=0.0,
                         help="one-way link delay (needs tc netem in the kernel)")
     parser.add_argument("--workloads", default="mlp,cnn,transformer",
@@ -323,7 +319,7 @@ def main() -> None:
                 finally:
                     stop_all(daemons)
         if args.one_host:
-            print("one host (no shaped link, as make demo)", flush=True)
+            print("one host (no shaped link)", flush=True)
             local = [DaemonProcess(tmp / f"local-{p}", p, log=tmp / f"local-{p}.log")
                      for p in policy_arms.values()]
             try:

@@ -76,7 +76,7 @@ def test_simulating_with_the_measured_compute_reproduces_each_stage_f_and_b(f_sc
     measured it (here: each stage's simulated F and B scaled), with the runner's own
     cost per action as calibrated; it must land on exactly those seconds."""
     sys.path.insert(0, str(REPO / "bench"))
-    from pipeline_bench import REAL_MICRO, with_measured_compute
+    from pipeline_real import REAL_MICRO, with_measured_compute
 
     from crossover.pipeline import Graph, schedule_for, simulate
     from crossover.pipeline.models import build
