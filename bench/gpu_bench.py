@@ -45,10 +45,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cluster import local_gloo_run  # noqa: E402
 from common import RESULTS, write_result  # noqa: E402
 from gpu_release import check_run  # noqa: E402
 from jobs import is_ddp, makespan, run_jobs, torchrun_standalone  # noqa: E402
+from rank_launch import local_gloo_run  # noqa: E402
 
 from crossover import trace  # noqa: E402
 from crossover.launch.local import DaemonProcess  # noqa: E402

@@ -150,7 +150,7 @@ def run_jobs(launch: EmulatedCluster | Callable[[list[str]], list[str]], names: 
 
     Args:
         launch: the emulated cluster (one rank per host each), or a function that turns a
-            job's command into its launch line (e.g. `cluster.local_gloo_run`).
+            job's command into its launch line (e.g. `rank_launch.local_gloo_run`).
         steps: every job's training steps, or each job's own.
         job_env: the jobs' base environment (default: JOB_ENV, for one core a host).
         workloads: per job, its own workload arguments (default: `workload` for all).

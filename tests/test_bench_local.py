@@ -1,4 +1,4 @@
-"""The benchmarks' one-host Gloo launch (`cluster.local_gloo_run`), with real Horovod jobs.
+"""The benchmarks' one-host Gloo launch (`rank_launch.local_gloo_run`), with real Horovod jobs.
 
 bench/gpu_bench.py launches its jobs this way on a GPU machine (no MPI there); here the
 same jobs run on the CPU: the weights each job trains under crossover, beside the other
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from cluster import local_gloo_run  # noqa: E402
 from jobs import run_jobs  # noqa: E402
+from rank_launch import local_gloo_run  # noqa: E402
 
 from crossover import trace  # noqa: E402
 from crossover.launch.local import DaemonProcess  # noqa: E402
