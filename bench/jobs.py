@@ -55,7 +55,7 @@ TRANSPORT = os.environ.get("CROSSOVER_BENCH_TRANSPORT", "gloo")
 TORCH_EXIT_ABORT = "terminate called without an active exception"
 #: Horovod's background cycle: its default 1 ms polling competes for the host's only core.
 JOB_ENV = {"HOROVOD_CYCLE_TIME": "5", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-#: One host (as `make demo`): MPI ranks yield when they wait (see examples/demo.py).
+#: One host: MPI ranks yield when they wait (several ranks share each core).
 ONE_HOST_ENV = {**JOB_ENV, "OMPI_MCA_mpi_yield_when_idle": "1"}
 
 
@@ -73,7 +73,7 @@ def cluster_launch(cluster: EmulatedCluster) -> Callable[[list[str]], list[str]]
 
 def one_host_launch(argv: list[str]) -> list[str]:
     """A job's command as two ranks on this host: a DDP job under torchrun, a Horovod job
-    under mpirun (the `make demo` fallback; run it with ONE_HOST_ENV)."""
+    under mpirun (`make demo` where it cannot build emulated hosts; with ONE_HOST_ENV)."""
     return torchrun_standalone(2, argv) if is_ddp(argv) else mpirun(2, *argv)
 
 
