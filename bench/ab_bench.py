@@ -15,9 +15,10 @@ how likely as many pairs or more would favour one arm if the arms were equally f
 Arms: `sequential` (each job alone, plain Horovod, one after the other: the sum of
 their times), `plain` (the jobs at once, plain Horovod), and the daemon policies `off`
 (hooks on, every request granted), `crossover` (always antiphase), `aligned` (always
-antiphase, the hosts' phases aligned: `--align-phases`) and `auto` (the default).
-`--mbit 0` runs on this host, as `make demo` does; otherwise on the emulated two-host
-cluster of `crossover_bench.py`, with its jobs and environment (`jobs.py`).
+antiphase, the hosts' phases aligned: `--align-phases`), `auto` (the default) and
+`unshared` (auto, concurrent CPU jobs on one host left without core shares:
+`--no-core-shares`). `--mbit 0` runs both jobs on this host; otherwise on the emulated
+two-host cluster of `crossover_bench.py`, with its jobs and environment (`jobs.py`).
 Writes bench/results/ab_<name>.json (default name: the arms, workload and setting).
 """
 
@@ -126,6 +127,9 @@ def main() -> None:
                      f"e.g. --arms plain,auto")
     if "aligned" in arms and not args.mbit:
         parser.error("--arms aligned aligns the hosts' phases: give --mbit (emulated hosts)")
+    if "unshared" in arms and args.mbit:
+        parser.error("--arms unshared differs from auto only where jobs share one host's "
+                     "cores: give --mbit 0")
     unknown = set(args.workload.split("+")) - set(jobs.WORKLOADS)
     if unknown or args.workload.count("+") > 1:
         parser.error(f"--workload {args.workload!r}: one of {list(jobs.WORKLOADS)}, or two "

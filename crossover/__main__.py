@@ -75,8 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "ahead hands its device over later, once (from the ranks' "
                         "allreduce waits; experimental, off by default)")
     d.add_argument("--no-core-shares", dest="core_shares", action="store_false",
-                   help="policy auto: let CPU jobs served concurrently on one host share "
-                        "all its cores (by default each gets its own share of them)")
+                   help="policy auto: leave CPU jobs served concurrently on one host where "
+                        "their launchers put them (by default each gets cores of its own)")
 
     d.add_argument("--node", default=None, metavar="NAME",
                    help="the node this daemon serves (default: $CROSSOVER_NODE, else this "

@@ -16,6 +16,7 @@ import pytest
 
 from crossover import protocol as P
 from crossover.client import CrossoverVersionError, RankInfo, SlotClient
+from crossover.placement import pin_process
 from crossover.protocol import Mode, Phase
 from crossover.trace import TraceRecorder, load
 from crossover.transport import FrameBuffer, recv_msg
@@ -617,11 +618,10 @@ def test_ranks_report_their_waits_only_to_daemons_that_align(cluster: Cluster, a
 def test_concurrent_cpu_jobs_get_core_shares_unless_switched_off(cluster: Cluster, shares):
     """Policy auto serves two CPU jobs of this host concurrently; each is told a share of
     the host's cores, or none with `--no-core-shares`."""
-    host = os.sched_getaffinity(0)  # a share pins this process: give it back after
-    try:
-        with cluster.daemon(policy="auto", extra=() if shares else ("--no-core-shares",)):
-            a, b = client(cluster, "a"), client(cluster, "b")
-
+    host = sorted(os.sched_getaffinity(0))  # a share pins this process: give it back after
+    with cluster.daemon(policy="auto", extra=() if shares else ("--no-core-shares",)):
+        a, b = client(cluster, "a"), client(cluster, "b")
+        try:
             def told() -> bool:  # both have heard of the other, in concurrent mode
                 for c in (a, b):
                     c.acquire()
@@ -634,7 +634,7 @@ def test_concurrent_cpu_jobs_get_core_shares_unless_switched_off(cluster: Cluste
                 assert all(got) and not set(got[0]) & set(got[1]), got
             else:
                 assert got == [[], []]
+        finally:
             a.close()
             b.close()
-    finally:
-        os.sched_setaffinity(0, host)
+            pin_process(host)  # every thread, as the share was applied

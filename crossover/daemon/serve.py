@@ -64,7 +64,7 @@ class Daemon:
         mode_probe_local: policy auto: probe jobs whose ranks all share one host's CPU
             too (by default they are served concurrently without a probe).
         core_shares: policy auto: CPU jobs served concurrently on this host each get
-            their own share of its cores (False: all share every core).
+            their own share of its cores (False: where their launchers put them).
         hello_timeout_s: a connection that neither says hello nor asks for status within
             this long is dropped (a stalled or hostile client holds no descriptor long).
         beat_s: how often the daemons of a world tell each other they live.
