@@ -43,7 +43,8 @@ from crossover.launch.local import DaemonProcess  # noqa: E402
 
 #: The arms that run under a daemon, and its policy (`aligned`: always antiphase with
 #: the hosts' phases kept in step, `--align-phases`; emulated hosts only; `unshared`:
-#: auto, with concurrent CPU jobs on one host sharing all its cores, `--no-core-shares`).
+#: auto, concurrent CPU jobs on one host left where their launchers put them,
+#: `--no-core-shares`).
 POLICIES = {"off": "off", "crossover": "crossover", "auto": "auto",
             "aligned": "crossover --align-phases", "unshared": "auto --no-core-shares"}
 ARMS = ("sequential", "plain", *POLICIES)
@@ -162,9 +163,9 @@ def main() -> None:
                 logs[arm] = DecisionLog(log)
                 if arm == "aligned":
                     delays = DecisionLog(log, DecisionLog.DELAYS)
+                policy, *options = POLICIES[arm].split()
                 daemons.append(jobs.Daemons(cluster, runtime, POLICIES[arm], log) if args.mbit
-                               else DaemonProcess(runtime, POLICIES[arm].split()[0], log=log,
-                                                  options=POLICIES[arm].split()[1:]))
+                               else DaemonProcess(runtime, policy, log=log, options=options))
             runs.append(runner(arm, launch, runtime, args.workload, args.steps, job_env, tmp,
                                args.start_together))
         decided: dict[str, list[list[str]]] = {arm: [] for arm in logs}

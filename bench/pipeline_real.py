@@ -25,13 +25,13 @@ from typing import Any
 
 import torch
 import torch_pipelining_peer as peer
+from common import REPO
 
 from crossover.launch import local
 from crossover.pipeline import Costs, Graph, calibrate, plan_for, schedule_for, simulate
 from crossover.pipeline.plan import Plan
 from crossover.pipeline.simulate import SimResult
 
-REPO = Path(__file__).resolve().parents[1]
 REAL_BATCH, REAL_MICRO = 64, 8
 PEER_WARMUP, PEER_ITERS = 2, 20
 # A real run's first iterations pay its start-up (allocator, caches, lazy init): with one
