@@ -77,12 +77,20 @@ def report(results: dict[str, list[dict]], link_s: float) -> None:
           "from the solo runs")
 
 
-def explain_holds(events: list[dict], results: dict[str, list[dict]], steps: int) -> None:
-    """Where crossover's makespan goes: how much of the time each device was held, and
-    each job's hold against its compute a step alone (a hold longer than that compute is
-    the cost of sharing the device's host, which no order of turns removes)."""
+def explain_holds(events: list[dict], results: dict[str, list[dict]], steps: int,
+                  emulated: bool) -> None:
+    """Where crossover's makespan goes: how much of the time each device was held, each
+    job's hold against its compute a step alone (a hold longer than that compute is the
+    cost of sharing the device's host, which no order of turns removes) and, on the
+    emulated hosts, how busy host 0's core was (near 100 %: only less CPU work, such as
+    the communication's own, would make the run shorter)."""
     held = ", ".join(f"{dev} {100 * share:.1f} %" for dev, share in trace.busy(events).items())
     print(f"\ndevices held under crossover: {held} of the time")
+    if emulated:  # each job's rank 0 (which reports) runs on host 0's only core
+        runs = results["crossover"]
+        cpu, span = sum(r["cpu_s"] for r in runs), jobs.makespan(runs)
+        print(f"host 0's core under crossover: its ranks used {cpu:.1f} s of CPU in the "
+              f"{span:.1f} s run ({100 * cpu / span:.0f} %)")
     holds: dict[str, list[float]] = {}
     for spans in trace.holds_by_device(events).values():
         for start, end, job, _ in spans:
@@ -138,7 +146,7 @@ def main() -> None:
     events = trace.merge(sorted(traces.glob("*.json")), merged)
     gantt = args.out / "crossover_gantt.png"
     trace.plot_gantt(events, gantt, title="slot holds per device, two jobs under crossover")
-    explain_holds(events, results, args.steps)
+    explain_holds(events, results, args.steps, cluster is not None)
     modes = [ev["name"] for ev in events if ev.get("ph") == "i"]
     print(f"\nmode switches seen by the ranks: {len(modes)}; the daemon's decisions: "
           f"grep mode {args.out / 'daemon.log'}")
