@@ -13,10 +13,13 @@ times a run, in three ways:
     horovod_quiet   hvd.allreduce_async_ and the hooks' quiet wait (polls with sleeps),
                     as a job waits under crossover in turns
     torch_gloo      torch.distributed.all_reduce over gloo (what DDP's buckets use)
+    horovod_idle    no allreduce: a 50 ms sleep in its place, with Horovod's background
+                    cycle running (HOROVOD_CYCLE_TIME as the benchmark jobs set it), as
+                    a job waiting for its turn costs the core
 
-Rank 0 reports, per allreduce, the wall time and its process's CPU time (user and
-system); the result holds every run and the medians over `--runs` runs, the ways in a
-balanced order (`common.arm_order`).
+Rank 0 reports, per step (an allreduce, or the sleep), the wall time and its process's
+CPU time (user and system); the result holds every run and the medians over `--runs`
+runs, the ways in a balanced order (`common.arm_order`).
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ import jobs  # noqa: E402
 from cluster import EmulatedCluster  # noqa: E402
 from common import arm_order, write_result  # noqa: E402
 
-WAYS = ("horovod_wait", "horovod_quiet", "torch_gloo")
+WAYS = ("horovod_wait", "horovod_quiet", "torch_gloo", "horovod_idle")
+#: What horovod_idle does in place of each allreduce (s).
+IDLE_STEP_S = 0.05
 #: Allreduces before the timed ones (Horovod's first negotiation, gloo's connections).
 WARMUP = 3
 
@@ -75,6 +80,9 @@ def worker(way: str, floats: int, steps: int) -> None:
         rank = hvd.rank()
 
         def allreduce() -> None:
+            if way == "horovod_idle":
+                time.sleep(IDLE_STEP_S)
+                return
             if way == "horovod_wait":
                 hvd.allreduce_(tensor, name="grads")
                 return
@@ -135,7 +143,7 @@ def main() -> None:
                 r = runs[WAYS[i]][-1]
                 print(f"run {rep + 1}/{args.runs} {WAYS[i]:<14} wall {r['wall_ms']:6.1f} ms "
                       f"cpu {r['cpu_ms']:5.1f} ms (user {r['user_ms']:.1f}, "
-                      f"sys {r['sys_ms']:.1f}) an allreduce", flush=True)
+                      f"sys {r['sys_ms']:.1f}) a step", flush=True)
     medians = {way: {key: statistics.median(r[key] for r in rs) for key in rs[0]}
                for way, rs in runs.items()}
     for way, m in medians.items():
@@ -143,7 +151,7 @@ def main() -> None:
               f"({100 * m['cpu_ms'] / m['wall_ms']:.0f} % of a core)")
     path = write_result(args.name, {
         "mbit": args.mbit, "floats": floats, "steps": args.steps, "runs": args.runs,
-        "per_allreduce_medians": medians, "per_run": runs})
+        "per_step_medians": medians, "per_run": runs})
     print(f"wrote {path}")
 
 

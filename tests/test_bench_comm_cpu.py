@@ -32,7 +32,7 @@ def test_every_way_runs_across_the_hosts_and_is_written(tmp_path):
     from comm_cpu import WAYS, gradient_floats
 
     assert doc["floats"] == gradient_floats() > 1_000_000  # the demo's MLP gradients
-    assert set(doc["per_run"]) == set(WAYS) == set(doc["per_allreduce_medians"])
+    assert set(doc["per_run"]) == set(WAYS) == set(doc["per_step_medians"])
     for way in WAYS:
         (run,) = doc["per_run"][way]
         assert run["wall_ms"] > 0 and run["cpu_ms"] == pytest.approx(
