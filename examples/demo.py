@@ -74,7 +74,8 @@ def report(results: dict[str, list[dict]], link_s: float) -> None:
               f"{speed:>14}")
     print(f"{'bound (see below)':<58}{bound:>12.1f}{sequential / bound:>14.2f}")
     print("bound: max(sum of compute, sum of communication, the link's transfer time), "
-          "from the solo runs")
+          "from the solo runs; it counts communication as free of CPU, which it is not on "
+          "one core (bench/comm_cpu.py)")
 
 
 def explain_holds(events: list[dict], results: dict[str, list[dict]], steps: int,
