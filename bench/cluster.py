@@ -55,7 +55,8 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def cleanup_stale(hosts_file: Path = HOSTS_FILE) -> list[str]:
-    """Remove namespaces and hosts lines left by earlier runs that were SIGKILLed.
+    """Remove namespaces, hosts lines and Open MPI session directories left by earlier runs
+    that were SIGKILLed.
 
     Only names carrying this module's marker in `hosts_file` are touched, and only those
     whose owner process (the pid on the line) is gone: a cluster in use is left alone.
@@ -68,9 +69,22 @@ def cleanup_stale(hosts_file: Path = HOSTS_FILE) -> list[str]:
             and not _owner_alive(ln)]
     for ln in dead:
         _ip("netns", "del", ln.split()[1], check=False)
+        _remove_session_dirs([ln.split()[1]])
     if dead:
         hosts_file.write_text("".join(ln for ln in lines if ln not in dead))
     return [ln.split()[1] for ln in dead]
+
+
+def _session_dirs(hosts: list[str]) -> list[Path]:
+    """Open MPI's session directories named after these emulated hosts (`ompi.HOST.UID`
+    in the temporary directory): a rank or daemon killed on a host leaves its own."""
+    tmp = Path(tempfile.gettempdir())
+    return [d for host in hosts for d in tmp.glob(f"ompi.{host}.*")]
+
+
+def _remove_session_dirs(hosts: list[str]) -> None:
+    for d in _session_dirs(hosts):
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def _owner_alive(hosts_line: str) -> bool:
@@ -172,13 +186,15 @@ class EmulatedCluster:
                                           if not any(f" {h} {MARKER}" in ln for h in self.hosts)))
             if self._tmp is not None:
                 shutil.rmtree(self._tmp, ignore_errors=True)
+            _remove_session_dirs(self.hosts)
         for sig, old in self._old_handlers.items():
             signal.signal(sig, old)
         self._old_handlers.clear()
         atexit.unregister(self.down)
 
     def leftovers(self) -> list[str]:
-        """What of this cluster still exists (namespaces, links, hosts lines): [] when clean."""
+        """What of this cluster still exists (namespaces, links, hosts lines, Open MPI
+        session directories): [] when clean."""
         left = []
         names = _ip("netns", "list").stdout
         left += [h for h in self.hosts if re.search(rf"^{h}\b", names, re.M)]
@@ -186,6 +202,7 @@ class EmulatedCluster:
         left += [i for i in self.ifaces if i in links]
         hosts = HOSTS_FILE.read_text()
         left += [f"/etc/hosts:{h}" for h in self.hosts if h in hosts]
+        left += [str(d) for d in _session_dirs(self.hosts)]
         return left
 
     # --- the link -----------------------------------------------------------------------

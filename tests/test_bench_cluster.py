@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -87,13 +88,20 @@ def test_stale_cleanup_spares_a_live_cluster_and_removes_a_dead_ones():
         subprocess.run(["ip", "netns", "add", "xobdeadh0"], check=True, timeout=30)
         with HOSTS_FILE.open("a") as f:
             f.write(f"10.231.250.1 xobdeadh0 {MARKER} pid={gone.pid}\n")
+        # what a rank killed on each host leaves: Open MPI's session directory
+        dead_session = Path(tempfile.gettempdir()) / "ompi.xobdeadh0.0"
+        live_session = Path(tempfile.gettempdir()) / f"ompi.{live.hosts[0]}.0"
+        for d in (dead_session, live_session):
+            (d / "pid.1").mkdir(parents=True)
         removed = cleanup_stale()
         assert "xobdeadh0" in removed
+        assert not dead_session.exists() and live_session.exists()
+        assert str(live_session) in live.leftovers()
         assert live.leftovers() != [] and not any(h in removed for h in live.hosts)
         names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
                                timeout=30).stdout
         assert "xobdeadh0" not in names and "xobdeadh0" not in HOSTS_FILE.read_text()
-    assert live.leftovers() == []
+    assert live.leftovers() == [] and not live_session.exists()
 
 
 def test_an_exception_inside_tears_everything_down():
