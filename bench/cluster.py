@@ -9,10 +9,12 @@ accelerator). Open MPI reaches the hosts through a tiny remote-shell agent that 
 command inside the host's namespace, pinned to its core, with CROSSOVER_NODE set to the
 host's name (namespaces share one hostname, so the crossover daemons and clients need it).
 
-Everything made here (namespaces, the veth pair, /etc/hosts lines, the agent) is removed
-on every exit path: the context's end, an exception, Ctrl-C, SIGTERM, interpreter exit.
-A run killed with SIGKILL leaves its namespaces behind; `cleanup_stale()` (called on
-entry) removes those of earlier runs, recognised by the marker on their hosts lines.
+Everything made here (namespaces, the veth pair, /etc/hosts lines, the agent, and the
+Open MPI session directories a rank killed on a host leaves under the host's name) is
+removed on every exit path: the context's end, an exception, Ctrl-C, SIGTERM,
+interpreter exit. A run killed with SIGKILL leaves them behind; `cleanup_stale()`
+(called on entry) removes those of earlier runs, recognised by the marker on their
+hosts lines.
 """
 
 from __future__ import annotations
@@ -79,7 +81,9 @@ def _session_dirs(hosts: list[str]) -> list[Path]:
     """Open MPI's session directories named after these emulated hosts (`ompi.HOST.UID`
     in the temporary directory): a rank or daemon killed on a host leaves its own."""
     tmp = Path(tempfile.gettempdir())
-    return [d for host in hosts for d in tmp.glob(f"ompi.{host}.*")]
+    # a name read back from the hosts file must not widen the pattern (*, ?, [ or /)
+    return [d for host in hosts if re.fullmatch(r"[A-Za-z0-9-]+", host)
+            for d in tmp.glob(f"ompi.{host}.*")]
 
 
 def _remove_session_dirs(hosts: list[str]) -> None:

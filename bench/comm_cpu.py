@@ -7,9 +7,9 @@ communication as free of CPU. On the emulated hosts (bench/cluster.py: one core 
 a shaped link) it is not: whatever CPU a job's allreduce takes comes out of the compute
 of the job whose turn it is on that core. Here a 2-rank job, one rank per host,
 allreduces a tensor the size of the demo's MLP gradients (the `mlp` workload), `--steps`
-times a run, in three ways:
+times a run, in four ways:
 
-    horovod_wait    hvd.allreduce: Horovod's own wait for the handle (it spins)
+    horovod_wait    hvd.allreduce_ (a sum): Horovod's own wait for the handle (it spins)
     horovod_quiet   hvd.allreduce_async_ and the hooks' quiet wait (polls with sleeps),
                     as a job waits under crossover in turns
     torch_gloo      torch.distributed.all_reduce over gloo (what DDP's buckets use)
@@ -17,9 +17,11 @@ times a run, in three ways:
                     cycle running (HOROVOD_CYCLE_TIME as the benchmark jobs set it), as
                     a job waiting for its turn costs the core
 
-Rank 0 reports, per step (an allreduce, or the sleep), the wall time and its process's
-CPU time (user and system); the result holds every run and the medians over `--runs`
-runs, the ways in a balanced order (`common.arm_order`).
+Each rank reports, per step (an allreduce, or the sleep), the wall time and its
+process's CPU time (user and system, from getrusage: microseconds, every thread). The
+result holds every run's figures of both ranks and, per way, the median of each figure
+over all of them (each figure's median taken on its own); the ways run in a balanced
+order (`common.arm_order`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -42,6 +45,8 @@ from common import arm_order, write_result  # noqa: E402
 WAYS = ("horovod_wait", "horovod_quiet", "torch_gloo", "horovod_idle")
 #: What horovod_idle does in place of each allreduce (s).
 IDLE_STEP_S = 0.05
+#: A run's limit (s): the rank launcher's, which kills every rank when it passes.
+RUN_LIMIT_S = 240.0
 #: Allreduces before the timed ones (Horovod's first negotiation, gloo's connections).
 WARMUP = 3
 
@@ -57,7 +62,7 @@ def gradient_floats() -> int:
 
 
 def worker(way: str, floats: int, steps: int) -> None:
-    """One rank: `steps` timed allreduces of `floats` floats; rank 0 prints a JSON line."""
+    """One rank: `steps` timed allreduces of `floats` floats; prints its figures as JSON."""
     import torch
 
     tensor = torch.ones(floats)
@@ -84,39 +89,42 @@ def worker(way: str, floats: int, steps: int) -> None:
                 time.sleep(IDLE_STEP_S)
                 return
             if way == "horovod_wait":
-                hvd.allreduce_(tensor, name="grads")
+                hvd.allreduce_(tensor, name="grads", op=hvd.Sum)
                 return
-            handle = hvd.allreduce_async_(tensor, name="grads")
+            handle = hvd.allreduce_async_(tensor, name="grads", op=hvd.Sum)
             wait_until(lambda: poll(handle), QUIET_WAIT_S, quiet_poll())
             synchronize(handle)
 
     for _ in range(WARMUP):
         allreduce()
-    wall0, cpu0 = time.perf_counter(), os.times()
+    wall0, cpu0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
     for _ in range(steps):
         allreduce()
-    wall, cpu = time.perf_counter() - wall0, os.times()
-    if rank == 0:
-        user, system = cpu.user - cpu0.user, cpu.system - cpu0.system
-        print(json.dumps({"wall_ms": 1e3 * wall / steps, "user_ms": 1e3 * user / steps,
-                          "sys_ms": 1e3 * system / steps,
-                          "cpu_ms": 1e3 * (user + system) / steps}), flush=True)
+    wall, cpu = time.perf_counter() - wall0, resource.getrusage(resource.RUSAGE_SELF)
+    user, system = cpu.ru_utime - cpu0.ru_utime, cpu.ru_stime - cpu0.ru_stime
+    print(json.dumps({"rank": rank, "wall_ms": 1e3 * wall / steps,
+                      "user_ms": 1e3 * user / steps, "sys_ms": 1e3 * system / steps,
+                      "cpu_ms": 1e3 * (user + system) / steps}), flush=True)
     if way == "torch_gloo":
         dist.barrier()  # no rank tears its process group down while a peer still uses it
         dist.destroy_process_group()
 
 
-def run_way(cluster: EmulatedCluster, way: str, floats: int, steps: int) -> dict:
-    """One run of `way` on the emulated hosts: rank 0's figures."""
+def run_way(cluster: EmulatedCluster, way: str, floats: int, steps: int) -> list[dict]:
+    """One run of `way` on the emulated hosts: each rank's figures, by rank."""
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", way,
             "--floats", str(floats), "--steps", str(steps)]
-    line = cluster.torchrun(argv) if way == "torch_gloo" else cluster.gloo_run(argv)
+    line = (cluster.torchrun(argv, timeout_s=RUN_LIMIT_S) if way == "torch_gloo"
+            else cluster.gloo_run(argv, timeout_s=RUN_LIMIT_S))
+    # the launcher's own limit comes first and stops every rank; this one is a backstop
     res = subprocess.run(line, env={**os.environ, **jobs.JOB_ENV}, capture_output=True,
-                         text=True, timeout=300)
-    out = next((ln for ln in res.stdout.splitlines() if ln.startswith("{")), None)
-    if res.returncode != 0 or out is None:
-        raise RuntimeError(f"{way} failed (exit {res.returncode}): {res.stderr[-2000:]}")
-    return json.loads(out)
+                         text=True, timeout=RUN_LIMIT_S + 60)
+    ranks = sorted((json.loads(ln) for ln in res.stdout.splitlines() if ln.startswith("{")),
+                   key=lambda r: r["rank"])
+    if res.returncode != 0 or len(ranks) != 2:
+        raise RuntimeError(f"{way} failed (exit {res.returncode}, {len(ranks)} of 2 ranks "
+                           f"reported): {res.stderr[-2000:]}")
+    return ranks
 
 
 def main() -> None:
@@ -129,22 +137,25 @@ def main() -> None:
     parser.add_argument("--name", default="comm_cpu", help="bench/results/<name>.json")
     parser.add_argument("--worker", choices=WAYS, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.runs < 1 or args.steps < 1 or args.floats < 0 or not args.mbit > 0:
+        parser.error(f"--runs {args.runs}, --steps {args.steps}, --floats {args.floats}, "
+                     f"--mbit {args.mbit:g}: give runs and steps >= 1, floats >= 0 (0: the "
+                     f"mlp workload's gradients) and a rate > 0")
     floats = args.floats or gradient_floats()
     if args.worker:
         worker(args.worker, floats, args.steps)
         return
-    if args.runs < 1 or args.steps < 1:
-        parser.error(f"--runs {args.runs} and --steps {args.steps}: give at least 1 each")
-    runs: dict[str, list[dict]] = {way: [] for way in WAYS}
+    runs: dict[str, list[list[dict]]] = {way: [] for way in WAYS}
     with EmulatedCluster(mbit=args.mbit) as cluster:
         for rep in range(args.runs):
             for i in arm_order(len(WAYS), rep):
                 runs[WAYS[i]].append(run_way(cluster, WAYS[i], floats, args.steps))
-                r = runs[WAYS[i]][-1]
-                print(f"run {rep + 1}/{args.runs} {WAYS[i]:<14} wall {r['wall_ms']:6.1f} ms "
-                      f"cpu {r['cpu_ms']:5.1f} ms (user {r['user_ms']:.1f}, "
-                      f"sys {r['sys_ms']:.1f}) a step", flush=True)
-    medians = {way: {key: statistics.median(r[key] for r in rs) for key in rs[0]}
+                print(f"run {rep + 1}/{args.runs} {WAYS[i]:<14} " + "; ".join(
+                    f"rank {r['rank']} wall {r['wall_ms']:5.1f} ms cpu {r['cpu_ms']:5.1f} ms "
+                    f"(user {r['user_ms']:.1f}, sys {r['sys_ms']:.1f})"
+                    for r in runs[WAYS[i]][-1]) + " a step", flush=True)
+    medians = {way: {key: statistics.median(r[key] for run in rs for r in run)
+                     for key in ("wall_ms", "cpu_ms", "user_ms", "sys_ms")}
                for way, rs in runs.items()}
     for way, m in medians.items():
         print(f"median {way:<14} wall {m['wall_ms']:6.1f} ms, cpu {m['cpu_ms']:5.1f} ms "

@@ -74,24 +74,27 @@ def report(results: dict[str, list[dict]], link_s: float) -> None:
               f"{speed:>14}")
     print(f"{'bound (see below)':<58}{bound:>12.1f}{sequential / bound:>14.2f}")
     print("bound: max(sum of compute, sum of communication, the link's transfer time), "
-          "from the solo runs; it counts communication as free of CPU, which it is not on "
-          "one core (bench/comm_cpu.py)")
+          "from the solo runs;\n       it counts communication as free of CPU, which on "
+          "a one-core host it is not (bench/comm_cpu.py)")
 
 
 def explain_holds(events: list[dict], results: dict[str, list[dict]], steps: int,
-                  emulated: bool) -> None:
+                  own_core: bool) -> None:
     """Where crossover's makespan goes: how much of the time each device was held, each
     job's hold against its compute a step alone (a hold longer than that compute is the
-    cost of sharing the device's host, which no order of turns removes) and, on the
-    emulated hosts, how busy host 0's core was (near 100 %: only less CPU work, such as
-    the communication's own, would make the run shorter)."""
+    cost of sharing the device's host, which no order of turns removes) and, where host 0
+    has a core of its own (`own_core`), at least how busy it was: the CPU time of the two
+    jobs' training loops there (the daemon, the launchers and the kernel's network work
+    add to it). Near 100 %, only less CPU work, not another order of turns, would make
+    the run shorter."""
     held = ", ".join(f"{dev} {100 * share:.1f} %" for dev, share in trace.busy(events).items())
     print(f"\ndevices held under crossover: {held} of the time")
-    if emulated:  # each job's rank 0 (which reports) runs on host 0's only core
+    if own_core:  # each job's rank 0 (the one that reports) runs on host 0
         runs = results["crossover"]
         cpu, span = sum(r["cpu_s"] for r in runs), jobs.makespan(runs)
-        print(f"host 0's core under crossover: its ranks used {cpu:.1f} s of CPU in the "
-              f"{span:.1f} s run ({100 * cpu / span:.0f} %)")
+        print(f"host 0's core under crossover: the jobs' training loops there used "
+              f"{cpu:.1f} s of CPU in the {span:.1f} s run (at least {100 * cpu / span:.0f} "
+              f"% busy)")
     holds: dict[str, list[float]] = {}
     for spans in trace.holds_by_device(events).values():
         for start, end, job, _ in spans:
@@ -147,7 +150,8 @@ def main() -> None:
     events = trace.merge(sorted(traces.glob("*.json")), merged)
     gantt = args.out / "crossover_gantt.png"
     trace.plot_gantt(events, gantt, title="slot holds per device, two jobs under crossover")
-    explain_holds(events, results, args.steps, cluster is not None)
+    explain_holds(events, results, args.steps,
+                  cluster is not None and len(set(cluster.cores)) == 2)
     modes = [ev["name"] for ev in events if ev.get("ph") == "i"]
     print(f"\nmode switches seen by the ranks: {len(modes)}; the daemon's decisions: "
           f"grep mode {args.out / 'daemon.log'}")

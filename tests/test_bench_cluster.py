@@ -91,12 +91,19 @@ def test_stale_cleanup_spares_a_live_cluster_and_removes_a_dead_ones():
         # what a rank killed on each host leaves: Open MPI's session directory
         dead_session = Path(tempfile.gettempdir()) / "ompi.xobdeadh0.0"
         live_session = Path(tempfile.gettempdir()) / f"ompi.{live.hosts[0]}.0"
-        for d in (dead_session, live_session):
-            (d / "pid.1").mkdir(parents=True)
-        removed = cleanup_stale()
-        assert "xobdeadh0" in removed
-        assert not dead_session.exists() and live_session.exists()
-        assert str(live_session) in live.leftovers()
+        # and a live cluster whose name the dead one's is a prefix of
+        live_longer = Path(tempfile.gettempdir()) / "ompi.xobdeadh01.0"
+        try:
+            for d in (dead_session, live_session, live_longer):
+                (d / "pid.1").mkdir(parents=True, exist_ok=True)
+            removed = cleanup_stale()
+            assert "xobdeadh0" in removed
+            assert not dead_session.exists() and live_session.exists()
+            assert live_longer.exists()
+            assert str(live_session) in live.leftovers()
+        finally:
+            shutil.rmtree(dead_session, ignore_errors=True)
+            shutil.rmtree(live_longer, ignore_errors=True)
         assert live.leftovers() != [] and not any(h in removed for h in live.hosts)
         names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
                                timeout=30).stdout

@@ -21,26 +21,31 @@ pytestmark = pytest.mark.skipif(
     reason="the emulated cluster needs root, ip and tc")
 
 
-def test_every_way_runs_across_the_hosts_and_is_written(tmp_path):
+def test_every_way_runs_across_the_hosts_and_is_written(tmp_path, monkeypatch):
     env = {**os.environ, "CROSSOVER_BENCH_RESULTS": str(tmp_path)}
     res = subprocess.run([sys.executable, str(BENCH), "--runs", "1", "--steps", "3",
                           "--name", "smoke"], env=env, capture_output=True, text=True,
                          timeout=300, cwd=REPO)
     assert res.returncode == 0, res.stderr[-3000:]
     doc = json.loads((tmp_path / "smoke.json").read_text())
-    sys.path.insert(0, str(REPO / "bench"))
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
     from comm_cpu import WAYS, gradient_floats
 
     assert doc["floats"] == gradient_floats() > 1_000_000  # the demo's MLP gradients
     assert set(doc["per_run"]) == set(WAYS) == set(doc["per_step_medians"])
     for way in WAYS:
         (run,) = doc["per_run"][way]
-        assert run["wall_ms"] > 0 and run["cpu_ms"] == pytest.approx(
-            run["user_ms"] + run["sys_ms"]), (way, run)
+        assert [r["rank"] for r in run] == [0, 1], (way, run)  # one rank on each host
+        for r in run:
+            assert r["wall_ms"] > 0 and r["cpu_ms"] == pytest.approx(
+                r["user_ms"] + r["sys_ms"]), (way, r)
     assert "median horovod_quiet" in res.stdout
 
 
-def test_bad_counts_are_refused_with_the_values():
-    res = subprocess.run([sys.executable, str(BENCH), "--runs", "0"], capture_output=True,
+@pytest.mark.parametrize("bad, named", [(["--runs", "0"], "--runs 0"),
+                                        (["--floats", "-5"], "--floats -5"),
+                                        (["--mbit", "0"], "--mbit 0")])
+def test_bad_input_is_refused_with_the_values_before_anything_is_built(bad, named):
+    res = subprocess.run([sys.executable, str(BENCH), *bad], capture_output=True,
                          text=True, timeout=60, cwd=REPO)
-    assert res.returncode == 2 and "--runs 0" in res.stderr, res.stderr
+    assert res.returncode == 2 and named in res.stderr, res.stderr
