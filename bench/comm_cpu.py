@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import statistics
 import subprocess
@@ -119,7 +120,8 @@ def run_way(cluster: EmulatedCluster, way: str, floats: int, steps: int) -> list
     # the launcher's own limit comes first and stops every rank; this one is a backstop
     res = subprocess.run(line, env={**os.environ, **jobs.JOB_ENV}, capture_output=True,
                          text=True, timeout=RUN_LIMIT_S + 60)
-    ranks = sorted((json.loads(ln) for ln in res.stdout.splitlines() if ln.startswith("{")),
+    # the ranks share the launcher's stdout: their lines may run into each other
+    ranks = sorted((json.loads(m) for m in re.findall(r'\{"rank"[^{}]*\}', res.stdout)),
                    key=lambda r: r["rank"])
     if res.returncode != 0 or len(ranks) != 2:
         raise RuntimeError(f"{way} failed (exit {res.returncode}, {len(ranks)} of 2 ranks "
