@@ -123,7 +123,9 @@ class EmulatedCluster:
                  cores: tuple[int, int] | None = None, subnet_octet: int | None = None) -> None:
         if os.geteuid() != 0:
             raise PermissionError("the emulated cluster needs root (ip netns); run as root")
-        tag = f"{os.getpid() % 100000}"
+        # the whole pid (up to 7 digits): a cut one could name a live cluster's twin, and
+        # "xob" + 7 digits + "v0" still fits an interface name's 15 characters
+        tag = f"{os.getpid()}"
         self.hosts = [f"{PREFIX}{tag}h0", f"{PREFIX}{tag}h1"]
         self.ifaces = [f"{PREFIX}{tag}v0", f"{PREFIX}{tag}v1"]
         octet = subnet_octet if subnet_octet is not None else 16 + os.getpid() % 200
