@@ -77,10 +77,9 @@ def worker(way: str, floats: int, steps: int) -> None:
             dist.all_reduce(tensor)
     else:
         import horovod.torch as hvd
-        from horovod.torch.mpi_ops import poll, synchronize
+        from horovod.torch.mpi_ops import synchronize
 
-        from crossover.backoff import wait_until
-        from crossover.hooks._lifecycle import QUIET_WAIT_S, quiet_poll
+        from crossover.hooks._lifecycle import wait_quietly
 
         hvd.init()
         rank = hvd.rank()
@@ -93,7 +92,7 @@ def worker(way: str, floats: int, steps: int) -> None:
                 hvd.allreduce_(tensor, name="grads", op=hvd.Sum)
                 return
             handle = hvd.allreduce_async_(tensor, name="grads", op=hvd.Sum)
-            wait_until(lambda: poll(handle), QUIET_WAIT_S, quiet_poll())
+            wait_quietly([handle])
             synchronize(handle)
 
     for _ in range(WARMUP):

@@ -40,9 +40,19 @@ QUIET_MIN_WAIT_S = 0.002
 WAIT_EMA_WEIGHT = 0.2
 
 
-def quiet_poll() -> Backoff:
-    """The quiet wait's pauses between polls: 0.05 ms, doubling up to 0.5 ms."""
-    return Backoff(5e-5, 5e-4)
+def wait_quietly(handles: Sequence[int]) -> bool:
+    """Sleep until Horovod's allreduce `handles` are done, polling every 0.05 ms to 0.5 ms,
+    for at most QUIET_WAIT_S.
+
+    Horovod's wait spins; this one costs a few syscalls per millisecond.
+
+    Returns:
+        Whether they are done (False: the time ran out).
+    """
+    from horovod.torch.mpi_ops import poll
+
+    return wait_until(lambda: all(poll(h) for h in handles), QUIET_WAIT_S,
+                      Backoff(5e-5, 5e-4))
 
 
 def horovod_optimizer(obj: Any, where: str) -> Any:
@@ -186,13 +196,8 @@ class SlotLifecycle:
         return self.wait_ema_s is None or self.wait_ema_s >= QUIET_MIN_WAIT_S
 
     def _wait_quietly(self, optimizer: Any) -> None:
-        """Sleep until the in-flight allreduces are done (polling every 0.05 ms to 0.5 ms).
-
-        Horovod's wait spins; this one costs a few syscalls per millisecond. After
+        """Sleep until the in-flight allreduces are done (`wait_quietly`). After
         QUIET_WAIT_S the rest of the wait is Horovod's own, so a hung peer behaves as
         under plain Horovod.
         """
-        from horovod.torch.mpi_ops import poll
-
-        handles = [h for h, _ in optimizer._handles.values() if h is not None]
-        wait_until(lambda: all(poll(h) for h in handles), QUIET_WAIT_S, quiet_poll())
+        wait_quietly([h for h, _ in optimizer._handles.values() if h is not None])
