@@ -137,20 +137,42 @@ def test_a_close_call_that_leans_antiphase_takes_it_and_the_hold_check_guards_it
     assert ctl.reason.startswith("antiphase held ran 0.88x"), ctl.reason  # (settling)
 
 
+def test_a_hold_the_check_doubts_is_measured_again_not_kept_for_the_whole_hold():
+    """Antiphase truly runs 0.93x, but the host ran 20 % faster through the first
+    antiphase window: one pair reads 1.12x, within the noise, and antiphase is held. The
+    hold then runs 0.93x the probe's concurrent rates: above the check's bar after one
+    pair (0.90x), so it used to hold antiphase, losing 7 %, until the hold's end (a
+    `make demo` run lost to both baselines so). Now the doubt measures more pairs (the
+    reverse order, then the first again), and over three the mean serves concurrently."""
+    loses = {"a": {A: 9.3, C: 10.0}, "b": {A: 7.44, C: 8.0}}
+    rates, steps = scaled(loses, lambda t: 1.2 if 2.1 <= t < 4.3 else 1.0), {}
+    ctl, clock = controller(hold_s=100.0)
+    simulate(ctl, clock, rates, until=8.0, steps=steps)
+    assert ctl.mode == A and ctl.reason.startswith("antiphase 1.12x"), ctl.reason
+    got = simulate(ctl, clock, rates, until=60.0, steps=steps)
+    assert [m for _, m in got] == ["antiphase", "concurrent", "concurrent", "antiphase",
+                                   "concurrent"], got
+    assert got[0][0] < 10.0 and got[-1][0] < 20.0, got
+    assert ctl.reason.startswith("antiphase 0.99x concurrent over 3 pairs"), ctl.reason
+    assert ctl.mode == C and ctl.state == "hold"
+
+
 @pytest.mark.parametrize("pair_noise,given_up", [(0.1, False), (0.0, True)])
 def test_the_hold_check_allows_for_the_noise_of_the_probes_concurrent_window(pair_noise,
                                                                             given_up):
     """The modes tie, but the host ran 6 % faster through the concurrent window and 25 %
     through the antiphase one: antiphase is taken (1.18x), and its hold then runs 0.94x
     the concurrent rates the probe read. That is within one window's noise
-    (pair_noise / sqrt 2): the hold stays. Taking the probe's rates as exact (no noise),
-    the check gives up a mode that was never slower."""
+    (pair_noise / sqrt 2): the hold is not given up, a second pair is measured (even),
+    and over both antiphase stays. Taking the probe's rates as exact (no noise), the
+    check gives up a mode that was never slower."""
     rates = scaled(TIE, lambda t: 1.06 if t < 2.1 else 1.25 if t < 4.3 else 1.0)
     ctl, clock = controller(hold_s=100.0, pair_noise=pair_noise)
     got = simulate(ctl, clock, rates, until=30.0)
     assert [m for _, m in got][:3] == ["concurrent", "antiphase", "antiphase"], got
     assert ctl.reason.startswith("antiphase held ran 0.9") == given_up, ctl.reason
     assert (ctl.mode == C) == given_up, got
+    assert len(ctl.snapshot()["pairs"]) == (1 if given_up else 2), ctl.reason
 
 
 def test_decision_reason_names_each_jobs_speedup():

@@ -175,13 +175,36 @@ def test_a_close_prediction_costs_one_pair_which_overrules_it_only_by_far(
         row, anti, conc, switches, mode):
     ctl = ModeController(FakeClock(), hold_s=100.0)
     got = simulate(ctl, ctl.clock, {"a": {A: anti, C: conc}, "b": {A: anti, C: conc}},
-                   until=20.0, profiles={"a": ms(81, 25), "b": ms(81, 25)})
+                   until=8.0, profiles={"a": ms(81, 25), "b": ms(81, 25)})  # (no watch yet)
     assert [m for _, m in got] == switches, got
     assert ctl.state == "hold" and ctl.mode == mode and len(ctl._pairs) == 1, ctl.reason
-    if mode == A:  # and the hold check, against the probe's concurrent rates, keeps it
+    if mode == A:  # the hold check, against the probe's concurrent rates, watches it
         assert ctl.reason.endswith(
             "), within the noise of 1.03x, and antiphase at most 1.15x concurrent (a "
             "81.0/25.0 ms, b 81.0/25.0 ms): the hold check watches it: antiphase"), ctl.reason
+
+
+@pytest.mark.parametrize("anti,switches,mode", [
+    (7.0, [], A),  # even: the hold runs 1.00x the probe's concurrent rates
+    (6.65, ["antiphase", "concurrent", "concurrent"], C),  # 0.95x: a second pair decides
+])
+def test_a_hold_the_check_doubts_measures_another_pair(anti, switches, mode):
+    """Antiphase held on one close pair and the lean of the profiles. Where the hold then
+    runs below 1 - keep_margin of the probe's concurrent rates, but within the bar the
+    probe's noise allows (0.90x after one pair), the check does not let the doubt stand
+    for the rest of the hold: one more pair, in reverse order, and the mean decides (the
+    profiles' lean no longer counts: the hold measured what they only bounded)."""
+    ctl, steps = ModeController(FakeClock(), hold_s=100.0), {}
+    rates, profiles = {"a": {A: anti, C: 7.0}, "b": {A: anti, C: 7.0}}, \
+        {"a": ms(81, 25), "b": ms(81, 25)}
+    simulate(ctl, ctl.clock, rates, until=8.0, steps=steps, profiles=profiles)
+    assert ctl.mode == A and len(ctl._pairs) == 1, ctl.reason
+    got = simulate(ctl, ctl.clock, rates, until=60.0, steps=steps, profiles=profiles)
+    assert [m for _, m in got] == switches, got
+    assert ctl.mode == mode and ctl.state == "hold", ctl.reason
+    if switches:
+        assert got[0][0] < 10.0, got  # at the end of the hold's first watch window
+        assert ctl.reason.startswith("antiphase 0.95x concurrent over 2 pairs ("), ctl.reason
 
 
 def test_a_close_prediction_at_an_arrival_costs_one_pair_too():
@@ -216,20 +239,26 @@ def test_a_newcomers_close_profile_costs_one_pair():
     assert "and antiphase at most" in ctl.reason, ctl.reason
 
 
-def test_a_one_pair_antiphase_that_stops_paying_is_given_up_by_the_hold_check():
-    """The lean held antiphase on an even pair; from 12 s antiphase runs 0.79x the
-    probe's concurrent rates, and the hold check (its bar 0.90x after one pair) gives it
-    up, long before the hold's end."""
+@pytest.mark.parametrize("from_s,slow,switches,why", [
+    # 0.57x from 6 s: the hold's first watch window already reads below the bar
+    (6.0, 4.0, ["concurrent"], "antiphase held ran 0.6"),
+    # 0.79x from 12 s: the whole hold's mean passes through the doubt first: one more pair
+    (12.0, 5.5, ["antiphase", "concurrent", "concurrent"], "antiphase 0.89x concurrent over 2"),
+])
+def test_a_one_pair_antiphase_that_stops_paying_is_given_up_by_the_hold_check(
+        from_s, slow, switches, why):
+    """The lean held antiphase on an even pair; then antiphase runs slower than the
+    probe's concurrent rates, and the hold check gives it up (below its bar, 0.90x after
+    one pair, at once), long before the hold's end."""
     ctl = ModeController(FakeClock(), hold_s=100.0)
 
     def anti(now: float) -> float:
-        return 7.0 if now < 12.0 else 5.5
+        return 7.0 if now < from_s else slow
 
     got = simulate(ctl, ctl.clock, {"a": {A: anti, C: 7.0}, "b": {A: anti, C: 7.0}},
                    until=40.0, profiles={"a": ms(81, 25), "b": ms(81, 25)})
-    assert [m for _, m in got] == ["antiphase", "concurrent", "antiphase", "concurrent"], got
-    assert got[-1][0] < 40.0 and ctl.reason.startswith("antiphase held ran 0.") \
-        and "the probe's concurrent rates" in ctl.reason, ctl.reason
+    assert [m for _, m in got] == ["antiphase", "concurrent", "antiphase"] + switches, got
+    assert ctl.mode == C and got[-1][0] < 25.0 and ctl.reason.startswith(why), ctl.reason
 
 
 def test_without_a_prediction_a_close_pair_that_leans_concurrent_measures_on():

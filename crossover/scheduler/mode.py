@@ -15,25 +15,14 @@ hold's rates with the predicted concurrent ones. A newcomer's own profile update
 prediction; the held mode changes only if it then says otherwise. Between the two: a
 probe.
 
-Probing: each mode gets a window in which every job's step rate is measured from its
-progress reports (after settling steps, over at least `min_steps` steps and `probe_s`
-seconds); the first (concurrent, so a newcomer computes at once; antiphase for jobs
-without profiles, which it profiles) settles for `warmup_steps`, as a job's first steps
-run slowly. A pair of windows gives each job's speedup under antiphase (its rate over
-its concurrent rate); antiphase is chosen at a mean speedup of 1 + `margin` or more,
-else concurrent (do no harm).
-
-One pair is noisy on a busy host (bench/pair_noise.py): a mean speedup closer to the
-margin than `pair_noise` / sqrt(pairs) is measured again, by a pair in the reverse order
-(C A, A C, C A: a steady drift of the host's speed biases them in opposite directions),
-up to `max_pairs`, and the mean over the pairs decides. A close call that leans
-antiphase takes it at once (measuring on costs as much as it can save: half of every
-pair runs in the mode that may lose), guarded by the hold check; one that leans
-concurrent measures on (no check finds what a concurrent hold gives up), unless the
-probe began as the jobs changed and their profiles (as they came, or from its first
-antiphase window) were too close to call: they bound antiphase's gain above the margin,
-and one pair within its noise does not overrule them: antiphase, guarded (the check's
-bar 1 - `keep_margin` less one pair's noise). A close prediction costs one pair.
+Probing: a pair of windows, one per mode, measures each job's step rate (after
+settling steps, at least `min_steps` steps and `probe_s` seconds) and its speedup under
+antiphase; a mean of 1 + `margin` or more takes antiphase (guarded by the hold check),
+less concurrent (do no harm). Below the margin by less than one pair's noise
+(`pair_noise` / sqrt(pairs): bench/pair_noise.py), a pair in the reverse order follows
+(C A, A C, C A: a drift of the host's speed cancels), up to `max_pairs`, and the mean
+decides; where the jobs' profiles were too close to call, their lean decides within
+that noise: antiphase, guarded. A close prediction costs one pair (docs/design.md).
 
 A decision holds for `hold_s`, doubled each time a re-probe confirms it (up to
 `max_hold_s`); windows of `watch_s` watch the rates meanwhile, and a job whose rate
@@ -43,9 +32,10 @@ The hold check: across nodes only each job's allreduce ties the nodes' timing, s
 a long hold their turns can drift apart and antiphase lose what the probe measured
 (docs/design.md, the limits). Each watch window compares the jobs' rates over the whole
 antiphase hold with the probe's (or the prediction's) concurrent rates: below 1 -
-`keep_margin`, less a probe's noise (its windows read high by chance: `pair_noise` /
-sqrt(2 x windows)), it serves concurrently (the safe mode). Concurrent is not checked
-the same way: a probe's antiphase rates read high, in its best seconds.
+`keep_margin`, less a probe's noise (`pair_noise` / sqrt(2 x windows)), concurrent
+(the safe mode); within that noise, one more pair, unless `max_pairs` were measured,
+and the mean over all decides (the profiles' lean no longer counts). Concurrent is not
+checked so: a probe's antiphase rates read high, in its best seconds.
 
 Jobs whose ranks all share one host's CPU are not probed: their allreduce is memory
 copying on the cores the other job computes on, no gap to fill: concurrent at once
@@ -349,13 +339,17 @@ class ModeController:
         if lean is not None and lean.bound >= 1 + self.margin:  # they lean antiphase (doc)
             return self._decide(f", within the noise of {1 + self.margin:.2f}x, and "
                                 f"{lean.reason}: the hold check watches it", Mode.ANTIPHASE)
-        # The reverse order: the first window continues the mode just measured.
-        self._order = self._order[::-1]
-        self._plan = self._order[1:]
-        why = (f"antiphase {mean:.2f}x concurrent after {n} pair{'s' if n > 1 else ''}, "
-               f"within the noise of {1 + self.margin:.2f}x: probing again, "
-               f"{self._order[0].value}")
-        self._open(self._order[0], why, settle=0)
+        return self._pair_again(f"antiphase {mean:.2f}x concurrent after {n} "
+                                f"pair{'s' if n > 1 else ''}, within the noise of "
+                                f"{1 + self.margin:.2f}x: probing again,")
+
+    def _pair_again(self, why: str) -> list[ModeSwitch]:
+        """One more pair, its first window in the mode in force (module doc)."""
+        self._order = [self.mode, self.mode.other]
+        self.state, self._plan, self._hold_until = "probe", self._order[1:], None
+        self._held, self._watched = None, {}
+        why = f"{why} {self.mode.value}"
+        self._open(self.mode, why, settle=0)
         self.reason = why
         return [ModeSwitch(self.mode, why)]  # (the mode does not change: this is news)
 
@@ -397,4 +391,10 @@ class ModeController:
             return self._hold(Mode.CONCURRENT,
                               f"antiphase held ran {held[0]:.2f}x {source} concurrent "
                               f"rates ({held[1]}): concurrent")
+        if held is not None and held[0] < 1 - self.keep_margin and \
+                len(self._pairs) < self.max_pairs:  # a doubt, within the probe's noise
+            self._lean = False  # the hold measured what the profiles only bounded
+            return self._pair_again(f"antiphase held ran {held[0]:.2f}x the probe's "
+                                    f"concurrent rates ({held[1]}), within its noise: "
+                                    f"probing again,")
         return self._open(self.mode, self.reason, self.watch_s)  # the next watch window
