@@ -137,19 +137,24 @@ def test_a_close_call_that_leans_antiphase_takes_it_and_the_hold_check_guards_it
     assert ctl.reason.startswith("antiphase held ran 0.88x"), ctl.reason  # (settling)
 
 
-def test_a_hold_the_check_doubts_is_measured_again_not_kept_for_the_whole_hold():
+@pytest.mark.parametrize("max_pairs", [3, 1])
+def test_a_hold_the_check_doubts_is_measured_again_not_kept_for_the_whole_hold(max_pairs):
     """Antiphase truly runs 0.93x, but the host ran 20 % faster through the first
     antiphase window: one pair reads 1.12x, within the noise, and antiphase is held. The
     hold then runs 0.93x the probe's concurrent rates: above the check's bar after one
     pair (0.90x), so it used to hold antiphase, losing 7 %, until the hold's end (a
     `make demo` run lost to both baselines so). Now the doubt measures more pairs (the
-    reverse order, then the first again), and over three the mean serves concurrently."""
+    reverse order, then the first again), and over three the mean serves concurrently.
+    A probe allowed one pair (`max_pairs`) has no pair left to measure: the hold stays."""
     loses = {"a": {A: 9.3, C: 10.0}, "b": {A: 7.44, C: 8.0}}
     rates, steps = scaled(loses, lambda t: 1.2 if 2.1 <= t < 4.3 else 1.0), {}
-    ctl, clock = controller(hold_s=100.0)
+    ctl, clock = controller(hold_s=100.0, max_pairs=max_pairs)
     simulate(ctl, clock, rates, until=8.0, steps=steps)
     assert ctl.mode == A and ctl.reason.startswith("antiphase 1.12x"), ctl.reason
     got = simulate(ctl, clock, rates, until=60.0, steps=steps)
+    if max_pairs == 1:
+        assert got == [] and len(ctl.snapshot()["pairs"]) == 1, got
+        return
     assert [m for _, m in got] == ["antiphase", "concurrent", "concurrent", "antiphase",
                                    "concurrent"], got
     assert got[0][0] < 10.0 and got[-1][0] < 20.0, got
@@ -173,6 +178,8 @@ def test_the_hold_check_allows_for_the_noise_of_the_probes_concurrent_window(pai
     assert ctl.reason.startswith("antiphase held ran 0.9") == given_up, ctl.reason
     assert (ctl.mode == C) == given_up, got
     assert len(ctl.snapshot()["pairs"]) == (1 if given_up else 2), ctl.reason
+    if not given_up:  # a decision the check doubted is not confirmed: its hold is not doubled
+        assert ctl._hold_until == pytest.approx(got[-1][0] + 100.0), got
 
 
 def test_decision_reason_names_each_jobs_speedup():

@@ -9,7 +9,7 @@ from crossover.client.profile import StepProfiler
 from crossover.protocol import Mode
 from crossover.scheduler import ModeController
 from crossover.scheduler.predict import Profile, predict
-from tests.test_mode import simulate
+from tests.test_mode import scaled, simulate
 from tests.test_scheduler import FakeClock
 
 A, C = Mode.ANTIPHASE, Mode.CONCURRENT
@@ -186,14 +186,15 @@ def test_a_close_prediction_costs_one_pair_which_overrules_it_only_by_far(
 
 @pytest.mark.parametrize("anti,switches,mode", [
     (7.0, [], A),  # even: the hold runs 1.00x the probe's concurrent rates
-    (6.65, ["antiphase", "concurrent", "concurrent"], C),  # 0.95x: a second pair decides
+    (6.65, ["concurrent", "antiphase", "concurrent"], C),  # 0.95x: a second pair decides
 ])
 def test_a_hold_the_check_doubts_measures_another_pair(anti, switches, mode):
     """Antiphase held on one close pair and the lean of the profiles. Where the hold then
     runs below 1 - keep_margin of the probe's concurrent rates, but within the bar the
     probe's noise allows (0.90x after one pair), the check does not let the doubt stand
     for the rest of the hold: one more pair, in reverse order, and the mean decides (the
-    profiles' lean no longer counts: the hold measured what they only bounded)."""
+    profiles' lean no longer counts: the hold measured what they only bounded). The first
+    pair ran A C, so the second runs C A."""
     ctl, steps = ModeController(FakeClock(), hold_s=100.0), {}
     rates, profiles = {"a": {A: anti, C: 7.0}, "b": {A: anti, C: 7.0}}, \
         {"a": ms(81, 25), "b": ms(81, 25)}
@@ -239,11 +240,28 @@ def test_a_newcomers_close_profile_costs_one_pair():
     assert "and antiphase at most" in ctl.reason, ctl.reason
 
 
+def test_a_doubted_hold_no_longer_leans_on_the_profiles():
+    """The profiles lean antiphase (1.15x at most), which truly runs 0.95x; the host ran
+    10 % faster through the first antiphase window, so the first pair reads 1.05x and
+    antiphase is held. The hold check doubts it; the second pair (0.95x) puts the mean
+    at 1.00x, within the noise of the margin, where the profiles' lean would take
+    antiphase again. The hold measured it, so a third pair decides: concurrent."""
+    ctl = ModeController(FakeClock(), hold_s=100.0)
+    rates = scaled({"a": {A: 6.65, C: 7.0}, "b": {A: 6.65, C: 7.0}},
+                   lambda t: 1.1 if t < 2.2 else 1.0)
+    got = simulate(ctl, ctl.clock, rates, until=60.0,
+                   profiles={"a": ms(81, 25), "b": ms(81, 25)})
+    assert [m for _, m in got] == ["antiphase", "concurrent", "antiphase", "concurrent",
+                                   "antiphase", "antiphase", "concurrent", "concurrent"], got
+    assert ctl.mode == C and ctl.reason.startswith("antiphase 0.98x concurrent over 3 pairs"), \
+        ctl.reason
+
+
 @pytest.mark.parametrize("from_s,slow,switches,why", [
     # 0.57x from 6 s: the hold's first watch window already reads below the bar
     (6.0, 4.0, ["concurrent"], "antiphase held ran 0.6"),
     # 0.79x from 12 s: the whole hold's mean passes through the doubt first: one more pair
-    (12.0, 5.5, ["antiphase", "concurrent", "concurrent"], "antiphase 0.89x concurrent over 2"),
+    (12.0, 5.5, ["concurrent", "antiphase", "concurrent"], "antiphase 0.89x concurrent over 2"),
 ])
 def test_a_one_pair_antiphase_that_stops_paying_is_given_up_by_the_hold_check(
         from_s, slow, switches, why):

@@ -22,7 +22,7 @@ less concurrent (do no harm). Below the margin by less than one pair's noise
 (`pair_noise` / sqrt(pairs): bench/pair_noise.py), a pair in the reverse order follows
 (C A, A C, C A: a drift of the host's speed cancels), up to `max_pairs`, and the mean
 decides; where the jobs' profiles were too close to call, their lean decides within
-that noise: antiphase, guarded. A close prediction costs one pair (docs/design.md).
+that noise: antiphase, guarded (docs/design.md).
 
 A decision holds for `hold_s`, doubled each time a re-probe confirms it (up to
 `max_hold_s`); windows of `watch_s` watch the rates meanwhile, and a job whose rate
@@ -37,12 +37,11 @@ antiphase hold with the probe's (or the prediction's) concurrent rates: below 1 
 and the mean over all decides (the profiles' lean no longer counts). Concurrent is not
 checked so: a probe's antiphase rates read high, in its best seconds.
 
-Jobs whose ranks all share one host's CPU are not probed: their allreduce is memory
-copying on the cores the other job computes on, no gap to fill: concurrent at once
-(`probe_local` probes them anyway).
+Jobs whose ranks all share one host's CPU allreduce on the cores the other job computes
+on: no gap to fill, concurrent at once, unprobed (`probe_local` probes them anyway).
 
 Pure: time comes from an injected clock; every call returns the switches it decided
-(a probe's decision even where it keeps the mode), for the daemon to apply and announce.
+(news even where the mode stays), for the daemon to apply and announce.
 """
 
 from __future__ import annotations
@@ -344,14 +343,13 @@ class ModeController:
                                 f"{1 + self.margin:.2f}x: probing again,")
 
     def _pair_again(self, why: str) -> list[ModeSwitch]:
-        """One more pair, its first window in the mode in force (module doc)."""
-        self._order = [self.mode, self.mode.other]
+        """One more pair, in the reverse order of the last (module doc)."""
+        self._order = self._order[::-1] or [self.mode, self.mode.other]
         self.state, self._plan, self._hold_until = "probe", self._order[1:], None
-        self._held, self._watched = None, {}
-        why = f"{why} {self.mode.value}"
-        self._open(self.mode, why, settle=0)
-        self.reason = why
-        return [ModeSwitch(self.mode, why)]  # (the mode does not change: this is news)
+        self._held, self._watched, first = None, {}, self._order[0]
+        self.reason = why = f"{why} {first.value}"
+        self._open(first, why, settle=0 if first == self.mode else None)
+        return [ModeSwitch(self.mode, why)]  # (news even if the mode does not change)
 
     def _decide(self, note: str = "", best: Mode | None = None) -> list[ModeSwitch]:
         mean, n = mean_speedup(self._pairs), len(self._pairs)
@@ -393,7 +391,9 @@ class ModeController:
                               f"rates ({held[1]}): concurrent")
         if held is not None and held[0] < 1 - self.keep_margin and \
                 len(self._pairs) < self.max_pairs:  # a doubt, within the probe's noise
-            self._lean = False  # the hold measured what the profiles only bounded
+            # The hold measured antiphase, which the profiles only bounded; a doubt does not
+            # confirm the decision (no doubled hold); the rates it compared are a hold old.
+            self._lean, self._decided, self._rates = False, None, {}
             return self._pair_again(f"antiphase held ran {held[0]:.2f}x the probe's "
                                     f"concurrent rates ({held[1]}), within its noise: "
                                     f"probing again,")
