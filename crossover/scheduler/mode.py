@@ -18,7 +18,7 @@ probe.
 Probing: a pair of windows, one per mode, measures each job's step rate (after
 settling steps, at least `min_steps` steps and `probe_s` seconds) and its speedup under
 antiphase; a mean of 1 + `margin` or more takes antiphase (guarded by the hold check),
-less concurrent (do no harm). Below the margin by less than one pair's noise
+a lower one concurrent (do no harm). Below the margin by less than one pair's noise
 (`pair_noise` / sqrt(pairs): bench/pair_noise.py), a pair in the reverse order follows
 (C A, A C, C A: a drift of the host's speed cancels), up to `max_pairs`, and the mean
 decides; where the jobs' profiles were too close to call, their lean decides within
@@ -344,7 +344,7 @@ class ModeController:
 
     def _pair_again(self, why: str) -> list[ModeSwitch]:
         """One more pair, in the reverse order of the last (module doc)."""
-        self._order = self._order[::-1] or [self.mode, self.mode.other]
+        self._order = self._order[::-1]  # (a doubt follows a probe: it has an order)
         self.state, self._plan, self._hold_until = "probe", self._order[1:], None
         self._held, self._watched, first = None, {}, self._order[0]
         self.reason = why = f"{why} {first.value}"
