@@ -21,7 +21,8 @@
 # Every run: bench/results/gpu/device_suite.json (each part's status, figures, targets).
 #
 # The Python is $PYTHON, else python3 (on the GPU machine: the one with CUDA torch); a dry
-# run takes this clone's .venv when there is one. The runner is bench/device_suite.py.
+# run takes this clone's .venv when there is one. The runner is bench/gpu/suite.py, run
+# from the repository root as a module.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 py=${PYTHON:-}
@@ -33,4 +34,4 @@ if [ -z "$py" ]; then
 fi
 command -v "$py" >/dev/null || { echo "device_suite: no Python at '$py': set PYTHON" >&2; exit 2; }
 cd "$repo"
-exec "$py" -u "$repo/bench/device_suite.py" "$@"
+exec "$py" -u -m bench.gpu.suite "$@"

@@ -8,7 +8,7 @@ job needed. Two 2-rank MLP jobs on 2 cores took 7.2-9.4 s together (median 8.15 
 runs) against 6.6-6.9 s one after the other. Given a core each by hand (taskset), each
 job's ranks share only their own core, where a waiting rank yields to its own peer:
 6.8-7.1 s (median 6.81 s). Under the daemon: the one-host rows of
-bench/results/crossover.json (docs/benchmarks.md).
+bench/results/colocation/crossover.json (docs/benchmarks.md).
 
 The daemon calls `partition` (pure) whenever the jobs on its host change and tells each
 rank its job's cores (`protocol.Company.cores`); the rank applies them with `pin_process`.

@@ -1,7 +1,7 @@
 """The main demo (`make demo`): two 2-rank PyTorch Horovod jobs share two hosts.
 
 Where it can (root, network namespaces), the demo builds two emulated hosts joined by a
-shaped 1000 Mbit/s link (bench/cluster.py): each job has one rank per host and averages
+shaped 1000 Mbit/s link (bench/harness/cluster.py): each job has one rank per host and averages
 its gradients over the link, so communication leaves each host's core idle, as on a real
 cluster. Where it cannot, it says why and runs both jobs' ranks on this host.
 
@@ -19,16 +19,13 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
-import jobs  # noqa: E402
-from cluster import EmulatedCluster  # noqa: E402
-
-from crossover import trace  # noqa: E402
-from crossover.launch.local import DaemonProcess  # noqa: E402
+from bench.harness import jobs
+from bench.harness.cluster import EmulatedCluster
+from bench.harness.common import REPO
+from crossover import trace
+from crossover.launch.local import DaemonProcess
 
 MBIT = 1000.0
 
@@ -75,7 +72,7 @@ def report(results: dict[str, list[dict]], link_s: float) -> None:
     print(f"{'bound (see below)':<58}{bound:>12.1f}{sequential / bound:>14.2f}")
     print("bound: max(sum of compute, sum of communication, the link's transfer time), "
           "from the solo runs;\n       it counts communication as free of CPU, which on "
-          "a one-core host it is not (bench/comm_cpu.py)")
+          "a one-core host it is not (bench/colocation/comm_cpu.py)")
 
 
 def explain_holds(events: list[dict], results: dict[str, list[dict]], steps: int,

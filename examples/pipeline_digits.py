@@ -15,7 +15,7 @@ a loss/accuracy plot.
 stroke glyphs (made here, seeded, once, and cached in ~/.cache/crossover; about 40 s on
 one core) gets a new head and is fine-tuned on the digits 5-9, which it has never seen.
 Its front has learnt strokes in general and settles within a few epochs; the back adapts
-longer (bench/freeze_oracle.py measures when freezing stops costing accuracy).
+longer (bench/freeze/oracle.py measures when freezing stops costing accuracy).
 `--finetune glyphs` fine-tunes that body instead on 50 glyph classes drawn the same way
 from another seed (5000 images to train on, 5000 to test).
 """

@@ -1,4 +1,4 @@
-"""Smoke test of the emulated cluster (bench/cluster.py): build, talk across, tear down.
+"""Smoke test of the emulated cluster (bench/harness/cluster.py): build, talk across, tear down.
 
 Needs root and network namespaces; skipped elsewhere. No timing is asserted.
 """
@@ -19,12 +19,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from cluster import HOSTS_FILE, MARKER, EmulatedCluster, cleanup_stale  # noqa: E402
-from jobs import Daemons, run_jobs  # noqa: E402
-
-from crossover import trace  # noqa: E402
-from tests.conftest import TORCH_EXIT_ABORT, assert_shared_in_turns  # noqa: E402
+from bench.harness.cluster import HOSTS_FILE, MARKER, EmulatedCluster, cleanup_stale
+from bench.harness.jobs import Daemons, run_jobs
+from crossover import trace
+from tests.conftest import TORCH_EXIT_ABORT, assert_shared_in_turns
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
@@ -124,7 +122,7 @@ HOLD = """
 import signal, sys, time
 signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, sys.argv[1])
-from cluster import EmulatedCluster
+from bench.harness.cluster import EmulatedCluster
 with EmulatedCluster(mbit=50) as c:
     print(" ".join(c.hosts), flush=True)
     time.sleep(120)

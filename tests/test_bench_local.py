@@ -1,24 +1,19 @@
 """The benchmarks' one-host Gloo launch (`rank_launch.local_gloo_run`), with real Horovod jobs.
 
-bench/gpu_bench.py launches its jobs this way on a GPU machine (no MPI there); here the
+bench/gpu/sharing.py launches its jobs this way on a GPU machine (no MPI there); here the
 same jobs run on the CPU: the weights each job trains under crossover, beside the other
 job, must be bit-identical to its run alone.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from jobs import run_jobs  # noqa: E402
-from rank_launch import local_gloo_run  # noqa: E402
-
-from crossover import trace  # noqa: E402
-from crossover.launch.local import DaemonProcess  # noqa: E402
-from tests.conftest import assert_shared_in_turns  # noqa: E402
+from bench.harness.jobs import run_jobs
+from bench.harness.rank_launch import local_gloo_run
+from crossover import trace
+from crossover.launch.local import DaemonProcess
+from tests.conftest import assert_shared_in_turns
 
 WORKLOAD = ["--model", "mlp", "--width", "64", "--layers", "2", "--batch", "32",
             "--deterministic"]

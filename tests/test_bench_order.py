@@ -3,18 +3,15 @@ teardown of its daemons, and the reading of a daemon's decisions."""
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
 from itertools import pairwise
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from common import DecisionLog, arm_order, stop_all  # noqa: E402
-from jobs import TORCH_EXIT_ABORT, result_line  # noqa: E402
-
-from crossover.launch.local import DaemonProcess  # noqa: E402
+from bench.harness.common import DecisionLog, arm_order, stop_all
+from bench.harness.jobs import TORCH_EXIT_ABORT, result_line
+from crossover.launch.local import DaemonProcess
 
 
 @pytest.mark.parametrize(("n", "reps", "orders"), [
@@ -68,7 +65,7 @@ def _wait(job: int, start_ms: float, end_ms: float) -> dict:
 ])
 def test_idle_gaps_count_overlapping_holds_once(events: list[dict], held_ms: float,
                                                 idle_ms: float, span_ms: float) -> None:
-    from summary import idle_gaps
+    from bench.colocation.summary import idle_gaps
 
     dev = idle_gaps(events)["devices"]["h0/cpu0"]
     assert dev == pytest.approx({"held_s": held_ms / 1e3, "idle_while_waiting_s": idle_ms / 1e3,
@@ -80,7 +77,7 @@ def _job(seconds: float, start: float = 0.0) -> dict:
 
 
 def test_paired_vs_best_compares_each_repetition_with_its_own_baselines() -> None:
-    from summary import paired_vs_best
+    from bench.colocation.summary import paired_vs_best
 
     solos = [[_job(5.0), _job(5.0)], [_job(6.0), _job(6.0)]]  # sequential 10 s, then 12 s
     plain = [[_job(9.0), _job(8.0, 0.5)], [_job(14.0), _job(13.0)]]  # 9 s, then 14 s
@@ -100,7 +97,7 @@ def _row(workload: str, mbit: float, vs_best: float, vs_best_wall: float,
 
 
 def test_headline_keys_the_worst_row_both_ways_and_the_comm_heavy_rows() -> None:
-    from summary import headline
+    from bench.colocation.summary import headline
 
     rows = [_row("mlp", 500, 1.05, 1.08, [1.1, 1.0], comm_s=3.0),
             _row("mlp", 0, 0.90, 1.20, [0.97, 0.95]),   # below 0.98 in every repetition
@@ -117,13 +114,13 @@ def test_headline_keys_the_worst_row_both_ways_and_the_comm_heavy_rows() -> None
     (8, 8, 2 / 256), (0, 8, 2 / 256), (7, 8, 2 * 9 / 256), (6, 8, 2 * 37 / 256),
     (4, 8, 1.0), (3, 6, 1.0), (0, 0, 1.0), (5, 5, 2 / 32)])
 def test_sign_test_table(wins: int, n: int, p: float) -> None:
-    from ab_bench import sign_test
+    from bench.colocation.paired import sign_test
 
     assert sign_test(wins, n) == pytest.approx(p)
 
 
 def test_summarize_pairs_each_run_with_its_partner_and_ties_count_for_neither() -> None:
-    from ab_bench import sign_test, summarize
+    from bench.colocation.paired import sign_test, summarize
 
     times = [(10.0, 8.0), (12.0, 12.0), (9.0, 10.0), (11.0, 10.0)]
     verdict = summarize(("plain", "auto"), times)
@@ -176,13 +173,13 @@ def test_start_barrier_waits_for_every_rank_of_every_job(tmp_path: Path) -> None
 ])
 def test_neighbour_rate_counts_the_steps_that_ended_in_the_window(
         ends: list[float], start: float, end: float, expected: float | None) -> None:
-    from freeze_neighbour import rate
+    from bench.freeze.neighbour import rate
 
     assert rate(ends, start, end) == expected
 
 
 def test_neighbour_windows_run_from_the_first_cut_to_the_last() -> None:
-    from freeze_neighbour import windows
+    from bench.freeze.neighbour import windows
 
     rows = [{"wall_start": 10.0, "wall_end": 11.0, "repartition_walls": []},
             {"wall_start": 11.5, "wall_end": 12.5, "repartition_walls": [12.0]},
@@ -197,7 +194,7 @@ def _steps(start: float, stop: float, per_s: float) -> list[float]:
 
 
 def test_the_neighbour_is_compared_over_the_same_offsets_beside_the_control() -> None:
-    from freeze_neighbour import PipelineRun, compare
+    from bench.freeze.neighbour import PipelineRun, compare
 
     # freeze arm: trains 0-4 s, cuts at 1 s and 1.5 s, exits at 5 s; the neighbour runs
     # 10 steps/s until the last cut, 20 after it, 40 once the pipeline has exited

@@ -1,17 +1,14 @@
-"""bench/overhead_bench.py's in-process step cost: the step-cost scripts under their
+"""bench/overhead/alone.py's in-process step cost: the step-cost scripts under their
 launchers, against a real daemon, toy sized."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from overhead_bench import step_cost  # noqa: E402
-
-from crossover.launch.local import DaemonProcess  # noqa: E402
+from bench.overhead.alone import step_cost
+from crossover.launch.local import DaemonProcess
 
 
 @pytest.mark.timeout(240)

@@ -1,4 +1,4 @@
-"""What a benchmark matrix can resolve (bench/resolution.py): the noise of a row's runs
+"""What a benchmark matrix can resolve (bench/colocation/resolution.py): the noise of a row's runs
 and the ratio an auto exactly as fast as the better fixed mode would read (pure)."""
 
 from __future__ import annotations
@@ -6,13 +6,11 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from resolution import (  # noqa: E402
+from bench.colocation.resolution import (
     assess,
     noise,
     null_ratios,

@@ -9,18 +9,15 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import tarfile
 import time
 from pathlib import Path
 
 import pytest
 
+from bench.gpu import suite as device_suite
+from bench.gpu.parts import Figure, Part, Plan, Run
 from tests.conftest import PY, REPO
-
-sys.path.insert(0, str(REPO / "bench"))
-import device_suite  # noqa: E402
-from device_parts import Figure, Part, Plan, Run  # noqa: E402
 
 
 def committed_results_state() -> str:
@@ -71,10 +68,10 @@ def test_dry_run_runs_every_part_and_writes_its_records(tmp_path):
         "want": ">= 1.3", "met": None}
     assert parts["manycore"]["targets"]["max_sim_error_2_ranks"] == {"want": "<= 0.1",
                                                                      "met": None}
-    assert parts["manycore"]["files"] == [f"pipeline_{os.cpu_count()}core.json"]
+    assert parts["manycore"]["files"] == [f"pipeline/pipeline_{os.cpu_count()}core.json"]
     assert parts["horovod"]["status"] == "skipped" and "--parts horovod" in \
         parts["horovod"]["reason"]
-    assert parts["gpu_rows"]["status"] == "not built" and "crossover_bench.py" in \
+    assert parts["gpu_rows"]["status"] == "not built" and "makespan.py" in \
         parts["gpu_rows"]["reason"]
 
     with tarfile.open(export / "device_suite.tar.gz") as tar:

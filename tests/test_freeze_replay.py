@@ -1,14 +1,10 @@
-"""bench/freeze_replay.py: the shipped criterion replayed on recorded gradient norms."""
+"""bench/freeze/replay.py: the shipped criterion replayed on recorded gradient norms."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from freeze_replay import (  # noqa: E402
+from bench.freeze.replay import (
     body_frozen_epoch,
     cost,
     gate_step,

@@ -1,5 +1,5 @@
 """Hostile input against a real daemon on its socket (short versions; the long run with
-latency figures is bench/fuzz_bench.py).
+latency figures is bench/robustness/fuzz.py).
 
 Every case opens a connection, sends what hypothesis made (after a hello, once the
 welcome is in, as a rank would), half-closes, and reads until the daemon disconnects:
@@ -10,23 +10,19 @@ was malformed) and a disconnect, and must still be alive after.
 from __future__ import annotations
 
 import socket
-import sys
 import time
-from pathlib import Path
 
 import psutil
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bench.robustness.fuzz_cases import CASES, GROUPS, exchange, exchange_group, frame, hello_frame
 from crossover import protocol as P
 from crossover.client import RankInfo, SlotClient
 from crossover.protocol import Phase
 from crossover.transport import recv_msg
 from tests.conftest import Cluster, wait_for
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from fuzz_cases import CASES, GROUPS, exchange, exchange_group, frame, hello_frame  # noqa: E402
 
 pytestmark = pytest.mark.mpi  # real processes
 

@@ -1,18 +1,14 @@
-"""The release check of bench/gpu_release.py, on hand-made profiles (pure logic).
+"""The release check of bench/harness/release_check.py, on hand-made profiles (pure logic).
 
-The check itself runs on a GPU (bench/gpu_bench.py); here a profile is a list of Chrome
+The check itself runs on a GPU (bench/gpu/sharing.py); here a profile is a list of Chrome
 trace events, as the torch profiler writes them, so every rule is pinned by a table.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from gpu_release import MARK, busy_union, check_rank, clock_offset_us, overlap_s  # noqa: E402
+from bench.harness.release_check import MARK, busy_union, check_rank, clock_offset_us, overlap_s
 
 #: The profiler's clock runs this far ahead of the wall clock (µs) in these profiles.
 OFFSET = 5_000.0

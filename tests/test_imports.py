@@ -148,13 +148,15 @@ def test_no_import_cycle(within):
 
 
 #: Who may not import whom: the job side never loads the scheduler or the daemon, the
-#: daemon never the client, the scheduler (pure) nothing with I/O.
+#: daemon never the client, the scheduler (pure) nothing with I/O, the freezing policy
+#: nothing of the pipeline that acts on it.
 FORBIDDEN = [
     ("crossover.client", ("crossover.scheduler", "crossover.daemon", "crossover.session")),
     ("crossover.daemon", ("crossover.client", "crossover.session", "crossover.pipeline")),
     ("crossover.scheduler", ("crossover.client", "crossover.daemon", "crossover.transport",
                              "crossover.slot_table", "crossover.session")),
     ("crossover.protocol", ("crossover.client", "crossover.daemon", "crossover.scheduler")),
+    ("crossover.freeze", ("crossover.pipeline",)),
 ]
 
 

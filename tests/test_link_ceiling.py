@@ -1,15 +1,11 @@
 """The makespan floor of a pair of jobs taking turns, from the allreduce's measured link
-efficiencies (bench/link_ceiling.py; pure)."""
+efficiencies (bench/colocation/link_ceiling.py; pure)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from link_ceiling import ceiling  # noqa: E402
+from bench.colocation.link_ceiling import ceiling
 
 
 @pytest.mark.parametrize(("compute", "link", "one", "two", "floor"), [

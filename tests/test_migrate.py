@@ -10,14 +10,14 @@ import pytest
 import torch
 from torch import nn
 
-from crossover.freeze.migrate import (
+from crossover.pipeline.graph import Graph
+from crossover.pipeline.migrate import (
     Move,
     load_optimizer_state,
     optimizer_state,
     plan_moves,
     state_hash,
 )
-from crossover.pipeline.graph import Graph
 from crossover.pipeline.models import build
 from crossover.pipeline.partition import parameter_costs
 from crossover.trace import load
@@ -148,7 +148,7 @@ def test_a_frozen_op_costs_a_sixth_and_keeps_one_copy_of_its_weights():
 JOB = """
 import json, os, sys
 import torch
-from crossover.freeze import state_hash
+from crossover.pipeline.migrate import state_hash
 from crossover.pipeline.models import build
 from crossover.pipeline.plan import Stage, make_plan
 from crossover.pipeline.ties import tied_copies
@@ -437,7 +437,7 @@ def test_running_statistics_move_with_their_stage(tmp_path, cluster):
 FAILING = """
 import sys, torch
 from mpi4py import MPI
-from crossover.freeze.migrate import migrate
+from crossover.pipeline.migrate import migrate
 
 comm, case = MPI.COMM_WORLD, sys.argv[1]
 rank = comm.Get_rank()

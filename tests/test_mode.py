@@ -454,13 +454,10 @@ def test_switching_modes_keeps_antiphase_exclusive_and_loses_no_request(events):
 
 
 def test_the_benchmarks_reading_of_the_decisions_recovers_each_pairs_speedup():
-    """bench/pair_noise.py reads each pair's speedup back from the daemon's logged
+    """bench/colocation/pair_noise.py reads each pair's speedup back from the daemon's logged
     reasons (running means); it must agree with what the controller measured."""
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    from pair_noise import pairs_of
+    from bench.colocation.pair_noise import pairs_of
 
     reasons: list[str] = []
 

@@ -1,4 +1,4 @@
-"""bench/pipeline_pairs.py: two plans of one model timed in one launch, in alternating
+"""bench/pipeline/pairs.py: two plans of one model timed in one launch, in alternating
 blocks, each on its own stage runners (what the pipeline benchmark's real rows use)."""
 
 from __future__ import annotations
@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
@@ -25,7 +24,7 @@ def test_two_plans_take_turns_in_one_launch_and_each_reports_its_own_stages(tmp_
     plans = {"early": {"kind": "graph", "stages": CHAIN_CUT},
              "late": {"kind": "sequential", "stages": LATER_CUT}}
     out = tmp_path / "pairs.json"
-    Proc(mpirun(2, PY, str(REPO / "bench/pipeline_pairs.py"), "--model", "chain",
+    Proc(mpirun(2, PY, str(REPO / "bench/pipeline/pairs.py"), "--model", "chain",
                 "--plans", json.dumps(plans), "--warmup", "1", "--blocks", "3",
                 "--block-iters", "2", "--out", str(out)),
          env, tmp_path / "pairs.log").wait(180)
@@ -56,7 +55,7 @@ def test_a_plan_that_needs_other_ranks_is_named(tmp_path):
     plans = {"two": {"kind": "graph", "stages": CHAIN_CUT},
              "one": {"kind": "graph", "stages": [CHAIN_CUT[0] + CHAIN_CUT[1]]}}
     out = tmp_path / "x.json"
-    proc = Proc(mpirun(2, PY, str(REPO / "bench/pipeline_pairs.py"), "--model", "chain",
+    proc = Proc(mpirun(2, PY, str(REPO / "bench/pipeline/pairs.py"), "--model", "chain",
                        "--plans", json.dumps(plans), "--out", str(out)),
                 env, tmp_path / "wrong.log")
     try:
@@ -75,9 +74,7 @@ def test_simulating_with_the_measured_compute_reproduces_each_stage_f_and_b(f_sc
     """The validator's second figure: the simulator given each stage's compute as the run
     measured it (here: each stage's simulated F and B scaled), with the runner's own
     cost per action as calibrated; it must land on exactly those seconds."""
-    sys.path.insert(0, str(REPO / "bench"))
-    from pipeline_real import REAL_MICRO, with_measured_compute
-
+    from bench.pipeline.real import REAL_MICRO, with_measured_compute
     from crossover.pipeline import Graph, schedule_for, simulate
     from crossover.pipeline.models import build
     from crossover.pipeline.plan import Stage, make_plan

@@ -3,14 +3,9 @@ its gradients match one process's, and a wrong gradient makes it fail (no number
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
-from tests.conftest import REPO
-
-sys.path.insert(0, str(REPO / "bench"))
-import torch_pipelining_peer as peer  # noqa: E402
+from bench.pipeline import torch_peer as peer
 
 pytestmark = pytest.mark.mpi
 

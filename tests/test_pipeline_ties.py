@@ -147,7 +147,7 @@ def test_a_head_tied_to_the_embedding_pipelines_over_every_rank(partitioner):
 
 
 def test_a_plan_made_by_hand_may_split_tied_ops():
-    from crossover.freeze.repartition import replan
+    from crossover.pipeline.repartition import replan
 
     lm = graphs()["tied_lm"]
     split = [Stage(tuple(o for o in lm.order() if o != "head")), Stage(("head",))]

@@ -217,7 +217,7 @@ def test_the_digits_example_freezes_and_cuts_the_front_off(tmp_path, cluster):
     assert last["frozen"] == ["layers_0", "layers_2", "layers_4"], out[-2000:]
     assert last["repartitions"] == 1 and "0:layers_5+layers_6x2" in out, out[-2000:]
     assert last["accuracy"] > 0.6, last
-    # when the cut took effect, on the wall clock (bench/freeze_neighbour.py's windows)
+    # when the cut took effect, on the wall clock (bench/freeze/neighbour.py's windows)
     rows = json.loads(history.read_text())
     cuts = [(t, r) for r in rows for t in r["repartition_walls"]]
     assert len(cuts) == 1, rows

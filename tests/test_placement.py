@@ -8,20 +8,15 @@ are disjoint and cover the host, and each job trains the same weights as alone.
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bench.harness.jobs import ONE_HOST_ENV, one_host_launch, run_jobs
+from crossover import trace
+from crossover.launch.local import DaemonProcess
 from crossover.placement import partition
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from jobs import ONE_HOST_ENV, one_host_launch, run_jobs  # noqa: E402
-
-from crossover import trace  # noqa: E402
-from crossover.launch.local import DaemonProcess  # noqa: E402
 
 
 @pytest.mark.parametrize("cores,jobs,expected", [

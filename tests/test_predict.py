@@ -19,10 +19,11 @@ def ms(compute: float, gap: float) -> Profile:
     return Profile(compute / 1e3, gap / 1e3)
 
 
-# Per-step profiles of benchmark rows (bench/results/crossover.json, and crossover_ddp.json
-# as first measured: each row's compute and communication per job step), with the mode
-# that ran faster there: always antiphase against plain co-location. A row where the two
-# ran within a few percent of each other is a close call: the controller measures.
+# Per-step profiles of benchmark rows (bench/results/colocation/crossover.json, and
+# crossover_ddp.json as first measured: compute and communication per job step),
+# with the mode that ran faster there: always antiphase against plain co-location. A row
+# where the two ran within a few percent of each other is a close call: the controller
+# measures.
 TABLE = [
     # (row, profiles, verdict: the mode taken at once, None: measure)
     ("mlp, 500 Mbit/s: antiphase 1.12x plain", {"a": ms(70, 65), "b": ms(70, 65)}, A),

@@ -9,16 +9,11 @@ no timing is asserted.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from jobs import ONE_HOST_ENV, one_host_launch, run_jobs  # noqa: E402
-
-from crossover import trace  # noqa: E402
-from crossover.launch.local import DaemonProcess  # noqa: E402
+from bench.harness.jobs import ONE_HOST_ENV, one_host_launch, run_jobs
+from crossover import trace
+from crossover.launch.local import DaemonProcess
 
 WORKLOAD = ["--model", "mlp", "--width", "256", "--layers", "2", "--batch", "128"]
 STEPS = 600  # 6 s alone; the loops start together, once every rank has set up

@@ -214,7 +214,7 @@ def test_a_leaders_death_is_taken_over_and_new_jobs_are_coordinated(cluster: Clu
     rebuilds the order from what the members hold; both jobs are coordinated within 15 s
     of the kill and train to the weights they have alone; the new leader starts a
     daemon on fake0, which joins the world. (A leader's service killed alone is started
-    again by its relay, and leads again: bench/chaos_world.py's leader_kill.)"""
+    again by its relay, and leads again: bench/robustness/chaos_world.py's leader_kill.)"""
     specs = [("C", 3, 150), ("D", 4, 150)]
     with cluster.daemon(nodes=4):
         snap = status(cluster, "fake1")["fake0"]

@@ -21,6 +21,7 @@ from pathlib import Path
 from crossover import protocol as P
 from crossover.backoff import Backoff
 from crossover.client.fastpath import RankPath
+from crossover.trace import TraceRecorder
 from crossover.transport import (
     FrameBuffer,
     connect,
@@ -73,21 +74,27 @@ class _Attempt:
 class DaemonLink:
     """A rank's connection to its daemon: register, map the table, fail open, heal.
 
-    The base of `SlotClient`, which answers the hooks below; the link owns `_sock` and
-    `_fast`.
+    The base of `SlotClient`, which answers the hooks below and sets `path` and
+    `_hello` before it connects; the link owns `_sock` and `_fast`.
+
+    Args:
+        job: the job's name, for the daemon and for warnings.
+        trace: a recorder for the moments a rank is coordinated again, or None.
     """
 
     _said_socket_path = False  # the process said once why it uses the socket path
-    job: str
-    path: Path | None
     _hello: P.Hello
-    _sock: socket.socket | None
-    _fast: RankPath | None
-    _heal: Backoff | None
-    _attempt: _Attempt | None
-    _next_heal: float
-    _warned: bool
-    reconnects: int
+
+    def __init__(self, job: str, trace: TraceRecorder | None) -> None:
+        self.job, self.trace = job, trace
+        self.path: Path | None = None  # the daemon's socket, once the node is known
+        self._sock: socket.socket | None = None
+        self._fast: RankPath | None = None  # the node's slot table, when mapped
+        self._warned = False  # the loss of the daemon was said (once per loss)
+        self._heal: Backoff | None = None  # reconnection attempts, while uncoordinated
+        self._attempt: _Attempt | None = None  # the reconnection under way
+        self._next_heal = 0.0
+        self.reconnects = 0  # how often the rank took up coordination again
 
     # --- what the client answers ------------------------------------------------------
     def _welcomed(self, welcome: P.Welcome) -> None:

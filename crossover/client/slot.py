@@ -1,21 +1,18 @@
 """The job side: one connection per rank to its node's daemon; acquire, release, phases.
 
 The connection itself (registering, the slot table, failing open and healing) is
-`crossover.client.link`; a rank never crashes its job over the daemon.
+`crossover.client.link`; a rank never crashes its job over the daemon. What a rank
+reports about its steps (progress, profiles, allreduce waits) is
+`crossover.client.reporting`: the client decides nothing there, it only sends.
 """
 
 from __future__ import annotations
 
 import os
-import socket
-import statistics
 import time
-from pathlib import Path
 
 from crossover import environment as E
 from crossover import protocol as P
-from crossover.backoff import Backoff
-from crossover.client.fastpath import RankPath
 from crossover.client.info import RankInfo
 from crossover.client.link import (
     CrossoverDuplicateError,
@@ -24,16 +21,10 @@ from crossover.client.link import (
     DaemonRefused,
 )
 from crossover.client.pinning import Pinning
-from crossover.client.profile import StepProfiler
+from crossover.client.reporting import StepReporter
 from crossover.protocol import Mode, Phase
 from crossover.trace import TraceRecorder
 from crossover.transport import readable, recv_msg, socket_path
-
-#: Shortest time between two progress reports of a rank with company, and alone.
-REPORT_S, ALONE_REPORT_S = 0.05, 1.0
-#: Shortest time between two reports of a rank's allreduce waits, and the fewest waits
-#: one reports the median of (a single step's wait carries its hold's jitter).
-WAIT_REPORT_S, WAIT_REPORT_MIN = 0.5, 3
 
 
 class SlotClient(DaemonLink):
@@ -66,9 +57,8 @@ class SlotClient(DaemonLink):
         wait_s: float | None = None,
         trace: TraceRecorder | None = None,
     ) -> None:
-        self.job = job
+        super().__init__(job, trace)  # the link: socket, table, healing
         self.info = info
-        self.trace = trace
         self.device: str | None = None
         self.policy: str | None = None
         self.label: str | None = None  # node/device, for traces
@@ -81,39 +71,35 @@ class SlotClient(DaemonLink):
         self._points = 0
         self._asked = 0
         self._kept = False  # a release was kept since the latest point
-        self._sock: socket.socket | None = None
-        self._fast: RankPath | None = None  # the node's slot table, when mapped
-        self._warned = False
         self._last_renew = 0.0
         self._lease_s = 30.0
+        self._wait_s = wait_s
         # Uncoordinated (no daemon): give up and take the "slot" as crossover would,
         # so traces of a fail-open run still show the phases.
         self._release_on_communicate = True
-        self._report_waits = False  # until a daemon that aligns phases says so
         self._yield_on_step = False
-        self._alone = False  # no other job on the device (the daemon says so): keep it
-        self._mode = Mode.ANTIPHASE  # concurrent: every job keeps its device (see Company)
+        # What the daemon's Company notices say: no other job on the device (keep it),
+        # and the mode (concurrent: every job keeps its device).
+        self._alone = False
+        self._mode = Mode.ANTIPHASE
         # CROSSOVER_KEEP_WHEN_ALONE=0: release at every phase even when the device could
         # be kept (alone, or concurrent mode), to trace every phase
         self._keep_when_alone = E.keep_when_alone()
-        self.steps = 0  # training steps so far (step boundaries), reported for the mode
-        self._last_report = 0.0
-        self._profiler = StepProfiler()  # what the steps are made of, reported with them
-        self._waits: list[float] = []  # allreduce waits since the last report of them
-        self._last_wait_report = 0.0
-        self._wait_s = wait_s
+        self._reporter = StepReporter(info.rank)  # step counts, profiles, waits
         self._pinning = Pinning(pin_cpu, self._warn, trace)
-        self._heal: Backoff | None = None  # reconnection attempts, while uncoordinated
-        self._attempt = None  # the reconnection under way (`link._Attempt`)
-        self._next_heal = 0.0
-        self.reconnects = 0  # how often the rank took up coordination again
-        self.path: Path | None = None
+        self._register(runtime_dir, weight, gpu)
+
+    def _register(self, runtime_dir: str | os.PathLike | None, weight: float,
+                  gpu: int | None) -> None:
+        """Find the node's daemon and register with it; fail open on anything but a
+        set-up error (another protocol version, a rank in use), which raises."""
+        info = self.info
         try:
             fake = 0 if E.node_setting() else E.fake_nodes()
             # Under fake nodes local rank l is local rank l // N of node fake<l % N>.
             local_rank = info.local_rank // fake if fake else info.local_rank
-            self._hello = P.Hello(job, info.rank, info.size, local_rank, info.local_size,
-                                  os.getpid(), weight, gpu)
+            self._hello = P.Hello(self.job, info.rank, info.size, local_rank,
+                                  info.local_size, os.getpid(), weight, gpu)
             node = E.node_name(info.local_rank)
         except ValueError as exc:  # a CROSSOVER_NODE / _FAKE_NODES that does not parse
             self._fail_open(f"{exc}; crossover is off in this process", heal=False)
@@ -147,7 +133,7 @@ class SlotClient(DaemonLink):
         self.label = f"{welcome.node}/{welcome.device}"
         self._release_on_communicate = welcome.release_on_communicate
         self._yield_on_step = welcome.yield_on_step
-        self._report_waits = welcome.report_waits
+        self._reporter.report_waits = welcome.report_waits
         if self._wait_s is None:
             self._wait_s = 2 * welcome.lease_s + 5.0
         self._alone, self._mode = False, Mode.ANTIPHASE  # until the daemon's notice
@@ -158,7 +144,7 @@ class SlotClient(DaemonLink):
     # --- the slot ----------------------------------------------------------------------
     def acquire(self) -> None:
         """Block until this rank holds its device (or the wait limit passes)."""
-        self._profiler.computing()
+        self._reporter.computing()
         if not self.holding:
             self._request(release_first=False)
         elif self._kept:  # a point passed holding: a peer told of company asked here
@@ -190,7 +176,7 @@ class SlotClient(DaemonLink):
         if phase == Phase.IDLE:
             self._count_step()  # the end of a `crossover.step()` block
         elif phase == Phase.COMMUNICATE:
-            self._profiler.communicating()
+            self._reporter.communicating()
         if phase == Phase.COMMUNICATE and not self._release_on_communicate:
             return
         if self.holding and not (phase != Phase.IDLE and self._keep_alone()):
@@ -220,23 +206,23 @@ class SlotClient(DaemonLink):
         if self.trace is not None:
             self.trace.flush()
 
+    @property
+    def steps(self) -> int:
+        """Training steps so far (step boundaries), reported for the mode."""
+        return self._reporter.steps
+
     def note_wait(self, seconds: float) -> None:
         """This step's allreduces finished `seconds` after the rank released its device
         for them (the hooks measure it). While the device is shared in antiphase and the
         daemons align the nodes' phases (`--align-phases`, told in the Welcome), the
         median of a few is reported to them, which keep the nodes' turn sequences in
         step from it (`crossover.scheduler.phase`); one small one-way message every
-        WAIT_REPORT_S at most."""
-        if self._sock is None or not self._report_waits or self._alone \
-                or self._mode != Mode.ANTIPHASE or not self._release_on_communicate:
-            self._waits.clear()  # measured in another mode: not about the turns
-            return
-        self._waits.append(seconds)
-        now = time.monotonic()
-        if len(self._waits) >= WAIT_REPORT_MIN and now - self._last_wait_report >= WAIT_REPORT_S:
-            self._last_wait_report = now
-            self._send(P.Waited(statistics.median(self._waits)))
-            self._waits.clear()
+        `reporting.WAIT_REPORT_S` at most."""
+        about_turns = self._sock is not None and not self._alone \
+            and self._mode == Mode.ANTIPHASE and self._release_on_communicate
+        waited = self._reporter.wait(seconds, about_turns)
+        if waited is not None:
+            self._send(waited)
 
     def keeps_device(self) -> bool:
         """True while this rank keeps its device through communication: no other job
@@ -245,20 +231,11 @@ class SlotClient(DaemonLink):
 
     # --- internals ---------------------------------------------------------------------
     def _count_step(self) -> None:
-        """A step boundary: count it; rank 0 reports the count and the steps' profile
-        (one small one-way message, at most every REPORT_S with company, ALONE_REPORT_S
-        alone: a neighbour's arrival is decided on it). Its ranks step together, and a
-        report costs CPU on the cores the jobs compute on."""
-        self.steps += 1
-        if self.info.rank != 0:
-            return
-        self._profiler.step()
-        now = time.monotonic()
-        every = ALONE_REPORT_S if self._alone else REPORT_S
-        if self._sock is not None and now - self._last_report >= every:
-            self._last_report = now
-            compute_s, gap_s = self._profiler.take()
-            self._send(P.Progress(self.steps, self._points, compute_s, gap_s))
+        """A step boundary: count it; rank 0 reports the count, its request points and
+        the steps' profile when a report is due (`StepReporter.step`)."""
+        progress = self._reporter.step(self._points, self._alone, self._sock is not None)
+        if progress is not None:
+            self._send(progress)
 
     def _pass_point(self) -> None:
         """One more point of this rank's request sequence (asked at, or passed holding)."""
@@ -342,7 +319,7 @@ class SlotClient(DaemonLink):
             self._send(P.Acquire(self._seq, release_first, self._points))
             self._await_grant()
         self._asked = self._points
-        self._profiler.waited(time.time() - self._phase_start)  # (since "slot wait")
+        self._reporter.waited_for_grant(time.time() - self._phase_start)  # since "slot wait"
         self._enter("hold")
         self._last_renew = time.monotonic()
 

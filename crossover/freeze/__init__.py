@@ -1,5 +1,13 @@
-"""Freezing-aware training: which layers to freeze and when (`criterion`), and moving
-a stage's parameters and optimizer state to new ranks after a re-plan (`migrate`)."""
+"""Freezing policy: which layers to freeze and when (`criterion`: gradient changes,
+`drift`: weight drift).
+
+Policy only. Acting on a decision (cutting the frozen front off and caching it,
+re-planning the rest, moving parameters and optimizer state to their new ranks) is
+mechanics of the pipeline and lives there: `crossover.pipeline.frozen_prefix`,
+`crossover.pipeline.repartition`, `crossover.pipeline.migrate`. Dependencies point
+down: the pipeline imports this package, never the other way round
+(`tests/test_layering.py` holds it).
+"""
 
 from crossover.freeze.criterion import (
     FreezeCriterion,
@@ -10,15 +18,6 @@ from crossover.freeze.criterion import (
     reads_gradients,
 )
 from crossover.freeze.drift import DriftTracker
-from crossover.freeze.migrate import (
-    Move,
-    load_optimizer_state,
-    migrate,
-    optimizer_state,
-    plan_moves,
-    state_hash,
-)
 
 __all__ = ["DriftTracker", "FreezeCriterion", "FreezeDecision", "GradientTracker",
-           "LayerChange", "Move", "default_sample_every", "load_optimizer_state", "migrate",
-           "optimizer_state", "plan_moves", "reads_gradients", "state_hash"]
+           "LayerChange", "default_sample_every", "reads_gradients"]

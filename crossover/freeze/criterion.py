@@ -157,7 +157,7 @@ def reads_gradients(step: int, every: int, sample_every: int) -> bool:
     so every interval has at least one read.
 
     Reading is one pass over every trained gradient, 4-10% of a CPU step of the digits
-    MLP on one thread (bench/tracker_cost.py); sampling spreads that over the steps
+    MLP on one thread (bench/freeze/tracker_cost.py); sampling spreads that over the steps
     between.
 
     Raises:

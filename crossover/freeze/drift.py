@@ -5,13 +5,13 @@ The gradient tracker makes it the relative change of the layer's mean gradient n
 `DriftTracker` makes it how far the layer's weights moved over the interval against the
 weights' norm, `|W_k - W_(k-1)| / |W_k|`. On a fine-tuned pretrained body the gradient
 norms fall with the training loss, so their change never settles; the weights' relative
-move does (bench/freeze_replay.py). It is not safe alone on a body trained from random
+move does (bench/freeze/replay.py). It is not safe alone on a body trained from random
 weights, whose early moves are small against its initial norm: pair it with the
 criterion's loss gate.
 
 It keeps a copy of the tracked weights and costs nothing per step; once an interval it
 takes the move in place in that copy and copies the weights into it again, allocating
-nothing (its cost: bench/tracker_cost.py). A layer whose copy does not date from its
+nothing (its cost: bench/freeze/tracker_cost.py). A layer whose copy does not date from its
 interval's start reports nothing for that interval, so that a short interval's small
 move never looks stable: the first interval (the copy is taken
 before the first update, the interval ends before its last) and, after a re-partition,

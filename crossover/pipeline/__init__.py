@@ -16,6 +16,9 @@ The pieces, one concept each:
     finalists.py  which plan a search keeps: the simulator decides among the near-best
     runner.py     one MPI process per stage; slots from the crossover daemon
     waits.py      MPI waits with deadlines, cancelling on failure; decisions all ranks share
+    repartition.py  live re-plan after layers freeze (`crossover.freeze` decides which)
+    migrate.py    parameters and optimizer state to their new ranks, bit for bit
+    frozen_prefix.py  the frozen front cut off, its outputs cached per sample
     models.py     example models (chain, two-tower transformer, DLRM, CANDLE-Uno)
 
 Typical use:

@@ -48,7 +48,7 @@ from crossover.freeze import (
     default_sample_every,
     reads_gradients,
 )
-from crossover.freeze.cache import FrozenPrefix
+from crossover.pipeline.frozen_prefix import FrozenPrefix
 from crossover.pipeline.graph import Graph
 from crossover.pipeline.partition import plan_for
 from crossover.pipeline.placement import (
@@ -128,7 +128,7 @@ class PipelineTrainer(Checkpoints, TiedRepartitioning):
             hand) and the scheduler's state, so the schedule goes on as in one process.
         cache_frozen: once a front of the model is frozen, stop running it: pipeline
             only the rest, fed from a per-sample cache of the values crossing the cut
-            (`crossover.freeze.cache`), re-planned over every rank with data-parallel
+            (`crossover.pipeline.frozen_prefix`), re-planned over every rank with data-parallel
             replicas where they pay. Needs `repartition`, every step's `index`, and
             data without random augmentation (a sample's prefix output must not change).
 

@@ -7,7 +7,7 @@ a re-plan can give a rank a copy it did not train (its tensor is stale) while th
 migration gives the parameter and its optimizer state to one stage's ranks only. So
 the trainer copies each tied parameter, with its optimizer state, from one rank that
 holds it current to every other rank that holds a copy, bit for bit, with the
-migration's own transfer (`crossover.freeze.migrate`).
+migration's own transfer (`crossover.pipeline.migrate`).
 
 `Checkpoints` gathers the whole model's state on every rank from the stages that hold
 it: a checkpoint that loads into the unpipelined model, and the optimizer state by
@@ -22,10 +22,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from crossover.freeze.migrate import State, load_optimizer_state, migrate, optimizer_state
-from crossover.freeze.repartition import Repartitioning, owners
 from crossover.pipeline.graph import Graph
+from crossover.pipeline.migrate import State, load_optimizer_state, migrate, optimizer_state
 from crossover.pipeline.plan import Plan
+from crossover.pipeline.repartition import Repartitioning, owners
 from crossover.pipeline.ties import tied_copies
 
 

@@ -19,7 +19,7 @@ Probing: a pair of windows, one per mode, measures each job's step rate (after
 settling steps, at least `min_steps` steps and `probe_s` seconds) and its speedup under
 antiphase; a mean of 1 + `margin` or more takes antiphase (guarded by the hold check),
 a lower one concurrent (do no harm). Below the margin by less than one pair's noise
-(`pair_noise` / sqrt(pairs): bench/pair_noise.py), a pair in the reverse order follows
+(`pair_noise` / sqrt(pairs): bench/colocation/pair_noise.py), a pair in the reverse order follows
 (C A, A C, C A: a drift of the host's speed cancels), up to `max_pairs`, and the mean
 decides; where the jobs' profiles were too close to call, their lean decides within
 that noise: antiphase, guarded (docs/design.md).

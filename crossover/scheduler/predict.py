@@ -7,7 +7,7 @@ steps alone show both as they are. Its steps in antiphase show its compute, but 
 can read long: the job's communication then runs while the other job computes (on a
 CPU device, on the same core), and hosts whose turns crossed add a turn to it, so a
 prediction from antiphase profiles can over-state what antiphase gains (gaps of 32-99
-ms against 11-24 ms alone in bench/results/crossover_link.json). Concurrent steps show
+ms against 11-24 ms alone in bench/results/colocation/crossover_link.json). Concurrent steps show
 neither (the neighbour's compute stretches the job's own), so the controller keeps a
 profile only from the first two (`crossover.scheduler.mode`).
 
@@ -21,7 +21,7 @@ From the profiles, one round in which every job makes one step lasts:
 
 The second is the worst case of plain co-location (jobs of unequal steps drift and
 fill some of each other's gaps), so the ratio is the most antiphase can gain: an upper
-bound. Measured on this project's emulated hosts (bench/results/crossover.json), rows
+bound. Measured on this project's emulated hosts (bench/results/colocation/crossover.json), rows
 whose bound was about 1.14x ran 0.98-1.12x, rows whose bound was 1.4x ran 1.12-1.17x.
 So a bound close to 1 says antiphase cannot pay (concurrent, which is what plain
 co-location does), a bound far above says it pays, and between the two the controller

@@ -1,0 +1,387 @@
+"""Chaos on a daemon world of several nodes: members and the leader killed and stopped
+while jobs train on them.
+
+    .venv/bin/python -m bench.robustness.chaos_world [--nodes 4] [--minutes 8] [--fault-every 4]
+    .venv/bin/python -m bench.robustness.chaos_world --emulated [--minutes 8] [--fault-every 4]
+
+N fake-node daemons under one mpirun (Open MPI's recovery on, as crossoverrun starts a
+world); two 2-rank PyTorch jobs (examples/torch_mlp.py) at any time, each rank on a
+random node (so jobs share some nodes and not others), a new one when one ends. Every
+few seconds (exponentially distributed, mean --fault-every) one fault strikes:
+
+    member_kill   SIGKILL a node service that does not lead (the leader's next
+                  generation of the world starts a new one there)
+    leader_kill   SIGKILL the leader's service (a successor takes over, and starts a new
+                  one there)
+    member_stop   SIGSTOP a service that does not lead for 1-10 s, then SIGCONT (past the
+                  5 s silence it is lost; a new generation takes it back)
+    leader_stop   SIGSTOP the leader's service for 1-10 s, then SIGCONT
+    relay_kill    SIGKILL a node's relay, its MPI process (the service serves on; a new
+                  generation takes the node back)
+    node_kill     SIGKILL a node's service and relay at once, the leader's or another's
+                  (the node is lost; a new generation starts a service there)
+    rank_stop     SIGSTOP one rank for up to lease + 1 s, then SIGCONT
+    link_cut      (--emulated) one host's link down for 2-12 s, then up: each side
+                  serves on alone, and the world is one again after (no job starts
+                  while it is down, and none is cut in its first RENDEZVOUS_S: a launch
+                  over a down link fails with or without crossover)
+
+--emulated: the two emulated hosts of bench/harness/cluster.py (network namespaces joined by a
+1000 Mbit/s link, root only) instead of fake nodes; every job has a rank on each.
+
+A daemon already down or stopped gets no second fault, and the last node that answers
+is never killed whole: with no service and no relay left anywhere nothing can bring the
+world back (crossoverrun's watcher starts a new one then; this storm has none).
+Checked and written to
+bench/results/robustness/chaos_world.json (the keys of chaos.json, plus `nodes`):
+    mismatches      finished jobs whose weights differ from the same job trained alone
+                    without crossover (bit for bit): must be 0
+    hangs           jobs that ran past --job-timeout: must be 0
+    longest_stall_s the longest slot wait of any rank that overlaps no daemon fault
+                    (from the fault to 15 s after its end) nor a stop of its own
+    nodes_answering the fewest and the last count of nodes whose daemon answered
+    world_whole_at_end  every node in the world, none lost, once the faults stopped
+    generations     how many generations of the world formed
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import psutil
+
+from bench.harness.cluster import LINK, EmulatedCluster
+from bench.harness.common import area_results, write_result
+from bench.harness.jobs import JOB_ENV, cluster_launch
+from bench.robustness.chaos import (
+    LENGTHS,
+    SCRIPT,
+    SEEDS,
+    RunningJob,
+    _load,
+    compare_with_solo,
+    let_finish,
+)
+from crossover.daemon.relay import relay_mca_env, relay_mca_flags
+from crossover.launch.local import mpi_env, terminate_group
+from crossover.probe import daemon_status, stop_world
+
+RESULTS = area_results("robustness")
+
+FAULTS = {"member_kill": 0.15, "leader_kill": 0.1, "member_stop": 0.15,
+          "leader_stop": 0.1, "relay_kill": 0.15, "node_kill": 0.15, "rank_stop": 0.2,
+          "link_cut": 0.1}
+#: a job's launch and rendezvous are over this long after its start (no link cut before)
+RENDEZVOUS_S = 8.0
+#: a daemon fault disturbs slot waits from its start to this long after its end
+SETTLE_S = 15.0
+
+
+class World:
+    """The daemons' world: who answers, who leads, and their processes."""
+
+    def __init__(self, nodes: int, runtime: Path, env: dict, log: Path,
+                 cluster: EmulatedCluster | None = None) -> None:
+        self.cluster = cluster
+        self.names = list(cluster.hosts) if cluster else [f"fake{i}" for i in range(nodes)]
+        self.runtime = runtime
+        daemon = [sys.executable, "-m", "crossover", "daemon", "--policy", "auto",
+                  "--lease", "3", "--runtime-dir", str(runtime)]
+        if cluster is not None:
+            cmd = cluster.mpirun(daemon)
+            env = {**env, **relay_mca_env()}
+        else:
+            cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", *relay_mca_flags(),
+                   "-np", str(nodes), *daemon]
+            env = {**env, "CROSSOVER_FAKE_NODES": str(nodes)}
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        nodes = len(self.names)
+        self.busy: set[str] = set()  # nodes whose daemon is down or stopped by a fault
+        self.cut = False  # a host's link is down
+        self.cut_due = False  # a cut waits for the running jobs' rendezvous to end
+        deadline = time.monotonic() + 60
+        while len(self.status()) < nodes:
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise RuntimeError(f"the daemon world did not start; see {log}")
+            time.sleep(0.2)
+
+    def status(self) -> dict:
+        """The status as the first node that answers sees it."""
+        for name in self.names:
+            if name in self.busy:
+                continue
+            try:
+                return daemon_status(self.runtime, name, timeout_s=3.0)
+            except ConnectionError:
+                continue
+        return {}
+
+    def stop(self) -> None:
+        """Stop the world: its first mpirun, and the services and generations that
+        outlive it (each names the runtime directory on its command line)."""
+        for name in self.names:  # as `crossover stop` does: the leader tells every node
+            try:
+                stop_world(self.runtime, name, timeout_s=3.0)
+                time.sleep(2.0)
+                break
+            except ConnectionError:
+                continue
+        terminate_group(self.proc, grace_s=5)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            procs = [p for p in psutil.process_iter(["cmdline"])
+                     if str(self.runtime) in (p.info["cmdline"] or [])]
+            for p in procs:
+                with contextlib.suppress(psutil.Error):
+                    p.send_signal(sig)
+            psutil.wait_procs(procs, timeout=5)
+
+    def whole(self) -> bool:
+        """Every node in the world under one leader, none lost."""
+        nodes = self.status()
+        return sorted(nodes) == sorted(self.names) and len(
+            {(s["world"]["leader_node"], s["world"]["generation"]) for s in nodes.values()}
+        ) == 1 and all(not s["world"]["lost"] and s["world"]["relay"]
+                       for s in nodes.values())
+
+
+def start_job(n: int, rng: random.Random, world: World, env: dict, tmp: Path) -> RunningJob:
+    seed, steps = rng.choice(SEEDS), rng.choice(LENGTHS)
+    name = f"j{n}"
+    weights, log = tmp / f"{name}.pt", tmp / f"{name}.log"
+    script = [sys.executable, str(SCRIPT), "--seed", str(seed), "--steps", str(steps),
+              "--out", str(weights)]
+    if world.cluster is not None:  # a rank on each host
+        cmd, env = cluster_launch(world.cluster)(script), {**env, **JOB_ENV}
+    else:
+        cmd = ["mpirun", "--oversubscribe", "--bind-to", "none"]
+        for i, node in enumerate(rng.sample(world.names, 2)):
+            cmd += [*([":"] if i else []), "-np", "1", "-x", f"CROSSOVER_NODE={node}",
+                    *script]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env={**env, "CROSSOVER_JOB": name}, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    return RunningJob(name, seed, steps, proc, time.monotonic(), weights, log, False)
+
+
+def inject(kind: str, world: World, jobs: list[RunningJob], rng: random.Random,
+           later: list, windows: list, stops: list) -> str | None:
+    """Strike once; returns what happened (None: no target now)."""
+    if kind == "rank_stop":
+        live = [(j, r) for j in jobs if j.proc.poll() is None for r in j.ranks()
+                if r.pid not in j.stopped]
+        if not live:
+            return None
+        job, rank = rng.choice(live)
+        pause, at = rng.uniform(0.2, 4.0), time.time()
+        rank.send_signal(signal.SIGSTOP)
+        job.stopped.append(rank.pid)
+
+        def cont() -> None:
+            try:
+                rank.send_signal(signal.SIGCONT)
+            except Exception:  # noqa: BLE001 - it may have ended meanwhile
+                pass
+            job.stopped.remove(rank.pid)
+            stops.append((job.name, at, time.time()))
+        later.append((time.monotonic() + pause, cont))
+        return f"SIGSTOP {pause:.1f} s a rank of {job.name}"
+    if kind == "link_cut":
+        # one cut at a time, and only past the jobs' rendezvous: a job that cannot
+        # reach its peers while it starts fails without crossover too (Gloo's store).
+        # Until the running jobs are past theirs, the cut is due and no job starts.
+        if world.cut:
+            return None
+        world.cut_due = any(time.monotonic() - j.started < RENDEZVOUS_S
+                            for j in jobs if j.proc.poll() is None)
+        if world.cut_due:
+            return None
+        host = rng.choice(world.names)
+        pause, at = rng.uniform(2.0, 12.0), time.time()
+        link = ["ip", "-n", host, "link", "set", LINK]
+        subprocess.run([*link, "down"], check=True, timeout=30)
+        world.cut = True
+
+        def reconnect() -> None:
+            subprocess.run([*link, "up"], check=True, timeout=30)
+            world.cut = False
+            windows.append((at, time.time() + SETTLE_S))
+        later.append((time.monotonic() + pause, reconnect))
+        return f"link of {host} down for {pause:.1f} s"
+    nodes = world.status()
+    leader = next((s["world"]["leader_node"] for s in nodes.values()), None)
+    targets = [n for n in nodes if n not in world.busy
+               and (kind == "node_kill" or (n == leader) == kind.startswith("leader"))]
+    if not targets or (kind == "node_kill" and len(nodes) <= 1):
+        return None  # (a world with no node left alive has nothing to come back from)
+    node = rng.choice(targets)
+    pid = nodes[node]["daemon"]["pid"]
+    at = time.time()
+    if kind in ("relay_kill", "node_kill"):
+        relay = nodes[node]["world"].get("relay_pid")
+        if relay is None:
+            return None
+        for victim in (relay, pid) if kind == "node_kill" else (relay,):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, signal.SIGKILL)
+        windows.append((at, time.time() + SETTLE_S))
+        what = "relay" if kind == "relay_kill" else "service and relay"
+        return f"SIGKILL the {what} of {node}{' (the leader)' if node == leader else ''}"
+    world.busy.add(node)
+    if kind.endswith("kill"):
+        os.kill(pid, signal.SIGKILL)
+
+        def back() -> None:  # its new daemon: the leader's (after the loss is found)
+            world.busy.discard(node)
+            windows.append((at, time.time() + SETTLE_S))
+        later.append((time.monotonic() + 10.0, back))
+        return f"SIGKILL the daemon of {node}{' (the leader)' if node == leader else ''}"
+    pause = rng.uniform(1.0, 10.0)
+    os.kill(pid, signal.SIGSTOP)
+
+    def resume() -> None:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        world.busy.discard(node)
+        windows.append((at, time.time() + SETTLE_S))
+    later.append((time.monotonic() + pause, resume))
+    return f"SIGSTOP {pause:.1f} s the daemon of {node}" + \
+        (" (the leader)" if node == leader else "")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--nodes", type=int, default=4)
+    ap.add_argument("--minutes", type=float, default=8.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fault-every", type=float, default=4.0, metavar="S")
+    ap.add_argument("--job-timeout", type=float, default=240.0)
+    ap.add_argument("--out", default="chaos_world")
+    ap.add_argument("--emulated", action="store_true",
+                    help="the two emulated hosts (root), with link cuts, not fake nodes")
+    args = ap.parse_args()
+    with EmulatedCluster(mbit=1000) if args.emulated else contextlib.nullcontext() as c:
+        return run(args, c)
+
+
+def run(args: argparse.Namespace, cluster: EmulatedCluster | None) -> int:
+    rng = random.Random(args.seed)
+    tmp = Path(tempfile.mkdtemp(prefix="crossover-chaos-world-"))
+    runtime, traces = tmp / "run", tmp / "traces"
+    env = {**os.environ, **mpi_env(), "CROSSOVER_RUNTIME_DIR": str(runtime),
+           "CROSSOVER_TRACE": str(traces), "OMPI_MCA_mpi_yield_when_idle": "1"}
+    env.pop("CROSSOVER_FAKE_NODES", None)
+    world = World(args.nodes, runtime, env, tmp / "daemon.log", cluster)
+    faults_here = {k: w for k, w in FAULTS.items() if cluster or k != "link_cut"}
+    jobs: list[RunningJob] = []
+    faults: Counter = Counter()
+    later: list = []
+    windows: list[tuple[float, float]] = []  # daemon faults: (from, settled)
+    stops: list[tuple[str, float, float]] = []  # rank stops: (job, from, to)
+    hangs, n, answering = [], 0, []
+    end = time.monotonic() + args.minutes * 60
+    next_fault = time.monotonic() + rng.expovariate(1 / args.fault_every)
+    print(f"chaos_world: {len(world.names)} nodes, {args.minutes:g} min, a fault every "
+          f"~{args.fault_every:g} s, work in {tmp}", flush=True)
+    try:
+        while time.monotonic() < end:
+            for j in jobs:
+                if j.proc.poll() is None and time.monotonic() - j.started > args.job_timeout:
+                    hangs.append(j.name)
+                    terminate_group(j.proc, grace_s=2)
+                    print(f"chaos_world: HANG {j.name}", flush=True)
+            while len([j for j in jobs if j.proc.poll() is None]) < 2 and not (
+                    world.cut or world.cut_due):
+                n += 1
+                jobs.append(start_job(n, rng, world, env, tmp))
+            if time.monotonic() >= next_fault or world.cut_due:
+                kind = "link_cut" if world.cut_due else rng.choices(
+                    list(faults_here), weights=list(faults_here.values()))[0]
+                what = inject(kind, world, jobs, rng, later, windows, stops)
+                if what is not None:
+                    faults[kind] += 1
+                    answering.append(len(world.status()))
+                    print(f"chaos_world: fault {sum(faults.values())}: {what} "
+                          f"({answering[-1]} nodes answer, {len(jobs)} jobs so far, "
+                          f"{(end - time.monotonic()) / 60:.1f} min left)", flush=True)
+                next_fault = time.monotonic() + rng.expovariate(1 / args.fault_every)
+            for item in sorted(later, key=lambda x: x[0]):
+                if item[0] <= time.monotonic():
+                    later.remove(item)
+                    item[1]()
+            time.sleep(0.1)
+        for when, action in sorted(later, key=lambda x: x[0]):
+            time.sleep(max(0.0, when - time.monotonic()))
+            action()
+        print("chaos_world: time is up; letting the running jobs finish", flush=True)
+        hangs += let_finish(jobs, args.job_timeout)
+        deadline = time.monotonic() + 60
+        while not world.whole() and time.monotonic() < deadline:
+            time.sleep(1.0)
+        whole = world.whole()
+        answering.append(len(world.status()))
+        generations = daemon_log(tmp).count("forming generation")
+    finally:
+        for j in jobs:
+            if j.proc.poll() is None:
+                terminate_group(j.proc, grace_s=2)
+        world.stop()
+
+    finished = [j for j in jobs if j.name not in hangs]
+    mismatches, failed = compare_with_solo(finished, tmp, env, "chaos_world")
+    waits = []
+    for path in sorted(traces.glob("*.rank*.json")):
+        job = path.name.rsplit(".rank", 1)[0]
+        for e in _load(path):
+            if e.get("ph") == "X" and e["name"] == "slot wait":
+                a, b = e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6
+                quiet = not any(a < y and x < b for x, y in windows) and not any(
+                    a < y and x < b for jj, x, y in stops if jj == job)
+                waits.append((b - a, quiet))
+    result = {
+        "nodes": len(world.names), "emulated_hosts": cluster is not None,
+        "minutes": args.minutes, "seed": args.seed,
+        "jobs_run": len(jobs), "jobs_compared": len(finished) - len(failed),
+        "jobs_failed": failed, "faults_injected": dict(faults),
+        "faults_total": sum(faults.values()), "mismatches": len(mismatches),
+        "mismatched_jobs": mismatches, "hangs": len(hangs),
+        "longest_stall_s": round(max((w for w, q in waits if q), default=0.0), 3),
+        "longest_stall_raw_s": round(max((w for w, _ in waits), default=0.0), 3),
+        "slot_waits": len(waits),
+        "nodes_answering": {"fewest": min(answering, default=0),
+                            "at_end": answering[-1] if answering else 0},
+        "world_whole_at_end": whole, "generations": generations,
+        "reconnects": sum(j.log.read_text().count("is coordinated again") for j in jobs),
+    }
+    out = write_result(RESULTS, args.out, result)
+    print(json.dumps({k: result[k] for k in ("jobs_run", "faults_total", "mismatches",
+                                              "hangs", "longest_stall_s",
+                                              "nodes_answering", "world_whole_at_end")}))
+    print(f"chaos_world: wrote {out}")
+    return 0 if not (mismatches or hangs or failed) and whole else 1
+
+
+def daemon_log(tmp: Path) -> str:
+    """The world's log: its first mpirun's output, and its services' (they log to the
+    runtime directory)."""
+    return "".join(p.read_text(errors="replace") for p in (tmp / "daemon.log",
+                                                         tmp / "run" / "daemon.log")
+                   if p.exists())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
