@@ -40,6 +40,7 @@ INJECT = "CROSSOVER_INJECT"
 NATIVE = "CROSSOVER_NATIVE"
 NODE = "CROSSOVER_NODE"
 FAKE_NODES = "CROSSOVER_FAKE_NODES"
+WORLD_KEY = "CROSSOVER_WORLD_KEY"
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -90,6 +91,13 @@ def _job(value: str) -> str:
 
 def _path(value: str) -> str:
     return value
+
+
+def _key(value: str) -> bytes:
+    key = bytes.fromhex(value)  # ValueError: not hex
+    if len(key) < 16:
+        raise ValueError(value)
+    return key
 
 
 @dataclass(frozen=True)
@@ -168,6 +176,11 @@ VARS: dict[str, Var] = {v.name: v for v in [
          sides=("job", "daemon"), strict=True,
          about="fake N nodes on one machine, for tests: daemon rank r is node fake<r>, a "
                "rank of local rank l talks to fake<l % N>"),
+    _var(WORLD_KEY, _key, None, "the runtime directory's world.key",
+         "give the world's key in hex, at least 32 digits", sides=("daemon",), strict=True,
+         about="the key that signs the messages between the nodes' daemons; crossoverrun "
+               "and the leader hand it to the daemons they start on other hosts (never "
+               "give it on a command line)"),
 ]}
 
 _reported: set[str] = set()  # variables whose bad value this process has reported
@@ -284,6 +297,12 @@ def node_setting() -> str | None:
         ValueError: the value is not a node name, naming the variable.
     """
     return get(NODE)
+
+
+def world_key() -> bytes | None:
+    """CROSSOVER_WORLD_KEY: the world's key handed over, or None (the runtime
+    directory's; `crossover.daemon.wire.world_key`). ValueError if it is not a key."""
+    return get(WORLD_KEY)
 
 
 def fake_nodes() -> int:

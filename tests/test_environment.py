@@ -90,6 +90,12 @@ TABLE = [
                               "(default 0)")),
     (E.FAKE_NODES, "2_0", Bad("CROSSOVER_FAKE_NODES='2_0': give a whole number of nodes >= 0 "
                               "(default 0)")),
+    (E.WORLD_KEY, "", None),
+    (E.WORLD_KEY, "00ff" * 8, bytes.fromhex("00ff" * 8)),
+    (E.WORLD_KEY, "abcd", Bad("CROSSOVER_WORLD_KEY='abcd': give the world's key in hex, at "
+                              "least 32 digits (default the runtime directory's world.key)")),
+    (E.WORLD_KEY, "xyz", Bad("CROSSOVER_WORLD_KEY='xyz': give the world's key in hex, at "
+                             "least 32 digits (default the runtime directory's world.key)")),
 ]
 
 

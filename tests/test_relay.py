@@ -11,18 +11,20 @@ import time
 
 import pytest
 
+from crossover.daemon.frames import hello, read_frame, write_frame
 from crossover.daemon.generation import generation_command
 from crossover.daemon.relay import (
     daemon_flags,
     missing_relay_mca,
-    read_frame,
     relay_mca_flags,
     service_argv,
     service_env,
-    write_frame,
 )
 from crossover.daemon.sockets import NodeSockets
 from crossover.daemon.uplink import Uplink
+from crossover.daemon.wire import encode, unseal
+
+KEY = bytes(range(32))
 
 
 @pytest.mark.parametrize("argv, flags", [
@@ -79,7 +81,8 @@ class Node:
         self.inbox_woken = 0
         self.sockets = NodeSockets(tmp / "node-x.sock", tmp / "node-x.relay")
         self.ranks, self.relays = self.sockets.open()
-        self.uplink = Uplink(self._woken, relayed=True)
+        self.uplink = Uplink(self._woken, relayed=True, node="x", secret=KEY)
+        self.seq = 0
 
     def _woken(self) -> None:
         self.inbox_woken += 1
@@ -87,14 +90,32 @@ class Node:
     def relay(self, epoch: int, rank: int, names: list[str], leader: int) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect(str(self.sockets.relay))
-        write_frame(sock, ("hello", epoch, rank, names, leader))
+        write_frame(sock, hello(epoch, rank, names, leader))
         return sock
+
+    def deliver(self, relay: socket.socket, source: int, sender: str, msg: tuple,
+                gen: int = 0, key: bytes = KEY) -> None:
+        """`msg` from node `sender` at rank `source`, as its relay would bring it."""
+        self.seq += 1
+        write_frame(relay, {"k": "from", "source": source},
+                    encode(key, gen, sender, self.seq, msg))
 
     def accept(self) -> tuple | None:
         return self.uplink.accept(self.relays)  # a Unix connect is queued at once
 
     def next(self, timeout: float = 5.0) -> tuple:
         return self.uplink.inbox.get(timeout=timeout)
+
+
+def sent(relay: socket.socket) -> tuple:
+    """What the service wrote to its relay: ("to", dest, message) or ("bye", why), its
+    signature checked and its sender this node."""
+    header, payload = read_frame(relay)
+    if header["k"] == "bye":
+        return ("bye", header["why"])
+    _, sender, _, kind, args = unseal(KEY, payload)
+    assert sender == "x"
+    return ("to", header["dest"], (kind, *args))
 
 
 def test_a_service_publishes_its_socket_only_once_a_relay_said_hello(tmp_path):
@@ -112,15 +133,15 @@ def test_a_newer_generation_replaces_the_relay_and_an_older_one_is_refused(tmp_p
     node.accept()
     newer = node.relay(2, 1, ["b", "x"], 0)
     assert node.accept() == (2, 1, ["b", "x"], 0)
-    assert read_frame(first) == ("bye", "replaced")  # the old relay ends, not its service
+    assert sent(first) == ("bye", "replaced")  # the old relay ends, not its service
     assert first.recv(1) == b""
     older = node.relay(1, 0, ["x"], 0)
     assert node.accept() is None and older.recv(1) == b""
     # same epoch, another leader: the later name wins everywhere, so no tie
     assert node.uplink.key == (2, "b")
     node.uplink.send(0, ("join", "A"))
-    assert read_frame(newer) == ("to", 0, ("join", "A"))
-    write_frame(newer, (0, ("order", "A", 3)))
+    assert sent(newer) == ("to", 0, ("join", "A"))
+    node.deliver(newer, 0, "b", ("order", "A", 3), gen=2)
     assert node.next() == (0, ("order", "A", 3))
 
 
@@ -142,7 +163,7 @@ def test_a_relay_without_a_valid_hello_is_closed(tmp_path):
     node = Node(tmp_path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(str(node.sockets.relay))
-    write_frame(sock, ("hello", 0, 5, ["a"], 0))  # rank 5 of a world of one
+    write_frame(sock, hello(0, 5, ["a"], 0))  # rank 5 of a world of one
     assert node.accept() is None and sock.recv(1) == b""
     assert not node.uplink.attached
 
@@ -185,8 +206,8 @@ def test_a_stopping_service_sends_the_frame_its_writer_holds_before_its_goodbye(
     closing.join(timeout=5)
     assert not closing.is_alive()
     relay.settimeout(5)
-    assert read_frame(relay) == ("to", 1, ("shutdown",))
-    assert read_frame(relay) == ("bye", "stop")
+    assert sent(relay) == ("to", 1, ("shutdown",))
+    assert sent(relay) == ("bye", "stop")
 
 
 def test_a_broadcast_reaches_the_other_nodes_before_this_one_acts_on_it(tmp_path):
@@ -200,7 +221,7 @@ def test_a_broadcast_reaches_the_other_nodes_before_this_one_acts_on_it(tmp_path
     node.uplink._wakeup = node.uplink.close  # the serve loop at its quickest
     node.uplink.broadcast(("shutdown",))
     relay.settimeout(5)
-    assert [read_frame(relay) for _ in range(3)] == [
+    assert [sent(relay) for _ in range(3)] == [
         ("to", 1, ("shutdown",)), ("to", 2, ("shutdown",)), ("bye", "stop")]
     assert node.next() == (0, ("shutdown",))
 
@@ -212,8 +233,58 @@ def test_a_worlds_stop_reaches_a_node_taken_for_lost_and_other_broadcasts_do_not
     relay = node.relay(0, 0, ["x", "b", "c"], 0)
     node.accept()
     node.uplink.lost = {1}
-    node.uplink.broadcast(("members",))
+    node.uplink.broadcast(("members", [0, 2], ["b"]))
     node.uplink.broadcast(("shutdown",), lost_too=True)
     relay.settimeout(5)
-    assert [read_frame(relay) for _ in range(3)] == [
-        ("to", 2, ("members",)), ("to", 1, ("shutdown",)), ("to", 2, ("shutdown",))]
+    assert [sent(relay) for _ in range(3)] == [
+        ("to", 2, ("members", [0, 2], ["b"])), ("to", 1, ("shutdown",)),
+        ("to", 2, ("shutdown",))]
+
+
+def test_a_forged_or_replayed_message_is_refused_and_logged_and_a_signed_one_taken(
+        tmp_path, caplog):
+    """What reaches a service through its relay but was not signed with the world's key
+    (a process that reached the relays' MPI port) never acts: ("lead", 2**62) would
+    have won the leadership for ever."""
+    node = Node(tmp_path)
+    relay = node.relay(3, 0, ["x", "b"], 1)
+    node.accept()
+    with caplog.at_level("WARNING", logger="crossover.daemon"):
+        node.deliver(relay, 1, "b", ("lead", 2**62), gen=3, key=b"guessed" * 5)
+        write_frame(relay, {"k": "from", "source": 1},
+                    encode(KEY, 3, "b", 7, ("lead", 4)))
+        write_frame(relay, {"k": "from", "source": 1},
+                    encode(KEY, 3, "b", 7, ("lead", 4)))  # the same bytes again
+        assert node.next() == (1, ("lead", 4))
+        with pytest.raises(queue.Empty):
+            node.next(timeout=0.3)
+    assert node.uplink.refused == 2
+    refusals = [r.getMessage() for r in caplog.records if "refused a message" in r.message]
+    assert "daemon 1 (node b) of generation 3: its signature is not the world's key" in \
+        refusals[0]
+    assert "replayed: sequence 7 from b after 7" in refusals[1]
+
+
+def test_a_message_of_an_earlier_generation_is_dropped_not_charged_to_a_node(tmp_path):
+    """Generation 2 renumbered the nodes: what node b said as rank 1 of generation 1
+    must not be taken as rank 1 (node c) of generation 2."""
+    node = Node(tmp_path)
+    relay = node.relay(2, 0, ["x", "c", "b"], 0)
+    node.accept()
+    node.deliver(relay, 1, "b", ("leave", "A"), gen=1)
+    node.deliver(relay, 1, "b", ("leave", "A"), gen=2)  # b is not rank 1 now
+    node.deliver(relay, 2, "b", ("join", "B"), gen=2)
+    assert node.next() == (2, ("join", "B"))
+    assert node.uplink.stale == 2 and node.uplink.refused == 0
+
+
+def test_a_daemon_never_sends_a_message_off_its_schema(tmp_path, caplog):
+    node = Node(tmp_path)
+    relay = node.relay(0, 0, ["x", "b"], 0)
+    node.accept()
+    with caplog.at_level("ERROR", logger="crossover.daemon"):
+        node.uplink.send(1, ("order", "A", "three"))
+    node.uplink.send(1, ("order", "A", 3))
+    relay.settimeout(5)
+    assert sent(relay) == ("to", 1, ("order", "A", 3))
+    assert "not sent to daemon 1: order: argument 1 is str, not int" in caplog.text

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from crossover import environment as E
 from crossover.daemon.relay import daemon_flags, relay_mca_flags, service_env
+from crossover.daemon.wire import KEY_ENV
 
 log = logging.getLogger("crossover.daemon")
 
@@ -42,8 +43,10 @@ def generation_command(nodes: list[str], epoch: int, leader: str,
                        argv: list[str]) -> list[str]:
     """The mpirun of one relay per node of `nodes` (in rank order), of generation
     `epoch`, led by the service of node `leader`."""
-    cmd = ["mpirun", *relay_mca_flags(), "--bind-to", "none", "--oversubscribe", "-np",
-           str(len(nodes))]
+    # the world's key goes to every relay in the environment (`Generation`), never on
+    # the command line; -x takes it to the other hosts
+    cmd = ["mpirun", *relay_mca_flags(), "-x", KEY_ENV, "--bind-to", "none",
+           "--oversubscribe", "-np", str(len(nodes))]
     if not all(map(is_fake, nodes)):
         cmd += ["--map-by", "ppr:1:node", "-H", ",".join(f"{n}:1" for n in nodes)]
     return [*cmd, sys.executable, "-m", "crossover", "daemon", *daemon_flags(argv),
@@ -51,17 +54,19 @@ def generation_command(nodes: list[str], epoch: int, leader: str,
 
 
 class Generation:
-    """One generation's mpirun, started by this (the leader's) service."""
+    """One generation's mpirun, started by this (the leader's) service, whose relays
+    get the world's key `secret` (their services sign and check messages with it)."""
 
     def __init__(self, nodes: list[str], epoch: int, leader: str, argv: list[str],
-                 started_at: float, log_path: Path | None) -> None:
+                 started_at: float, log_path: Path | None, secret: bytes = b"") -> None:
         self.nodes, self.epoch, self.started_at = nodes, epoch, started_at
         self.timeout_s = GENERATION_TIMEOUT_S + PER_NODE_S * len(nodes)
         cmd = generation_command(nodes, epoch, leader, argv)
         out = open(log_path, "a") if log_path is not None else None  # noqa: SIM115
         try:
             self.proc: subprocess.Popen | None = subprocess.Popen(
-                cmd, env=service_env(), stdin=subprocess.DEVNULL, stdout=out,
+                cmd, env={**service_env(), KEY_ENV: secret.hex()},
+                stdin=subprocess.DEVNULL, stdout=out,
                 stderr=subprocess.STDOUT if out is not None else None,
                 start_new_session=True)
         except OSError as exc:  # no mpirun on PATH, say

@@ -59,16 +59,17 @@ class Member:
         holdings: what this node holds (`Ranks.holdings`), for a new leader.
         argv: this daemon's arguments after `-m crossover`, for the generations it forms.
         log_path: where the generations it forms write their output (None: inherited).
+        secret: the world's key, handed to the relays of the generations it forms.
         beat_s, dead_after_s: see `Membership`.
     """
 
     def __init__(self, peers: Uplink, name: str, clock: Callable[[], float],
                  new_leader: Callable[[Uplink], Leader | LeaderThread],
                  holdings: Callable[[], tuple], argv: list[str],
-                 log_path: Path | None = None, beat_s: float = 1.0,
+                 log_path: Path | None = None, secret: bytes = b"", beat_s: float = 1.0,
                  dead_after_s: float = 5.0) -> None:
         self.peers, self.name, self.clock, self.argv = peers, name, clock, argv
-        self.log_path = log_path
+        self.log_path, self._secret = log_path, secret
         self._new_leader, self._holdings = new_leader, holdings
         self.world = Membership(0, 1, clock, beat_s, dead_after_s)
         self.names: dict[int, str] = {0: name}  # every member's node, by rank
@@ -259,6 +260,9 @@ class Member:
                 "lost": list(self.lost_nodes), "generation": self.peers.key[0],
                 "relay": self.peers.attached or not self.peers.relayed,
                 "relay_pid": self.peers.relay_pid,
+                # messages from other nodes refused (forged, replayed, malformed) and
+                # dropped as another generation's
+                "refused": self.peers.refused, "stale": self.peers.stale,
                 "forming": None if self._forming is None else self._forming.epoch}
 
     def _form(self) -> None:
@@ -285,7 +289,7 @@ class Member:
         log.info("forming generation %d of the world: %s%s", self._epoch,
                  ", ".join(present + new), f" (new: {', '.join(new)})" if new else "")
         self._forming = Generation(present + new, self._epoch, self.name, self.argv, now,
-                                   self.log_path)
+                                   self.log_path, self._secret)
 
     def _retry_spawns(self) -> None:
         """The leader: the new nodes of a generation that did not form are due again (it

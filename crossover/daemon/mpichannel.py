@@ -1,10 +1,20 @@
-"""The relays' channel: small messages between the nodes' relays over MPI (`relay`)."""
+"""The relays' channel: messages between the nodes' relays over MPI (`relay`), as bytes.
+
+Nothing here is pickled: a message is the bytes a service signed (`wire`), sent and
+received as a buffer of MPI bytes, of any length up to `wire.MAX_BYTES` (mpi4py's
+pickled receive took at most 32 KiB, and a longer message failed as if its peer were
+dead). A longer one that arrives is received (MPI has no other way to drop it), counted
+and refused by the receiving service. The one collective, the relays' exchange of
+their node names when a generation forms, is of JSON bytes too (`allgather_json`).
+"""
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
+from array import array
 from collections.abc import Callable
 from typing import Any
 
@@ -36,22 +46,24 @@ class MpiChannel:
 
     def __init__(self, comm: Any, wakeup: Callable[[], None]) -> None:
         self.comm, self.rank = comm, comm.Get_rank()
-        self.inbox: queue.Queue[tuple[int, Any]] = queue.Queue()
-        self.send_errors = 0
+        self.inbox: queue.Queue[tuple[int, bytes]] = queue.Queue()
+        self.send_errors = self.recv_errors = 0
         self._wakeup = wakeup
-        self._in_flight: list[Any] = []
+        self._in_flight: list[tuple[Any, bytes]] = []
         self._sending = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, name="crossover-mpi", daemon=True)
         self._thread.start()
 
-    def send(self, dest: int, obj: Any) -> None:
-        """Send a small picklable object to relay `dest`; never blocks or raises."""
+    def send(self, dest: int, data: bytes) -> None:
+        """Send `data` to relay `dest`; never blocks or raises."""
         from mpi4py import MPI
 
         with self._sending:
             try:
-                self._in_flight.append(self.comm.isend(obj, dest=dest, tag=self.TAG))
+                # the buffer is kept beside its request: MPI reads it until the send ends
+                self._in_flight.append((self.comm.Isend([data, MPI.BYTE], dest=dest,
+                                                        tag=self.TAG), data))
             except MPI.Exception:
                 self.send_errors += 1
                 return
@@ -81,35 +93,47 @@ class MpiChannel:
         from mpi4py import MPI
 
         kept = []
-        for req in self._in_flight:
+        for req, data in self._in_flight:
             try:
                 done = req.Test()
             except MPI.Exception:
                 self.send_errors += 1
                 done = True
             if not done:
-                kept.append(req)
+                kept.append((req, data))
         self._in_flight = kept[-self.MAX_IN_FLIGHT:]
 
     def _poll(self) -> None:
         from mpi4py import MPI
 
-        req = None
         backoff = Backoff(0.001, 0.05)
         status = MPI.Status()
         while not self._stop.is_set():
-            if req is None:
-                req = self.comm.irecv(source=MPI.ANY_SOURCE, tag=self.TAG)
             try:
-                done, obj = req.test(status=status)
+                if not self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=self.TAG, status=status):
+                    self._stop.wait(backoff.next())
+                    continue
+                source, size = status.Get_source(), status.Get_count(MPI.BYTE)
+                buf = bytearray(size)
+                self.comm.Recv([buf, MPI.BYTE], source=source, tag=self.TAG)
             except MPI.Exception:  # a message from a peer that died while sending
-                done, obj, req = False, None, None
-            if done:
-                req = None
-                self.inbox.put((status.Get_source(), obj))
-                self._wakeup()
-                backoff.reset()
-            else:
+                self.recv_errors += 1
                 self._stop.wait(backoff.next())
-        if req is not None:
-            req.Cancel()
+                continue
+            self.inbox.put((source, bytes(buf)))
+            self._wakeup()
+            backoff.reset()
+
+
+def allgather_json(comm: Any, obj: Any) -> list[Any]:
+    """Every member's `obj` (JSON), in rank order: MPI's Allgather of the lengths, then
+    Allgatherv of the bytes, so that nothing is pickled."""
+    from mpi4py import MPI
+
+    data = json.dumps(obj).encode()
+    sizes = array("i", [0]) * comm.Get_size()
+    comm.Allgather([array("i", [len(data)]), MPI.INT], [sizes, MPI.INT])
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    out = bytearray(sum(sizes))
+    comm.Allgatherv([data, MPI.BYTE], [out, (list(sizes), offsets), MPI.BYTE])
+    return [json.loads(out[o:o + n]) for o, n in zip(offsets, sizes, strict=True)]

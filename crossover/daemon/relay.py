@@ -18,10 +18,11 @@ waited on by a process that must survive.
 A relay finds its node's service on the socket `node-<name>.relay` of the runtime
 directory (0700; the service checks the relay's user, see `uplink`) and starts the
 service there if there is none (a new or lost node). It says hello with its generation's
-epoch, its rank and every member's node name, then forwards until the service closes
-the connection (a newer generation took over, or it stops) or its mpirun ends it. A
-signal ends a relay, never its service: an mpirun that aborts (a host of its world went
-down) takes its relays with it, and the services serve on and form a new generation.
+epoch, its rank and every member's node name (`frames`), then forwards the services'
+signed messages, unread (`wire`), until the service closes the connection (a newer
+generation took over, or it stops) or its mpirun ends it. A signal ends a relay, never
+its service: an mpirun that aborts (a host of its world went down) takes its relays
+with it, and the services serve on and form a new generation.
 A world is stopped by `crossover stop` on any of its nodes, or by its idle shutdown.
 """
 
@@ -29,29 +30,27 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import re
 import selectors
 import socket
-import struct
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 from crossover import environment as E
 from crossover.backoff import Backoff, wait_until
 from crossover.daemon.conns import peer_credentials
-from crossover.daemon.mpichannel import MpiChannel
+from crossover.daemon.frames import FrameError, hello, read_frame, write_frame
+from crossover.daemon.mpichannel import MpiChannel, allgather_json
 from crossover.daemon.sockets import RUNNING_EXIT
+from crossover.daemon.wire import KEY_ENV, fingerprint, world_key
 from crossover.procstats import process_state
-from crossover.transport import connect, recv_exact, runtime_dir
+from crossover.transport import connect, runtime_dir
 
 log = logging.getLogger("crossover.relay")
 
-_LEN = struct.Struct("!I")
 #: a relay whose world has not formed (every member started) by then gives up
 FORM_TIMEOUT_S = 30.0
 #: how long a relay waits for the service it started to listen
@@ -86,18 +85,6 @@ _FAKE = re.compile(r"fake\d+")
 def relay_path(node: str, directory: str | os.PathLike | None = None) -> Path:
     """Where node `node`'s service listens for its relay."""
     return runtime_dir(directory, create=False) / f"node-{node}.relay"
-
-
-def write_frame(sock: socket.socket, obj: Any) -> None:
-    """One object to a peer process of the same user (pickled, length first)."""
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    sock.sendall(_LEN.pack(len(data)) + data)
-
-
-def read_frame(sock: socket.socket) -> Any:
-    """One object from `write_frame`; ConnectionError once the peer closed."""
-    (n,) = _LEN.unpack(recv_exact(sock, _LEN.size))
-    return pickle.loads(recv_exact(sock, n))
 
 
 def relay_mca_flags() -> list[str]:
@@ -187,10 +174,18 @@ class Relay:
         fake = self.nodes is not None and E.fake_nodes() and _FAKE.fullmatch(self.nodes[rank])
         name = self.nodes[rank] if fake else E.node_name(rank)
         threading.Thread(target=self._watchdog, daemon=True, name="relay-watchdog").start()
-        names = comm.allgather(name)  # every member started: the generation is formed
+        try:
+            key = world_key(runtime_dir(self.directory, create=True))
+        except (OSError, ValueError) as exc:
+            log.error("relay of node %s: no key for the world's messages (%s)", name, exc)
+            key = b""
+        # every member started: the generation is formed
+        members = allgather_json(comm, [name, fingerprint(key)])
+        names = [n for n, _ in members]
+        _check_keys(name, members)
         leader = names.index(self.leader_node) if self.leader_node in names else 0
-        hello = ("hello", self.epoch, rank, names, leader)
-        if not self._attach(name, hello):
+        said = hello(self.epoch, rank, names, leader)
+        if not self._attach(name, said):
             return 1
         self._formed.set()
         peers = MpiChannel(comm, self._wakeup)
@@ -213,7 +208,7 @@ class Relay:
             log.warning("relay of node %s: its service (process %s) died; starting "
                         "another (%d of at most %d in %.0f s)", name, self._service_pid,
                         len(restarts), RESTARTS, RESTART_WINDOW_S)
-            if not self._attach(name, hello):
+            if not self._attach(name, said):
                 break  # it said why
         peers.close()
         log.info("relay of node %s (generation %d) ends: %s", name, self.epoch, why)
@@ -231,12 +226,12 @@ class Relay:
                             name, FINALIZE_S)
         return 0
 
-    def _attach(self, name: str, hello: tuple) -> bool:
+    def _attach(self, name: str, said: dict) -> bool:
         """Connect to node `name`'s service (started if none listens) and say hello."""
         try:
             self._service = self._find_service(name, dead=self._service_pid)
             self._service_pid = peer_credentials(self._service)[1]
-            write_frame(self._service, hello)
+            write_frame(self._service, said)
             return True
         except (OSError, ConnectionError) as exc:
             log.error("relay of node %s (generation %d): no service to serve (%s)", name,
@@ -275,16 +270,17 @@ class Relay:
                             pass
                         continue
                     try:
-                        kind, *rest = read_frame(self._service)
-                    except (OSError, ConnectionError, EOFError, pickle.UnpicklingError):
+                        header, payload = read_frame(self._service)
+                    except (OSError, ConnectionError, FrameError):
                         return "died"
-                    if kind == "to":
-                        peers.send(rest[0], rest[1])
-                    elif kind == "bye":
-                        return rest[0]
+                    if header["k"] == "to" and isinstance(header.get("dest"), int):
+                        peers.send(header["dest"], payload)
+                    elif header["k"] == "bye":
+                        return str(header.get("why"))
                 try:
                     while not peers.inbox.empty():
-                        write_frame(self._service, peers.inbox.get_nowait())
+                        source, data = peers.inbox.get_nowait()
+                        write_frame(self._service, {"k": "from", "source": source}, data)
                 except OSError:
                     return "died"
         finally:
@@ -362,6 +358,18 @@ class Relay:
             os.write(self._wake_w, b"x")
         except BlockingIOError:
             pass
+
+
+def _check_keys(name: str, members: list) -> None:
+    """Say so where the members hold different keys: their services refuse each other's
+    messages (a world started by hand, without the key handed to every node)."""
+    prints = {fp for _, fp in members}
+    if len(prints) > 1:
+        log.error("relay of node %s: the members hold %d different keys for the world's "
+                  "messages (%s), so their services refuse each other: start the world "
+                  "with crossoverrun, or hand every node the same key (%s in the relays' "
+                  "environment, `mpirun -x %s`)", name, len(prints),
+                  ", ".join(f"{n}: {fp}" for n, fp in members), KEY_ENV, KEY_ENV)
 
 
 def run_relay(epoch: int, leader_node: str | None, nodes: list[str] | None,

@@ -35,6 +35,7 @@ from crossover.daemon.relay import relay_path
 from crossover.daemon.sockets import NodeSockets
 from crossover.daemon.table import TableSync
 from crossover.daemon.uplink import Uplink
+from crossover.daemon.wire import world_key
 from crossover.daemon.world import Leader, node_identity
 from crossover.procstats import RankUsage, daemon_figures, process_state
 from crossover.protocol import Mode
@@ -126,9 +127,12 @@ class Daemon:
         # successor takes over if it is lost (`membership`).
         self._leader_args = (policy_.adaptive, mode_probe_s, mode_hold_s, mode_probe_local,
                              aligning, patience_s, idle_shutdown_s)
-        self.peers = Uplink(self._wakeup, relayed)
+        # the world's key signs and checks every message to and from other nodes
+        secret = world_key(self.path.parent) if relayed else b""
+        self.peers = Uplink(self._wakeup, relayed, name, secret)
         self.member = Member(self.peers, name, clock, self._new_leader,
                              holdings=lambda: self.ranks.holdings(), argv=list(argv or []),
+                             secret=secret,
                              log_path=self.path.parent / "daemon.log" if relayed else None,
                              beat_s=beat_s, dead_after_s=dead_after_s)
         self.ranks = Ranks(self.node, self.sched, self.table, self.conns, self.peers,

@@ -2,10 +2,14 @@
 rank in the current generation of the daemons' world.
 
 It offers what the rest of the daemon sends and receives through (`send`, `broadcast`,
-`send_leader`, `inbox`): messages go out as ("to", rank, message) frames to the relay
-and come in as (source rank, message). A relay says hello first; the service takes a
-relay of a newer generation (a higher (epoch, leader node)) and drops the one it had,
-which ends it; an older one is refused. Between relays (the relay died, or the leader
+`send_leader`, `inbox`): a message (kind, *args) goes out signed (`wire`) in a "to"
+frame to the relay (`frames`) and comes in as (source rank, message) once checked: what
+another generation's relay sent, or a sender not at that rank now, is dropped as stale;
+a forged, unsigned, replayed or malformed one is refused and logged.
+
+A relay says hello first; the service takes a relay of a newer generation (a higher
+(epoch, leader node)) and drops the one it had, which ends it; an older one is refused.
+Between relays (the relay died, or the leader
 is forming a new generation) the service is *detached*: what it sends is dropped, and
 its membership waits (`member`), while its ranks go on being served.
 
@@ -28,7 +32,8 @@ from collections.abc import Callable
 from typing import Any
 
 from crossover.daemon.conns import peer_credentials
-from crossover.daemon.relay import read_frame, write_frame
+from crossover.daemon.frames import FrameError, parse_hello, read_frame, write_frame
+from crossover.daemon.wire import BadMessage, Reader, encode
 
 log = logging.getLogger("crossover.daemon")
 
@@ -38,6 +43,9 @@ MAX_QUEUED = 4096
 SEND_TIMEOUT_S = 5
 #: how long a stopping service waits for its queued messages to go out
 FLUSH_S = 2.0
+#: refused messages logged one by one, then one in REFUSALS_LOGGED (a flood of them
+#: must not fill the log)
+REFUSALS_LOGGED = 1000
 
 
 class Uplink:
@@ -47,19 +55,26 @@ class Uplink:
         wakeup: called after a message is queued in `inbox`.
         relayed: a relay is expected (the service of a world's node); False: a daemon of
             one node (started by hand, without mpirun), which is its own world.
+        node: this service's node name, which its messages carry.
+        secret: the world's key (`wire.world_key`), which signs and checks them.
     """
 
-    def __init__(self, wakeup: Callable[[], None], relayed: bool) -> None:
-        self.relayed = relayed
+    def __init__(self, wakeup: Callable[[], None], relayed: bool, node: str = "",
+                 secret: bytes = b"") -> None:
+        self.relayed, self.node = relayed, node
         self.rank, self.size, self.leader = 0, 1, 0
         self.lost: set[int] = set()
         self.inbox: queue.Queue[tuple[int, Any]] = queue.Queue()
         self.key: tuple[int, str] = (-1, "")  # the generation attached: (epoch, leader)
+        self.names: list[str] = []  # its members' nodes, by rank
         self.send_errors = 0
+        self.refused = self.stale = 0  # messages from peers refused, and dropped as stale
         self.relay_pid: int | None = None  # the relay attached (status shows it)
         self._wakeup = wakeup
+        self._secret, self._reader = secret, Reader(secret)
+        self._seq = 0  # the last sequence number signed (see `_next_seq`)
         self._sock: socket.socket | None = None
-        self._out: queue.Queue[tuple[socket.socket, Any]] = queue.Queue(MAX_QUEUED)
+        self._out: queue.Queue[tuple[socket.socket, dict, bytes]] = queue.Queue(MAX_QUEUED)
         self._writing = threading.Lock()  # a frame at a time: the writer, and a goodbye
         threading.Thread(target=self._write, name="crossover-uplink-out", daemon=True).start()
 
@@ -79,9 +94,22 @@ class Uplink:
         if sock is None:
             return
         try:
-            self._out.put_nowait((sock, ("to", dest, obj)))
+            data = encode(self._secret, self.key[0], self.node, self._next_seq(), obj)
+        except BadMessage as exc:  # this daemon's own bug: say so, send nothing
+            self.send_errors += 1
+            log.error("not sent to daemon %d: %s", dest, exc)
+            return
+        try:
+            self._out.put_nowait((sock, {"k": "to", "dest": dest}, data))
         except queue.Full:
             self.send_errors += 1
+
+    def _next_seq(self) -> int:
+        """A sequence number above every one this node sent before, in this process or
+        an earlier one of the node's service (the clock's nanoseconds): a receiver
+        takes a message of a sender only above the last one it took (replays)."""
+        self._seq = max(self._seq + 1, time.time_ns())
+        return self._seq
 
     def send_leader(self, obj: Any) -> None:
         self.send(self.leader, obj)
@@ -112,10 +140,8 @@ class Uplink:
             return None
         try:
             sock.settimeout(5.0)  # a relay says hello as soon as it connects
-            kind, epoch, rank, names, leader = read_frame(sock)
-            if kind != "hello" or not 0 <= leader < len(names) or not 0 <= rank < len(names):
-                raise ValueError(f"not a relay's hello: {kind!r}")
-        except (OSError, ConnectionError, ValueError, TypeError, EOFError) as exc:
+            epoch, rank, names, leader = parse_hello(read_frame(sock)[0])
+        except (OSError, ConnectionError, FrameError) as exc:
             log.warning("a relay connection (process %s) said no valid hello (%s): closed",
                         pid, exc)
             sock.close()
@@ -135,9 +161,9 @@ class Uplink:
         if old is not None:
             with self._writing:
                 _close(old, "replaced")  # that relay ends
-        self.key, self.relay_pid = key, pid
+        self.key, self.relay_pid, self.names = key, pid, list(names)
         self.rank, self.size, self.leader, self.lost = rank, len(names), leader, set()
-        threading.Thread(target=self._read, args=(sock, epoch), daemon=True,
+        threading.Thread(target=self._read, args=(sock, epoch, list(names)), daemon=True,
                          name=f"crossover-uplink-in-{epoch}").start()
         return epoch, rank, list(names), leader
 
@@ -156,13 +182,29 @@ class Uplink:
             with self._writing:
                 _close(sock, "stop")
 
-    def _read(self, sock: socket.socket, epoch: int) -> None:
+    def _read(self, sock: socket.socket, epoch: int, names: list[str]) -> None:
         while True:
             try:
-                frame = read_frame(sock)
-            except (OSError, ConnectionError, EOFError, ValueError):
+                header, payload = read_frame(sock)
+            except (OSError, ConnectionError, FrameError):
                 break
-            self.inbox.put(frame)
+            source = header.get("source")
+            if header["k"] != "from" or not isinstance(source, int):
+                continue
+            try:
+                msg = self._reader.read(payload, epoch, names, source)
+            except BadMessage as exc:
+                self.refused += 1
+                if self.refused <= 10 or self.refused % REFUSALS_LOGGED == 0:
+                    log.warning("refused a message from daemon %d (node %s) of generation "
+                                "%d: %s (%d refused so far)", source,
+                                names[source] if 0 <= source < len(names) else "?", epoch,
+                                exc, self.refused)
+                continue
+            if msg is None:  # another generation's, or a sender not at that rank now
+                self.stale += 1
+                continue
+            self.inbox.put((source, msg))
             self._wakeup()
         if self._sock is sock:  # not replaced by a newer relay: this node is cut off
             self._sock = None
@@ -171,18 +213,18 @@ class Uplink:
 
     def _write(self) -> None:
         while True:
-            sock, frame = self._out.get()
+            sock, header, payload = self._out.get()
             try:
-                self._write_one(sock, frame)
+                self._write_one(sock, header, payload)
             finally:
                 self._out.task_done()  # written or dropped: `close` waits for this
 
-    def _write_one(self, sock: socket.socket, frame: Any) -> None:
+    def _write_one(self, sock: socket.socket, header: dict, payload: bytes) -> None:
         with self._writing:
             if sock is not self._sock:
                 return  # for a relay since replaced
             try:
-                write_frame(sock, frame)
+                write_frame(sock, header, payload)
             except OSError:  # a frame may be cut short: that relay is done
                 self.send_errors += 1
                 try:
@@ -197,7 +239,7 @@ def _close(sock: socket.socket, why: str) -> None:
     its service for dead, and starts another."""
     try:
         sock.settimeout(1.0)
-        write_frame(sock, ("bye", why))
+        write_frame(sock, {"k": "bye", "why": why})
     except OSError:
         pass
     try:

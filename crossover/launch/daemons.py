@@ -26,6 +26,7 @@ import psutil
 from crossover import environment as E
 from crossover.backoff import Backoff, wait_until
 from crossover.daemon.relay import relay_mca_flags
+from crossover.daemon.wire import KEY_ENV, world_key
 from crossover.probe import daemon_listens, daemon_status, grow_world, stop_world
 from crossover.transport import runtime_dir, socket_path
 
@@ -232,13 +233,16 @@ def start_daemon(rdir: Path, policy: str, hosts: list[str], idle_shutdown_s: flo
         everyone = remote + (["localhost"] if len(remote) < len(set(hosts)) else [])
         # one daemon's death does not end the others (`crossover.daemon.membership`
         # finds it and the world serves on)
-        cmd = ["mpirun", *relay_mca_flags(), "--map-by", "ppr:1:node",
+        # the world's key (made here, in the 0700 runtime directory) goes to every relay
+        # in the environment, never on a command line: their services sign with it
+        env = {**os.environ, KEY_ENV: world_key(rdir).hex()}
+        cmd = ["mpirun", *relay_mca_flags(), "-x", KEY_ENV, "--map-by", "ppr:1:node",
                "-H", ",".join(f"{h}:1" for h in everyone), "-np", str(len(everyone)), *args]
     else:
-        cmd = args
+        cmd, env = args, None
     log = open(rdir / "daemon.log", "a")  # noqa: SIM115 - handed to the daemon
     try:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     except OSError as exc:  # no mpirun on PATH, say
         raise UsageError(f"cannot start the crossover daemon ({cmd[0]}: {exc.strerror}); "

@@ -1,0 +1,200 @@
+"""Messages between the node services as data: typed, versioned and signed.
+
+A service's message to another node's service (`world` lists the kinds) crosses its
+relay, MPI and the other node's relay, none of which reads it. On the wire it is
+
+    b"XO1" | HMAC-SHA256 tag (32 bytes) | JSON {"gen", "from", "seq", "kind", "args"}
+
+signed with the world's key, a secret every member holds (`world_key`) and nobody else
+does: a process that reaches a relay's port can neither run code in a daemon (nothing
+is unpickled) nor be heard (it cannot sign). The receiver (`Reader.read`) refuses, with
+a reason, a message that is too long, not of this format, signed with another key or
+not at all, replayed (a sequence number not above the last one of that sender in that
+generation), of an unknown kind or with arguments not of the kind's schema; and drops,
+as stale, one of another generation (a replaced relay's late message: ranks mean other
+nodes in each generation) or whose sender is not the node at that rank now.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from crossover import environment as E
+
+MAGIC = b"XO1"
+TAG_BYTES = 32
+#: The longest message a service sends or takes (a status snapshot of a large node is
+#: the longest kind; 1 MB ones are tested): longer ones are refused and logged.
+MAX_BYTES = 16 * 2**20
+#: Where the launch hands the world's key to the relays and services it starts (hex);
+#: an environment variable, never a command line, which any user's `ps` shows.
+KEY_ENV = E.WORLD_KEY
+#: The key's file in the runtime directory (0600 in the 0700 directory).
+KEY_FILE = "world.key"
+
+# Argument types of each kind, in order; "?" after a type: it may be left off at the end.
+_NUM, _ANY = "num", "any"
+SCHEMAS: dict[str, tuple[str, ...]] = {
+    "join": ("str",), "leave": ("str",), "forget": ("str",), "order": ("str", "int"),
+    "progress": ("str", "int", "bool", "int", "num?", "num?"),
+    "mode": ("str", "str", "dict[str,int]"), "waited": ("str", _NUM),
+    "delay": (_NUM, _NUM), "status?": ("int",), "status!": ("int", "str", "dict"),
+    "shutdown": (), "stop_world": (), "beat": (),
+    "members": ("list[int]", "list[str]"), "lead": ("int",),
+    "hold": ("dict[str,int]", "list[str]", "list[str]"), "epoch": ("int", "int"),
+    "grow": ("list[str]",),
+}
+
+
+class BadMessage(ValueError):
+    """A message refused: the reason says which check it failed."""
+
+
+def _is(kind: str, value: Any) -> bool:
+    if kind == "str":
+        return isinstance(value, str)
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == _NUM:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == "dict":
+        return isinstance(value, dict)
+    if kind == "dict[str,int]":
+        return isinstance(value, dict) and all(_is("int", v) for v in value.values())
+    if kind.startswith("list["):
+        return isinstance(value, list) and all(_is(kind[5:-1], v) for v in value)
+    return kind == _ANY
+
+
+def check_args(kind: str, args: list) -> None:
+    """Raises BadMessage unless `args` are of `kind`'s schema."""
+    schema = SCHEMAS.get(kind)
+    if schema is None:
+        raise BadMessage(f"unknown kind {kind!r}")
+    required = sum(not t.endswith("?") for t in schema)
+    if not required <= len(args) <= len(schema):
+        raise BadMessage(f"{kind}: {len(args)} arguments, not {required}-{len(schema)}")
+    for i, (t, value) in enumerate(zip(schema, args, strict=False)):
+        if not _is(t.rstrip("?"), value):
+            raise BadMessage(f"{kind}: argument {i} is {type(value).__name__}, not {t}")
+
+
+def world_key(directory: Path) -> bytes:
+    """The world's key: the one the launch handed over (`KEY_ENV`), else the runtime
+    directory's (`KEY_FILE`), made there now if there is none. Every node's service and
+    relay of one world must hold the same (`fingerprint` tells them apart)."""
+    given = E.world_key()  # ValueError, naming the variable and the form, if not a key
+    if given is not None:
+        return given
+    path = Path(directory) / KEY_FILE
+    if not path.exists():  # made whole, then linked: a reader never sees half a key
+        tmp = path.with_name(f".{KEY_FILE}.{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(secrets.token_bytes(32).hex() + "\n")
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass  # another process of this world made it first: take that one
+        finally:
+            tmp.unlink()
+    if path.stat().st_mode & 0o077:
+        raise ValueError(f"{path} can be read by other users: the world's key must be "
+                         f"its user's alone (chmod 600 {path})")
+    try:
+        key = bytes.fromhex(path.read_text().strip())
+    except ValueError:
+        key = b""
+    if len(key) < 16:
+        raise ValueError(f"{path} holds no key (at least 16 bytes in hex): remove it, and "
+                         f"a new one is made when the world starts")
+    return key
+
+
+def fingerprint(key: bytes) -> str:
+    """A short name of `key` that gives nothing of it away (for logs and checks)."""
+    return hashlib.sha256(b"crossover world key " + key).hexdigest()[:12]
+
+
+def encode(key: bytes, gen: int, sender: str, seq: int, msg: tuple) -> bytes:
+    """`msg` (kind, *args) as signed bytes from node `sender` in generation `gen`.
+
+    Raises:
+        BadMessage: `msg` is not of its kind's schema, or longer than MAX_BYTES (the
+            sender's own fault: it is logged there, and nothing is sent).
+    """
+    kind, args = msg[0], list(msg[1:])
+    check_args(kind, args)
+    body = json.dumps({"gen": gen, "from": sender, "seq": seq, "kind": kind, "args": args},
+                      separators=(",", ":")).encode()
+    if len(body) + len(MAGIC) + TAG_BYTES > MAX_BYTES:
+        raise BadMessage(f"{kind}: {len(body)} bytes, more than the {MAX_BYTES} allowed")
+    return MAGIC + hmac.digest(key, body, "sha256") + body
+
+
+@dataclass
+class Reader:
+    """A service's check of what arrives from other nodes: one per key; `last_seq`
+    holds the highest sequence number heard from each (generation, sender)."""
+
+    key: bytes
+
+    def __post_init__(self) -> None:
+        self.last_seq: dict[tuple[int, str], int] = {}
+
+    def read(self, data: bytes, gen: int, names: list[str], source: int) -> tuple | None:
+        """The message (kind, *args) in `data`, from relay rank `source` of generation
+        `gen` whose members are `names`; None for a stale one (another generation, or a
+        sender that is not at `source` now).
+
+        Raises:
+            BadMessage: refused (the reason names the check).
+        """
+        msg_gen, sender, seq, kind, args = unseal(self.key, data)
+        if msg_gen != gen or not 0 <= source < len(names) or names[source] != sender:
+            return None
+        last = self.last_seq.get((gen, sender), -1)
+        if seq <= last:
+            raise BadMessage(f"replayed: sequence {seq} from {sender} after {last}")
+        self.last_seq[(gen, sender)] = seq
+        if len(self.last_seq) > 4096:  # generations long gone
+            for old in sorted(self.last_seq)[:2048]:
+                del self.last_seq[old]
+        return (kind, *args)
+
+
+def unseal(key: bytes, data: bytes) -> tuple[int, str, int, str, list]:
+    """(generation, sender, sequence, kind, args) of a message signed with `key`.
+
+    Raises:
+        BadMessage: too long, not of this format, not signed with `key`, or not a
+            message of its kind's schema.
+    """
+    if len(data) > MAX_BYTES:
+        raise BadMessage(f"{len(data)} bytes, more than the {MAX_BYTES} allowed")
+    if not data.startswith(MAGIC) or len(data) < len(MAGIC) + TAG_BYTES:
+        raise BadMessage("not a signed message of this version")
+    tag, body = data[len(MAGIC):len(MAGIC) + TAG_BYTES], data[len(MAGIC) + TAG_BYTES:]
+    if not hmac.compare_digest(tag, hmac.digest(key, body, "sha256")):
+        raise BadMessage("its signature is not the world's key's (forged, corrupted, or "
+                         "from a world with another key)")
+    try:
+        doc = json.loads(body)
+        gen, sender, seq, kind, args = (doc["gen"], doc["from"], doc["seq"], doc["kind"],
+                                        doc["args"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise BadMessage(f"a signed body that is not a message ({exc})") from None
+    if not (_is("int", gen) and _is("str", sender) and _is("int", seq) and _is("str", kind)
+            and isinstance(args, list)):
+        raise BadMessage("a signed body with fields of the wrong types")
+    check_args(kind, args)
+    return gen, sender, seq, kind, args
