@@ -3,6 +3,7 @@ relay's link (pure logic: what is sent is recorded, nothing is delivered)."""
 
 from __future__ import annotations
 
+from crossover.daemon import generation
 from crossover.daemon import member as member_mod
 from crossover.daemon.member import Member
 from crossover.daemon.world import Leader
@@ -27,6 +28,7 @@ class Link:
     """The service's side of a relay (`Uplink`'s interface), recording what is sent."""
 
     relayed, attached, relay_pid, key = True, True, None, (0, "n0")
+    refused = stale = 0
 
     def __init__(self) -> None:
         self.rank, self.size, self.leader, self.lost = 0, 1, 0, set()
@@ -172,3 +174,81 @@ def test_a_successor_that_steps_down_keeps_forming_its_newer_generation(monkeypa
     m.attached(3, 0, ["n1", "n2", "n0"], 0)  # and then its own
     assert m.leader is not None and m.world.leads and m._forming is None
     assert len(started) == 1 and not started[0].killed
+
+
+class Unformed(RecordedGeneration):
+    """A generation over a dead host: its mpirun never forms (it is killed after its
+    timeout, as `Generation`'s is)."""
+
+    def __init__(self, nodes, epoch, leader, argv, started_at, *_) -> None:
+        super().__init__(nodes, epoch, leader)
+        self.started_at = started_at
+        self.timeout_s = generation.GENERATION_TIMEOUT_S + generation.PER_NODE_S * len(nodes)
+
+
+def unformed_generations(monkeypatch) -> list[Unformed]:
+    started: list[Unformed] = []
+
+    def record(*args) -> Unformed:
+        started.append(Unformed(*args))
+        return started[-1]
+    monkeypatch.setattr(member_mod, "Generation", record)
+    return started
+
+
+def run_with(m: Member, clock: Clock, until: float, alive: list[int]) -> None:
+    """`m`'s loop to `until`, the members `alive` beating every 0.5 s."""
+    while clock.t < until:
+        clock.t = min(until, clock.t + 0.5)
+        for rank in alive:
+            m.route(rank, ("beat",))
+        m.tick()
+
+
+def test_a_host_that_stays_down_costs_at_most_12_tries_in_its_first_hour(monkeypatch):
+    """n1's host died: no generation with it ever forms. Each that did not form counts
+    as a try (before, it was refunded: a try every 20 s or so for ever), the tries back
+    off to 15 minutes, and after RESPAWN_TRIES the node is down, as status says."""
+    started = unformed_generations(monkeypatch)
+    clock, link = Clock(), Link()
+    link.size = 2
+    m = member("n0", clock, link)
+    m.attached(1, 0, ["n0", "n1"], 0)
+    assert m.leader is not None
+    run_with(m, clock, 3600.0, alive=[])
+    first_hour = [g for g in started if "n1" in g.nodes]
+    assert 9 <= len(first_hour) <= 12, [g.started_at for g in first_hour]
+    gaps = [b.started_at - a.started_at
+            for a, b in zip(first_hour, first_hour[1:], strict=False)]
+    assert gaps == sorted(gaps) and gaps[-1] >= member_mod.RESPAWN_MAX_S
+    assert m.snapshot()["down"] == []
+    run_with(m, clock, 3 * 3600.0, alive=[])
+    assert len([g for g in started if "n1" in g.nodes]) == member_mod.RESPAWN_TRIES
+    assert m.snapshot()["down"] == ["n1"] and m._respawn == {}
+    # a job that asks for the node gives it one more try
+    m.route(0, ("grow", ["n1"]))
+    run_with(m, clock, 3 * 3600.0 + 1.0, alive=[])
+    assert "n1" in started[-1].nodes and m.down == set()
+
+
+def test_a_generation_trying_a_dead_host_again_gives_way_to_one_for_another_node(
+        monkeypatch):
+    """n2's host died and its first try failed; while the leader tries it again, n1's
+    relay dies too. Waiting out the doomed generation (20 s and more) would keep n1
+    uncoordinated; it gives way at once, and a generation without n2 brings n1 back."""
+    started = unformed_generations(monkeypatch)
+    clock, link = Clock(), Link()
+    link.size = 3
+    m = member("n0", clock, link)
+    m.attached(1, 0, ["n0", "n1", "n2"], 0)
+    run_with(m, clock, 30.0, alive=[1])  # n2 lost at 5 s; its first try failed at 28.5
+    assert [g.nodes for g in started] == [["n0", "n1", "n2"]]
+    assert started[0].killed and m._forming is None
+    run_with(m, clock, 40.0, alive=[1])  # its second try runs (from 32.5 s)
+    assert len(started) == 2 and m._forming is started[1] and m._retrying == ["n2"]
+    silent_from = clock.t
+    run_with(m, clock, silent_from + 8.0, alive=[])  # n1 falls silent
+    assert started[1].killed
+    healing = started[-1]
+    assert "n2" not in healing.nodes and "n1" in healing.nodes
+    assert healing.started_at - silent_from <= 8.0

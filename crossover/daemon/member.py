@@ -4,12 +4,15 @@ world's new generations when nodes join, are lost, or come back.
 `membership` holds the rules (pure); this part applies them: it beats, follows a new
 leader and tells it what this node holds, becomes the leader when it is next in line,
 and, as the leader, forms a new generation of the world (`generation`) to take in the
-nodes a job asked for (`grow`), to start a lost node's service again (after
-`RESPAWN_S`, then backing off, `RESPAWN_TRIES` times), and to take back a node whose
-relay died. A relay's hello switches this node to its generation (`attached`); with no
-relay (`detached`) the node serves on and its membership waits for one. The node's own
-service (`serve`, `ranks`) sees only a leader to send to and, on the leader, a `Leader`
-that decides.
+nodes a job asked for (`grow`), to start a lost node's service again, and to take back a
+node whose relay died. A node that does not come back costs bounded effort: its tries
+back off from `RESPAWN_S` to `RESPAWN_MAX_S` (every generation that did not form with it
+counts), stop after `RESPAWN_TRIES` (status names it down until a job asks for it), and
+a generation that tries it again gives way to one without it as soon as another node
+needs one, so a dead host never holds the others back. A relay's hello switches this
+node to its generation (`attached`); with no relay (`detached`) the node serves on and
+its membership waits for one. The node's own service (`serve`, `ranks`) sees only a
+leader to send to and, on the leader, a `Leader` that decides.
 """
 
 from __future__ import annotations
@@ -30,9 +33,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("crossover.daemon")
 
 #: a lost node's new service is started this long after the loss, then twice as long
-#: after each try that did not bring one back
-RESPAWN_S = 2.0
-RESPAWN_TRIES = 6
+#: after each try that did not bring one back, at most RESPAWN_MAX_S; after RESPAWN_TRIES
+#: tries the node is left down (with 21 s a failed generation: 11 tries in the first
+#: hour, given up after about 66 minutes)
+RESPAWN_S, RESPAWN_MAX_S = 2.0, 900.0
+RESPAWN_TRIES = 12
 #: a leader whose relay is gone forms a new generation this long after (then backing
 #: off while they fail)
 DETACHED_S = 1.0
@@ -79,8 +84,10 @@ class Member:
         self.leader = None if peers.relayed else new_leader(peers)
         self._respawn: dict[str, float] = {}  # lost node -> when to start its service
         self._tries: dict[str, int] = {}  # node -> services started since one served
+        self.down: set[str] = set()  # nodes given up after RESPAWN_TRIES (status says)
         self._wanted: set[str] = set()  # nodes a job asked for
         self._spawning: list[str] = []  # the nodes new to the generation being formed
+        self._retrying: list[str] = []  # those of them tried before
         self._forming: Generation | None = None  # the generation being formed
         self._formed: list[Generation] = []  # those this leader formed, still running
         self._epoch = 0  # the highest generation this daemon knows of or started
@@ -105,9 +112,11 @@ class Member:
             return True
         if kind == "hold":  # a service that serves: its node needs no more tries
             self._tries.pop(self.names.get(source, ""), None)
+            self.down.discard(self.names.get(source, ""))
             return False
         if kind == "grow":
-            self._wanted |= {n for n in msg[1] if n not in self.names.values()}
+            self._wanted |= {n for n in msg[1] if n not in self.names.values()
+                             or n in self.down}
             return True
         if kind == "members":
             if self.world.members(source, msg[1]):
@@ -126,7 +135,7 @@ class Member:
 
     def grow(self, nodes: list[str]) -> list[str]:
         """A job asks for `nodes` in the world; returns those not in it yet."""
-        missing = sorted(set(nodes) - set(self.names.values()))
+        missing = sorted(set(nodes) - set(self.names.values()) | set(nodes) & self.down)
         if missing and not self.peers.relayed:
             log.warning("a job asks for nodes %s, but this daemon was started alone "
                         "(without mpirun): it cannot form a world with them",
@@ -205,8 +214,15 @@ class Member:
         elif self._orphaned():
             self._lead_orphaned()
         forming = self._forming
-        if forming is not None and (forming.failed or self.clock() - forming.started_at
-                                    > forming.timeout_s):
+        if forming is not None and self._gives_way(forming):
+            log.warning("generation %d gives way: it tries %s again, and %s cannot wait "
+                        "for it", forming.epoch, ", ".join(self._retrying),
+                        ", ".join(self._waiting()) or "this node")
+            forming.kill()
+            self._forming = None
+            self._retry_spawns()
+        elif forming is not None and (forming.failed or self.clock() - forming.started_at
+                                      > forming.timeout_s):
             self._fails += 1
             log.error("generation %d (%s) did not form within %.0f s%s: killed; trying "
                       "again", forming.epoch, ", ".join(forming.nodes),
@@ -219,6 +235,23 @@ class Member:
                 self._detached_at = self.clock() + min(30.0, 2.0 ** self._fails)
         if self.leader is not None and self._forming is None and self.peers.relayed:
             self._form()
+
+    def _gives_way(self, forming: Generation) -> bool:
+        """A generation that tries a node again (one that did not come back before)
+        gives way to one without it when another node needs a generation now."""
+        return bool(self._retrying) and self.leader is not None and bool(self._waiting())
+
+    def _waiting(self) -> list[str]:
+        """The nodes that need a generation now: due again (lost since the one being
+        formed started: it would bring them back only if it formed), asked for by a
+        job, or this node (its relay gone since)."""
+        now, forming = self.clock(), self._forming
+        waiting = sorted({n for n, when in self._respawn.items() if when <= now}
+                         | self._wanted)
+        if self._detached_at is not None and now >= self._detached_at + DETACHED_S and \
+                forming is not None and forming.started_at < self._detached_at:
+            waiting.append(self.name)
+        return waiting
 
     def _orphaned(self) -> bool:
         return (self.leader is None and self.peers.relayed and self._detached_at is not None
@@ -263,6 +296,7 @@ class Member:
                 # messages from other nodes refused (forged, replayed, malformed) and
                 # dropped as another generation's
                 "refused": self.peers.refused, "stale": self.peers.stale,
+                "down": sorted(self.down),
                 "forming": None if self._forming is None else self._forming.epoch}
 
     def _form(self) -> None:
@@ -283,8 +317,10 @@ class Member:
             return
         for node in new:
             self._respawn.pop(node, None)
+            self.down.discard(node)  # a job asked for it: one more try
             self._tries[node] = self._tries.get(node, 0) + 1
         self._spawning = new
+        self._retrying = [n for n in new if self._tries[n] > 1]
         self._epoch = max(self._epoch, self.world.epoch) + 1
         log.info("forming generation %d of the world: %s%s", self._epoch,
                  ", ".join(present + new), f" (new: {', '.join(new)})" if new else "")
@@ -292,13 +328,13 @@ class Member:
                                    self.log_path, self._secret)
 
     def _retry_spawns(self) -> None:
-        """The leader: the new nodes of a generation that did not form are due again (it
-        was no try of theirs)."""
+        """The leader: the new nodes of a generation that did not form are due again,
+        later: that was a try of theirs (a dead host never lets a generation form, and
+        one not counted would be tried every few seconds for ever)."""
         if self.leader is not None:
             for node in self._spawning:
-                self._tries[node] = max(0, self._tries.get(node, 1) - 1)
                 self._respawn_later(node)
-        self._spawning = []
+        self._spawning, self._retrying = [], []
 
     # --- leaders and losses -----------------------------------------------------------------
     def _apply(self, changes: Changes) -> None:
@@ -352,10 +388,11 @@ class Member:
     def _respawn_later(self, node: str) -> None:
         tries = self._tries.get(node, 0)
         if tries >= RESPAWN_TRIES:
-            log.error("node %s: %d services started there did not serve; no more tries "
-                      "(ask for it again: a job on that node does)", node, tries)
+            log.error("node %s is down: %d tries to start its service did not bring it "
+                      "back; no more (a job that asks for it gives it one more)", node, tries)
+            self.down.add(node)
             return
-        self._respawn[node] = self.clock() + RESPAWN_S * 2 ** tries
+        self._respawn[node] = self.clock() + min(RESPAWN_MAX_S, RESPAWN_S * 2 ** tries)
 
     def _lead(self, ranks: set[int]) -> None:
         """Lead: ask `ranks` what they hold, and say who is in the world."""
