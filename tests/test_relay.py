@@ -288,3 +288,26 @@ def test_a_daemon_never_sends_a_message_off_its_schema(tmp_path, caplog):
     relay.settimeout(5)
     assert sent(relay) == ("to", 1, ("order", "A", 3))
     assert "not sent to daemon 1: order: argument 1 is str, not int" in caplog.text
+
+
+def test_messages_sent_from_two_threads_arrive_in_the_order_of_their_numbers(tmp_path):
+    """The serve loop and the leader's thread both send: a message numbered before
+    another but queued after it would be refused by the receiver as a replay."""
+    node = Node(tmp_path)
+    relay = node.relay(0, 0, ["x", "b"], 0)
+    node.accept()
+
+    def sends(job: str) -> None:
+        for _ in range(300):
+            node.uplink.send(1, ("join", job))
+    threads = [threading.Thread(target=sends, args=(job,)) for job in "AB"]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    relay.settimeout(5)
+    numbers = []
+    for _ in range(600):
+        header, payload = read_frame(relay)
+        numbers.append(unseal(KEY, payload)[2])
+    assert numbers == sorted(numbers) and len(set(numbers)) == 600

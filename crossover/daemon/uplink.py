@@ -76,6 +76,7 @@ class Uplink:
         self._sock: socket.socket | None = None
         self._out: queue.Queue[tuple[socket.socket, dict, bytes]] = queue.Queue(MAX_QUEUED)
         self._writing = threading.Lock()  # a frame at a time: the writer, and a goodbye
+        self._signing = threading.Lock()  # sequence numbers go out in order
         threading.Thread(target=self._write, name="crossover-uplink-out", daemon=True).start()
 
     @property
@@ -93,16 +94,19 @@ class Uplink:
         sock = self._sock
         if sock is None:
             return
-        try:
-            data = encode(self._secret, self.key[0], self.node, self._next_seq(), obj)
-        except BadMessage as exc:  # this daemon's own bug: say so, send nothing
-            self.send_errors += 1
-            log.error("not sent to daemon %d: %s", dest, exc)
-            return
-        try:
-            self._out.put_nowait((sock, {"k": "to", "dest": dest}, data))
-        except queue.Full:
-            self.send_errors += 1
+        # Numbered, signed and queued under one lock: the serve loop and the leader's
+        # thread both send, and a receiver refuses a number below one it took (a replay)
+        with self._signing:
+            try:
+                data = encode(self._secret, self.key[0], self.node, self._next_seq(), obj)
+            except BadMessage as exc:  # this daemon's own bug: say so, send nothing
+                self.send_errors += 1
+                log.error("not sent to daemon %d: %s", dest, exc)
+                return
+            try:
+                self._out.put_nowait((sock, {"k": "to", "dest": dest}, data))
+            except queue.Full:
+                self.send_errors += 1
 
     def _next_seq(self) -> int:
         """A sequence number above every one this node sent before, in this process or
