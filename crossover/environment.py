@@ -128,18 +128,20 @@ class Var:
     effect: str = ""
     strict: bool = False
     about: str = ""
+    secret: bool = False  # its value is never shown (a key in a log is a key given away)
 
     def line(self, value: str) -> str:
         """The one line naming the variable, its value and the accepted form."""
-        return f"{self.name}={value!r}: {self.form} (default {self.shown})"
+        shown = f"<{len(value)} characters, not shown>" if self.secret else repr(value)
+        return f"{self.name}={shown}: {self.form} (default {self.shown})"
 
 
 def _var(name: str, parse: Callable[[str], Any], default: Any, shown: str, form: str,
          sides: tuple[str, ...] = ("job",), bad: Any = ..., effect: str = "",
-         strict: bool = False, about: str = "") -> Var:
+         strict: bool = False, about: str = "", secret: bool = False) -> Var:
     if bad is ...:
         bad, effect = default, effect or f"using {shown}"
-    return Var(name, parse, default, shown, form, sides, bad, effect, strict, about)
+    return Var(name, parse, default, shown, form, sides, bad, effect, strict, about, secret)
 
 
 _OFF = "crossover is off in this process"
@@ -180,7 +182,7 @@ VARS: dict[str, Var] = {v.name: v for v in [
          "give the world's key in hex, at least 32 digits", sides=("daemon",), strict=True,
          about="the key that signs the messages between the nodes' daemons; crossoverrun "
                "and the leader hand it to the daemons they start on other hosts (never "
-               "give it on a command line)"),
+               "give it on a command line)", secret=True),
 ]}
 
 _reported: set[str] = set()  # variables whose bad value this process has reported

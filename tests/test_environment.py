@@ -92,10 +92,12 @@ TABLE = [
                               "(default 0)")),
     (E.WORLD_KEY, "", None),
     (E.WORLD_KEY, "00ff" * 8, bytes.fromhex("00ff" * 8)),
-    (E.WORLD_KEY, "abcd", Bad("CROSSOVER_WORLD_KEY='abcd': give the world's key in hex, at "
-                              "least 32 digits (default the runtime directory's world.key)")),
-    (E.WORLD_KEY, "xyz", Bad("CROSSOVER_WORLD_KEY='xyz': give the world's key in hex, at "
-                             "least 32 digits (default the runtime directory's world.key)")),
+    (E.WORLD_KEY, "abcd", Bad("CROSSOVER_WORLD_KEY=<4 characters, not shown>: give the "
+                              "world's key in hex, at least 32 digits (default the runtime "
+                              "directory's world.key)")),
+    (E.WORLD_KEY, "0x" + "ab" * 16, Bad("CROSSOVER_WORLD_KEY=<34 characters, not shown>: "
+                                        "give the world's key in hex, at least 32 digits "
+                                        "(default the runtime directory's world.key)")),
 ]
 
 

@@ -15,6 +15,7 @@ pytestmark = pytest.mark.mpi
 SCRIPT = r"""
 import hashlib, json, sys, threading
 from mpi4py import MPI
+from crossover.daemon import mpichannel
 from crossover.daemon.mpichannel import MpiChannel, allgather_json
 
 comm = MPI.COMM_WORLD
@@ -40,14 +41,25 @@ else:
     comm.Barrier()
     print(json.dumps({"received": [len(d) for _, d in got],
                       "recv_errors": channel.recv_errors}))
+# past the limit: consumed and dropped, never handed on, and the next one comes through
+mpichannel.MAX_BYTES = 1000
+if rank == 0:
+    channel.send(1, b"x" * 5000)
+    channel.send(1, b"after")
+    assert channel.flush(30.0) == 0
+else:
+    assert channel.inbox.get(timeout=30) == (0, b"after")
+    print(json.dumps({"oversize": channel.oversize}))
+comm.Barrier()
 channel.close()
 MPI.Finalize()
 """
 
 
 @pytest.mark.timeout(180)
-def test_messages_of_a_byte_to_megabytes_arrive_whole_and_in_order():
+def test_messages_of_a_byte_to_megabytes_arrive_whole_and_one_past_the_limit_never():
     res = subprocess.run(mpirun(2, PY, "-c", SCRIPT), cwd=REPO, capture_output=True,
                          text=True, timeout=150)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert '"received": [0, 1, 32769, 1048576, 3145735], "recv_errors": 0' in res.stdout
+    assert '{"oversize": 1}' in res.stdout

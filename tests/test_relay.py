@@ -98,13 +98,19 @@ class Node:
         """`msg` from node `sender` at rank `source`, as its relay would bring it."""
         self.seq += 1
         write_frame(relay, {"k": "from", "source": source},
-                    encode(key, gen, sender, self.seq, msg))
+                    encode(key, gen, sender, "x", self.seq, msg))
 
     def accept(self) -> tuple | None:
         return self.uplink.accept(self.relays)  # a Unix connect is queued at once
 
     def next(self, timeout: float = 5.0) -> tuple:
-        return self.uplink.inbox.get(timeout=timeout)
+        """The next message the serve loop would take (`Uplink.take`)."""
+        deadline = time.monotonic() + timeout
+        while (item := self.uplink.take()) is None:
+            if time.monotonic() > deadline:
+                raise queue.Empty
+            time.sleep(0.005)
+        return item
 
 
 def sent(relay: socket.socket) -> tuple:
@@ -113,8 +119,8 @@ def sent(relay: socket.socket) -> tuple:
     header, payload = read_frame(relay)
     if header["k"] == "bye":
         return ("bye", header["why"])
-    _, sender, _, kind, args = unseal(KEY, payload)
-    assert sender == "x"
+    _, sender, to, _, kind, args = unseal(KEY, payload)
+    assert sender == "x" and to != "x"
     return ("to", header["dest"], (kind, *args))
 
 
@@ -252,9 +258,9 @@ def test_a_forged_or_replayed_message_is_refused_and_logged_and_a_signed_one_tak
     with caplog.at_level("WARNING", logger="crossover.daemon"):
         node.deliver(relay, 1, "b", ("lead", 2**62), gen=3, key=b"guessed" * 5)
         write_frame(relay, {"k": "from", "source": 1},
-                    encode(KEY, 3, "b", 7, ("lead", 4)))
+                    encode(KEY, 3, "b", "x", 7, ("lead", 4)))
         write_frame(relay, {"k": "from", "source": 1},
-                    encode(KEY, 3, "b", 7, ("lead", 4)))  # the same bytes again
+                    encode(KEY, 3, "b", "x", 7, ("lead", 4)))  # the same bytes again
         assert node.next() == (1, ("lead", 4))
         with pytest.raises(queue.Empty):
             node.next(timeout=0.3)
@@ -309,5 +315,22 @@ def test_messages_sent_from_two_threads_arrive_in_the_order_of_their_numbers(tmp
     numbers = []
     for _ in range(600):
         header, payload = read_frame(relay)
-        numbers.append(unseal(KEY, payload)[2])
+        numbers.append(unseal(KEY, payload)[3])
     assert numbers == sorted(numbers) and len(set(numbers)) == 600
+
+
+def test_a_message_read_before_a_new_generation_is_taken_is_dropped(tmp_path):
+    """b's hold arrived (rank 1 of generation 1) and waits in the inbox when
+    generation 2 is taken, where rank 1 is c: it must not be charged to c."""
+    node = Node(tmp_path)
+    first = node.relay(1, 0, ["x", "b"], 0)
+    node.accept()
+    node.deliver(first, 1, "b", ("hold", {"A": 0}, ["A"], []), gen=1)
+    deadline = time.monotonic() + 5
+    while node.uplink.inbox.empty() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    second = node.relay(2, 0, ["x", "c", "b"], 0)  # noqa: F841 - open while it serves
+    node.accept()
+    with pytest.raises(queue.Empty):
+        node.next(timeout=0.2)
+    assert node.uplink.stale == 1

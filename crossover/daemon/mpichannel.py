@@ -3,9 +3,10 @@
 Nothing here is pickled: a message is the bytes a service signed (`wire`), sent and
 received as a buffer of MPI bytes, of any length up to `wire.MAX_BYTES` (mpi4py's
 pickled receive took at most 32 KiB, and a longer message failed as if its peer were
-dead). A longer one that arrives is received (MPI has no other way to drop it), counted
-and refused by the receiving service. The one collective, the relays' exchange of
-their node names when a generation forms, is of JSON bytes too (`allgather_json`).
+dead). A longer one is counted (`oversize`) and dropped here (`DRAIN_BYTES`): it never
+reaches the service. The one
+collective, the relays' exchange of their node names when a generation forms, is of
+JSON bytes too (`allgather_json`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,12 @@ from collections.abc import Callable
 from typing import Any
 
 from crossover.backoff import Backoff
+from crossover.daemon.wire import MAX_BYTES
+
+#: A message past MAX_BYTES is still received whole (a receive into a shorter buffer
+#: crashed Open MPI 4.1's matched receive) and dropped, up to this size; a longer one is
+#: left unread.
+DRAIN_BYTES = 256 * 2**20
 
 
 class MpiChannel:
@@ -41,13 +48,15 @@ class MpiChannel:
     """
 
     TAG = 7
-    #: sends still in flight beyond this many are dropped (a peer that reads nothing)
+    #: past this many sends in flight (a peer that reads nothing), new ones are refused:
+    #: one in flight must keep its buffer until MPI is done with it
     MAX_IN_FLIGHT = 4096
 
     def __init__(self, comm: Any, wakeup: Callable[[], None]) -> None:
         self.comm, self.rank = comm, comm.Get_rank()
         self.inbox: queue.Queue[tuple[int, bytes]] = queue.Queue()
         self.send_errors = self.recv_errors = 0
+        self.oversize = 0  # messages past wire.MAX_BYTES, received and dropped
         self._wakeup = wakeup
         self._in_flight: list[tuple[Any, bytes]] = []
         self._sending = threading.Lock()
@@ -60,15 +69,17 @@ class MpiChannel:
         from mpi4py import MPI
 
         with self._sending:
+            if len(self._in_flight) >= 64:
+                self._reap()
+            if len(self._in_flight) >= self.MAX_IN_FLIGHT:
+                self.send_errors += 1
+                return
             try:
                 # the buffer is kept beside its request: MPI reads it until the send ends
                 self._in_flight.append((self.comm.Isend([data, MPI.BYTE], dest=dest,
                                                         tag=self.TAG), data))
             except MPI.Exception:
                 self.send_errors += 1
-                return
-            if len(self._in_flight) >= 64:
-                self._reap()
 
     def flush(self, timeout_s: float) -> int:
         """Complete the sends in flight, for at most `timeout_s`; how many did not. Before
@@ -89,7 +100,7 @@ class MpiChannel:
         self._thread.join(timeout=1.0)
 
     def _reap(self) -> None:
-        """Forget the sends that completed; past MAX_IN_FLIGHT, the oldest too."""
+        """Forget the sends that completed (and their buffers)."""
         from mpi4py import MPI
 
         kept = []
@@ -101,25 +112,44 @@ class MpiChannel:
                 done = True
             if not done:
                 kept.append((req, data))
-        self._in_flight = kept[-self.MAX_IN_FLIGHT:]
+        self._in_flight = kept
 
     def _poll(self) -> None:
+        """Match a message (nonblocking), then receive it (nonblocking too: a sender
+        stopped in the middle of a long message must not wedge this thread, and with
+        it every other node's messages to this one)."""
         from mpi4py import MPI
 
         backoff = Backoff(0.001, 0.05)
         status = MPI.Status()
+        receiving: tuple[Any, bytearray, int] | None = None  # request, buffer, source
         while not self._stop.is_set():
             try:
-                if not self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=self.TAG, status=status):
+                if receiving is None:
+                    matched = self.comm.Improbe(source=MPI.ANY_SOURCE, tag=self.TAG,
+                                                status=status)
+                    if matched is None:
+                        self._stop.wait(backoff.next())
+                        continue
+                    source, size = status.Get_source(), status.Get_count(MPI.BYTE)
+                    if not 0 <= size <= MAX_BYTES:
+                        self.oversize += 1
+                        if not 0 <= size <= DRAIN_BYTES:
+                            continue  # left matched and unread: too big to take at all
+                    buf = bytearray(size)
+                    receiving = (matched.Irecv([buf, MPI.BYTE]), buf, source)
+                req, buf, source = receiving
+                if not req.Test():
                     self._stop.wait(backoff.next())
                     continue
-                source, size = status.Get_source(), status.Get_count(MPI.BYTE)
-                buf = bytearray(size)
-                self.comm.Recv([buf, MPI.BYTE], source=source, tag=self.TAG)
-            except MPI.Exception:  # a message from a peer that died while sending
+            except Exception:  # noqa: BLE001 - a peer died mid-message, or a truncation
                 self.recv_errors += 1
+                receiving = None
                 self._stop.wait(backoff.next())
                 continue
+            receiving = None
+            if len(buf) > MAX_BYTES:
+                continue  # received whole, so that nothing is left half read, and dropped
             self.inbox.put((source, bytes(buf)))
             self._wakeup()
             backoff.reset()

@@ -301,8 +301,8 @@ class Daemon:
 
     # --- the other daemons --------------------------------------------------------------
     def _handle_peers(self) -> None:
-        while not self.peers.inbox.empty():
-            source, msg = self.peers.inbox.get_nowait()
+        while (item := self.peers.take()) is not None:
+            source, msg = item
             if self.member.route(source, msg):
                 continue
             if msg[0] in TO_LEADER:

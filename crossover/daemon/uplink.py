@@ -64,14 +64,15 @@ class Uplink:
         self.relayed, self.node = relayed, node
         self.rank, self.size, self.leader = 0, 1, 0
         self.lost: set[int] = set()
-        self.inbox: queue.Queue[tuple[int, Any]] = queue.Queue()
+        # (source, message, the generation it came in, None for this node's own)
+        self.inbox: queue.Queue[tuple[int, Any, int | None]] = queue.Queue()
         self.key: tuple[int, str] = (-1, "")  # the generation attached: (epoch, leader)
         self.names: list[str] = []  # its members' nodes, by rank
         self.send_errors = 0
         self.refused = self.stale = 0  # messages from peers refused, and dropped as stale
         self.relay_pid: int | None = None  # the relay attached (status shows it)
         self._wakeup = wakeup
-        self._secret, self._reader = secret, Reader(secret)
+        self._secret, self._reader = secret, Reader(secret, node)
         self._seq = 0  # the last sequence number signed (see `_next_seq`)
         self._sock: socket.socket | None = None
         self._out: queue.Queue[tuple[socket.socket, dict, bytes]] = queue.Queue(MAX_QUEUED)
@@ -88,17 +89,19 @@ class Uplink:
         """Send to the service of rank `dest` (to this one: queued directly). Never
         blocks and never raises: a message that cannot go is lost."""
         if dest == self.rank:
-            self.inbox.put((self.rank, obj))
+            self.inbox.put((self.rank, obj, None))
             self._wakeup()
-            return
-        sock = self._sock
-        if sock is None:
             return
         # Numbered, signed and queued under one lock: the serve loop and the leader's
         # thread both send, and a receiver refuses a number below one it took (a replay)
         with self._signing:
+            sock = self._sock
+            if sock is None:
+                return
             try:
-                data = encode(self._secret, self.key[0], self.node, self._next_seq(), obj)
+                to = self.names[dest] if 0 <= dest < len(self.names) else f"daemon {dest}"
+                data = encode(self._secret, self.key[0], self.node, to, self._next_seq(),
+                              obj)
             except BadMessage as exc:  # this daemon's own bug: say so, send nothing
                 self.send_errors += 1
                 log.error("not sent to daemon %d: %s", dest, exc)
@@ -114,6 +117,19 @@ class Uplink:
         takes a message of a sender only above the last one it took (replays)."""
         self._seq = max(self._seq + 1, time.time_ns())
         return self._seq
+
+    def take(self) -> tuple[int, Any] | None:
+        """The next message in, (source rank, message), or None. One that came in under
+        an earlier generation is dropped as stale (counted): read before this node
+        switched to the new one, its source rank names another node now."""
+        while True:
+            try:
+                source, msg, epoch = self.inbox.get_nowait()
+            except queue.Empty:
+                return None
+            if epoch is None or epoch == self.key[0]:
+                return source, msg
+            self.stale += 1
 
     def send_leader(self, obj: Any) -> None:
         self.send(self.leader, obj)
@@ -161,12 +177,15 @@ class Uplink:
         # SEND_TIMEOUT_S instead of holding it, and the lock a newer relay needs, for ever
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
                         struct.pack("ll", int(SEND_TIMEOUT_S), 0))
-        old, self._sock = self._sock, sock
+        # the generation first, then the relay, at once for a sender (which signs with
+        # both): no message goes out through the new relay numbered by the old one
+        with self._signing:
+            self.key, self.relay_pid, self.names = key, pid, list(names)
+            self.rank, self.size, self.leader, self.lost = rank, len(names), leader, set()
+            old, self._sock = self._sock, sock
         if old is not None:
             with self._writing:
                 _close(old, "replaced")  # that relay ends
-        self.key, self.relay_pid, self.names = key, pid, list(names)
-        self.rank, self.size, self.leader, self.lost = rank, len(names), leader, set()
         threading.Thread(target=self._read, args=(sock, epoch, list(names)), daemon=True,
                          name=f"crossover-uplink-in-{epoch}").start()
         return epoch, rank, list(names), leader
@@ -208,11 +227,11 @@ class Uplink:
             if msg is None:  # another generation's, or a sender not at that rank now
                 self.stale += 1
                 continue
-            self.inbox.put((source, msg))
+            self.inbox.put((source, msg, epoch))
             self._wakeup()
         if self._sock is sock:  # not replaced by a newer relay: this node is cut off
             self._sock = None
-            self.inbox.put((self.rank, ("detached", epoch)))
+            self.inbox.put((self.rank, ("detached", epoch), None))
             self._wakeup()
 
     def _write(self) -> None:

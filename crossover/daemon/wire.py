@@ -3,16 +3,17 @@
 A service's message to another node's service (`world` lists the kinds) crosses its
 relay, MPI and the other node's relay, none of which reads it. On the wire it is
 
-    b"XO1" | HMAC-SHA256 tag (32 bytes) | JSON {"gen", "from", "seq", "kind", "args"}
+    b"XO1" | HMAC-SHA256 tag (32 bytes) | JSON {"gen", "from", "to", "seq", "kind", "args"}
 
 signed with the world's key, a secret every member holds (`world_key`) and nobody else
 does: a process that reaches a relay's port can neither run code in a daemon (nothing
 is unpickled) nor be heard (it cannot sign). The receiver (`Reader.read`) refuses, with
 a reason, a message that is too long, not of this format, signed with another key or
-not at all, replayed (a sequence number not above the last one of that sender in that
-generation), of an unknown kind or with arguments not of the kind's schema; and drops,
-as stale, one of another generation (a replaced relay's late message: ranks mean other
-nodes in each generation) or whose sender is not the node at that rank now.
+not at all, addressed to another node, replayed (a sequence number not above the last
+one of that sender in that generation), of an unknown kind or with arguments off the
+kind's schema; and drops, as stale, one of another generation (a replaced relay's late
+message: ranks mean other nodes in each generation) or whose sender is not the node at
+that rank now.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import hmac
 import json
 import os
 import secrets
+import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,7 +72,8 @@ def _is(kind: str, value: Any) -> bool:
     if kind == "dict":
         return isinstance(value, dict)
     if kind == "dict[str,int]":
-        return isinstance(value, dict) and all(_is("int", v) for v in value.values())
+        return isinstance(value, dict) and all(isinstance(k, str) and _is("int", v)
+                                               for k, v in value.items())
     if kind.startswith("list["):
         return isinstance(value, list) and all(_is(kind[5:-1], v) for v in value)
     return kind == _ANY
@@ -96,17 +100,8 @@ def world_key(directory: Path) -> bytes:
     if given is not None:
         return given
     path = Path(directory) / KEY_FILE
-    if not path.exists():  # made whole, then linked: a reader never sees half a key
-        tmp = path.with_name(f".{KEY_FILE}.{os.getpid()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as out:
-            out.write(secrets.token_bytes(32).hex() + "\n")
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            pass  # another process of this world made it first: take that one
-        finally:
-            tmp.unlink()
+    if not path.exists():
+        make_key(path, replace=False)
     if path.stat().st_mode & 0o077:
         raise ValueError(f"{path} can be read by other users: the world's key must be "
                          f"its user's alone (chmod 600 {path})")
@@ -120,22 +115,46 @@ def world_key(directory: Path) -> bytes:
     return key
 
 
+def make_key(path: Path, replace: bool = True) -> None:
+    """A new key at `path` (0600), made whole in a file of its own and then moved or
+    linked into place: a reader never sees half a key. `replace`: over the one there
+    (a new world: what was recorded in the last one means nothing in it); else only if
+    there is none (another process of the world made it first: that one stays)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # 0600
+    try:
+        with os.fdopen(fd, "w") as out:
+            out.write(secrets.token_bytes(32).hex() + "\n")
+        if replace:
+            os.replace(tmp, path)
+        else:
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                pass
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
 def fingerprint(key: bytes) -> str:
     """A short name of `key` that gives nothing of it away (for logs and checks)."""
     return hashlib.sha256(b"crossover world key " + key).hexdigest()[:12]
 
 
-def encode(key: bytes, gen: int, sender: str, seq: int, msg: tuple) -> bytes:
-    """`msg` (kind, *args) as signed bytes from node `sender` in generation `gen`.
+def encode(key: bytes, gen: int, sender: str, to: str, seq: int, msg: tuple) -> bytes:
+    """`msg` (kind, *args) as signed bytes from node `sender` to node `to` in
+    generation `gen`.
 
     Raises:
-        BadMessage: `msg` is not of its kind's schema, or longer than MAX_BYTES (the
-            sender's own fault: it is logged there, and nothing is sent).
+        BadMessage: `msg` is not of its kind's schema, not JSON, or longer than
+            MAX_BYTES (the sender's own fault: it is logged there, nothing is sent).
     """
     kind, args = msg[0], list(msg[1:])
     check_args(kind, args)
-    body = json.dumps({"gen": gen, "from": sender, "seq": seq, "kind": kind, "args": args},
-                      separators=(",", ":")).encode()
+    try:
+        body = json.dumps({"gen": gen, "from": sender, "to": to, "seq": seq, "kind": kind,
+                           "args": args}, separators=(",", ":"), allow_nan=False).encode()
+    except (TypeError, ValueError) as exc:
+        raise BadMessage(f"{kind}: not JSON data ({exc})") from None
     if len(body) + len(MAGIC) + TAG_BYTES > MAX_BYTES:
         raise BadMessage(f"{kind}: {len(body)} bytes, more than the {MAX_BYTES} allowed")
     return MAGIC + hmac.digest(key, body, "sha256") + body
@@ -147,9 +166,11 @@ class Reader:
     holds the highest sequence number heard from each (generation, sender)."""
 
     key: bytes
+    me: str  # this node: a message to another is a copy replayed here
 
     def __post_init__(self) -> None:
         self.last_seq: dict[tuple[int, str], int] = {}
+        self._lock = threading.Lock()  # an old relay's reader may overlap the new one's
 
     def read(self, data: bytes, gen: int, names: list[str], source: int) -> tuple | None:
         """The message (kind, *args) in `data`, from relay rank `source` of generation
@@ -159,21 +180,25 @@ class Reader:
         Raises:
             BadMessage: refused (the reason names the check).
         """
-        msg_gen, sender, seq, kind, args = unseal(self.key, data)
+        msg_gen, sender, to, seq, kind, args = unseal(self.key, data)
+        if to != self.me:
+            raise BadMessage(f"addressed to node {to}, not this one ({self.me})")
         if msg_gen != gen or not 0 <= source < len(names) or names[source] != sender:
             return None
-        last = self.last_seq.get((gen, sender), -1)
-        if seq <= last:
-            raise BadMessage(f"replayed: sequence {seq} from {sender} after {last}")
-        self.last_seq[(gen, sender)] = seq
-        if len(self.last_seq) > 4096:  # generations long gone
-            for old in sorted(self.last_seq)[:2048]:
-                del self.last_seq[old]
+        with self._lock:
+            last = self.last_seq.get((gen, sender), -1)
+            if seq <= last:
+                raise BadMessage(f"replayed: sequence {seq} from {sender} after {last}")
+            self.last_seq[(gen, sender)] = seq
+            if len(self.last_seq) > 4096:  # generations long gone
+                for old in sorted(self.last_seq)[:2048]:
+                    del self.last_seq[old]
         return (kind, *args)
 
 
-def unseal(key: bytes, data: bytes) -> tuple[int, str, int, str, list]:
-    """(generation, sender, sequence, kind, args) of a message signed with `key`.
+def unseal(key: bytes, data: bytes) -> tuple[int, str, str, int, str, list]:
+    """(generation, sender, addressee, sequence, kind, args) of a message signed with
+    `key`.
 
     Raises:
         BadMessage: too long, not of this format, not signed with `key`, or not a
@@ -189,12 +214,12 @@ def unseal(key: bytes, data: bytes) -> tuple[int, str, int, str, list]:
                          "from a world with another key)")
     try:
         doc = json.loads(body)
-        gen, sender, seq, kind, args = (doc["gen"], doc["from"], doc["seq"], doc["kind"],
-                                        doc["args"])
+        gen, sender, to, seq, kind, args = (doc["gen"], doc["from"], doc["to"], doc["seq"],
+                                            doc["kind"], doc["args"])
     except (ValueError, KeyError, TypeError) as exc:
         raise BadMessage(f"a signed body that is not a message ({exc})") from None
-    if not (_is("int", gen) and _is("str", sender) and _is("int", seq) and _is("str", kind)
-            and isinstance(args, list)):
+    if not (_is("int", gen) and _is("str", sender) and _is("str", to) and _is("int", seq)
+            and _is("str", kind) and isinstance(args, list)):
         raise BadMessage("a signed body with fields of the wrong types")
     check_args(kind, args)
-    return gen, sender, seq, kind, args
+    return gen, sender, to, seq, kind, args

@@ -26,7 +26,7 @@ import psutil
 from crossover import environment as E
 from crossover.backoff import Backoff, wait_until
 from crossover.daemon.relay import relay_mca_flags
-from crossover.daemon.wire import KEY_ENV, world_key
+from crossover.daemon.wire import KEY_ENV, KEY_FILE, make_key, world_key
 from crossover.probe import daemon_listens, daemon_status, grow_world, stop_world
 from crossover.transport import runtime_dir, socket_path
 
@@ -233,8 +233,10 @@ def start_daemon(rdir: Path, policy: str, hosts: list[str], idle_shutdown_s: flo
         everyone = remote + (["localhost"] if len(remote) < len(set(hosts)) else [])
         # one daemon's death does not end the others (`crossover.daemon.membership`
         # finds it and the world serves on)
-        # the world's key (made here, in the 0700 runtime directory) goes to every relay
-        # in the environment, never on a command line: their services sign with it
+        # a new world, a new key (made here, in the 0700 runtime directory): it goes to
+        # every relay in the environment, never on a command line; their services sign
+        # with it, and what was recorded of an earlier world is not heard in this one
+        make_key(rdir / KEY_FILE)
         env = {**os.environ, KEY_ENV: world_key(rdir).hex()}
         cmd = ["mpirun", *relay_mca_flags(), "-x", KEY_ENV, "--map-by", "ppr:1:node",
                "-H", ",".join(f"{h}:1" for h in everyone), "-np", str(len(everyone)), *args]
