@@ -351,8 +351,8 @@ def test_leader_answers_a_second_join_before_its_own_order_arrives(tmp_path):
     sent = []
     daemon.peers.send = lambda dest, obj: sent.append((dest, obj))
     daemon.peers.broadcast = lambda obj: sent.extend((d, obj) for d in (0, 1))
-    daemon.peers.inbox.put((0, ("join", "J")))
-    daemon.peers.inbox.put((1, ("join", "J")))
+    daemon.peers.inbox.put((0, ("join", "J"), None))
+    daemon.peers.inbox.put((1, ("join", "J"), None))
     daemon._handle_peers()
     wait_for(lambda: len(sent) >= 2, 10, "the leader's answers")
     daemon.leader.raise_error()  # raised KeyError before the fix
@@ -561,11 +561,11 @@ def test_the_leader_tells_the_node_that_runs_ahead_to_hand_over_later(tmp_path):
     daemon.peers.broadcast = lambda obj: sent.extend((d, obj) for d in (0, 1))
     for node in (0, 1):
         for job in ("A", "B"):
-            daemon.peers.inbox.put((node, ("join", job)))
+            daemon.peers.inbox.put((node, ("join", job), None))
     # node 0's ranks wait 40 ms longer for both jobs' allreduces: its turns run ahead
     for node, job, wait_s in [(0, "A", 0.06), (1, "A", 0.02), (0, "B", 0.065),
                               (1, "B", 0.02)]:
-        daemon.peers.inbox.put((node, ("waited", job, wait_s)))
+        daemon.peers.inbox.put((node, ("waited", job, wait_s), None))
     daemon._handle_peers()
     wait_for(lambda: daemon.leader.handled >= 8, 10, "the leader's thread to handle them")
     delays = [(dest, msg) for dest, msg in sent if msg[0] == "delay"]
@@ -574,7 +574,7 @@ def test_the_leader_tells_the_node_that_runs_ahead_to_hand_over_later(tmp_path):
     for job, order in (("A", 0), ("B", 1)):
         daemon.sched.register(job, 0, "cpu0", order)
     daemon.sched.register("C", 0, "cpu1", 2)
-    daemon.peers.inbox.put((0, ("delay", 0.04, 0.04)))
+    daemon.peers.inbox.put((0, ("delay", 0.04, 0.04), None))
     daemon._handle_peers()
     assert daemon.handovers_delayed == 1
     assert daemon.sched._devices["cpu0"].handover_delay == 0.04
@@ -588,8 +588,8 @@ def test_without_align_phases_waits_are_not_forwarded(tmp_path):
     assert daemon.leader.aligner is None
     sent = []
     daemon.peers.send = lambda dest, obj: sent.append((dest, obj))
-    daemon.peers.inbox.put((1, ("waited", "A", 0.5)))
-    daemon.peers.inbox.put((1, ("join", "A")))  # a marker: handled after the wait
+    daemon.peers.inbox.put((1, ("waited", "A", 0.5), None))
+    daemon.peers.inbox.put((1, ("join", "A"), None))  # a marker: handled after the wait
     daemon._handle_peers()
     wait_for(lambda: sent, 10, "the leader's thread to answer the join")
     assert sent == [(1, ("order", "A", 0))]  # and nothing for the wait
