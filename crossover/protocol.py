@@ -282,7 +282,7 @@ def decode(data: bytes) -> Message:
         raise ProtocolError(f"{kind}: {exc}") from None
     for name, hint in _field_types(cls).items():
         value = getattr(msg, name)
-        if not _fits(value, hint):
+        if not fits(value, hint):
             raise ProtocolError(f"{kind}: field {name} is {type(value).__name__} "
                                 f"{str(value)[:40]!r}, not {hint}")
         if kind in REQUESTS and not _in_range(value):
@@ -307,18 +307,23 @@ def _field_types(cls: type[Message]) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in fields(cls)}
 
 
-def _fits(value: Any, hint: Any) -> bool:
-    """Whether a decoded JSON value has a field's declared type (a bool is no number)."""
+def fits(value: Any, hint: Any) -> bool:
+    """Whether a decoded JSON value has a declared type (a bool is no number): the
+    fields of these messages, and the arguments of the daemons' (`daemon.wire`)."""
     origin = get_origin(hint)
     if hint is Any:
         return True
     if origin in (Union, types.UnionType):
-        return any(_fits(value, h) for h in get_args(hint))
+        return any(fits(value, h) for h in get_args(hint))
     if hint is type(None):
         return value is None
     if origin is list:
-        return isinstance(value, list) and all(_fits(v, get_args(hint)[0]) for v in value)
+        return isinstance(value, list) and all(fits(v, get_args(hint)[0]) for v in value)
     if origin is dict:
+        key, val = get_args(hint)
+        return isinstance(value, dict) and all(fits(k, key) and fits(v, val)
+                                               for k, v in value.items())
+    if hint is dict:
         return isinstance(value, dict)
     if isinstance(value, bool):
         return hint is bool

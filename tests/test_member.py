@@ -57,12 +57,13 @@ class RecordedGeneration:
         self.killed = True
 
 
-def recorded_generations(monkeypatch) -> list[RecordedGeneration]:
-    """The generations the members form from now on, recorded (none started)."""
-    started: list[RecordedGeneration] = []
+def recorded_generations(monkeypatch, kind: type = RecordedGeneration) -> list:
+    """The generations the members form from now on, recorded as `kind` (none
+    started)."""
+    started: list = []
 
-    def record(*args) -> RecordedGeneration:
-        started.append(RecordedGeneration(*args))
+    def record(*args):
+        started.append(kind(*args))
         return started[-1]
     monkeypatch.setattr(member_mod, "Generation", record)
     return started
@@ -186,16 +187,6 @@ class Unformed(RecordedGeneration):
         self.timeout_s = generation.GENERATION_TIMEOUT_S + generation.PER_NODE_S * len(nodes)
 
 
-def unformed_generations(monkeypatch) -> list[Unformed]:
-    started: list[Unformed] = []
-
-    def record(*args) -> Unformed:
-        started.append(Unformed(*args))
-        return started[-1]
-    monkeypatch.setattr(member_mod, "Generation", record)
-    return started
-
-
 def run_with(m: Member, clock: Clock, until: float, alive: list[int]) -> None:
     """`m`'s loop to `until`, the members `alive` beating every 0.5 s."""
     while clock.t < until:
@@ -209,7 +200,7 @@ def test_a_host_that_stays_down_costs_at_most_12_tries_in_its_first_hour(monkeyp
     """n1's host died: no generation with it ever forms. Each that did not form counts
     as a try (before, it was refunded: a try every 20 s or so for ever), the tries back
     off to 15 minutes, and after RESPAWN_TRIES the node is down, as status says."""
-    started = unformed_generations(monkeypatch)
+    started = recorded_generations(monkeypatch, Unformed)
     clock, link = Clock(), Link()
     link.size = 2
     m = member("n0", clock, link)
@@ -236,7 +227,7 @@ def test_a_generation_trying_a_dead_host_again_gives_way_to_one_for_another_node
     """n2's host died and its first try failed; while the leader tries it again, n1's
     relay dies too. Waiting out the doomed generation (20 s and more) would keep n1
     uncoordinated; it gives way at once, and a generation without n2 brings n1 back."""
-    started = unformed_generations(monkeypatch)
+    started = recorded_generations(monkeypatch, Unformed)
     clock, link = Clock(), Link()
     link.size = 3
     m = member("n0", clock, link)

@@ -19,7 +19,7 @@ NAMES = ["n0", "n1", "n2"]
 #: one message of every kind, as the daemons send them
 MESSAGES = [
     ("join", "A"), ("leave", "A"), ("forget", "A"), ("order", "A", 3),
-    ("progress", "A", 120, True, 4, 0.031, 0.012), ("progress", "A", 0, False, 0),
+    ("progress", "A", 120, True, 4, 0.031, 0.012),
     ("mode", "antiphase", "antiphase 1.12x concurrent", {"A": 4, "B": 2}),
     ("waited", "A", 0.004), ("delay", 0.002, 0.01), ("status?", 7),
     ("status!", 7, "n1", {"devices": {"0": {"holder": "A"}}, "world": {"lost": []}}),

@@ -27,9 +27,10 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_origin
 
 from crossover import environment as E
+from crossover.protocol import fits
 
 MAGIC = b"XO1"
 TAG_BYTES = 32
@@ -42,17 +43,16 @@ KEY_ENV = E.WORLD_KEY
 #: The key's file in the runtime directory (0600 in the 0700 directory).
 KEY_FILE = "world.key"
 
-# Argument types of each kind, in order; "?" after a type: it may be left off at the end.
-_NUM, _ANY = "num", "any"
-SCHEMAS: dict[str, tuple[str, ...]] = {
-    "join": ("str",), "leave": ("str",), "forget": ("str",), "order": ("str", "int"),
-    "progress": ("str", "int", "bool", "int", "num?", "num?"),
-    "mode": ("str", "str", "dict[str,int]"), "waited": ("str", _NUM),
-    "delay": (_NUM, _NUM), "status?": ("int",), "status!": ("int", "str", "dict"),
+#: Each kind's arguments, in order, as the types `protocol.fits` checks.
+SCHEMAS: dict[str, tuple[Any, ...]] = {
+    "join": (str,), "leave": (str,), "forget": (str,), "order": (str, int),
+    "progress": (str, int, bool, int, float, float),
+    "mode": (str, str, dict[str, int]), "waited": (str, float), "delay": (float, float),
+    "status?": (int,), "status!": (int, str, dict[str, Any]),
     "shutdown": (), "stop_world": (), "beat": (),
-    "members": ("list[int]", "list[str]"), "lead": ("int",),
-    "hold": ("dict[str,int]", "list[str]", "list[str]"), "epoch": ("int", "int"),
-    "grow": ("list[str]",),
+    "members": (list[int], list[str]), "lead": (int,),
+    "hold": (dict[str, int], list[str], list[str]), "epoch": (int, int),
+    "grow": (list[str],),
 }
 
 
@@ -60,36 +60,18 @@ class BadMessage(ValueError):
     """A message refused: the reason says which check it failed."""
 
 
-def _is(kind: str, value: Any) -> bool:
-    if kind == "str":
-        return isinstance(value, str)
-    if kind == "int":
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind == "bool":
-        return isinstance(value, bool)
-    if kind == _NUM:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if kind == "dict":
-        return isinstance(value, dict)
-    if kind == "dict[str,int]":
-        return isinstance(value, dict) and all(isinstance(k, str) and _is("int", v)
-                                               for k, v in value.items())
-    if kind.startswith("list["):
-        return isinstance(value, list) and all(_is(kind[5:-1], v) for v in value)
-    return kind == _ANY
-
-
 def check_args(kind: str, args: list) -> None:
     """Raises BadMessage unless `args` are of `kind`'s schema."""
     schema = SCHEMAS.get(kind)
     if schema is None:
         raise BadMessage(f"unknown kind {kind!r}")
-    required = sum(not t.endswith("?") for t in schema)
-    if not required <= len(args) <= len(schema):
-        raise BadMessage(f"{kind}: {len(args)} arguments, not {required}-{len(schema)}")
-    for i, (t, value) in enumerate(zip(schema, args, strict=False)):
-        if not _is(t.rstrip("?"), value):
-            raise BadMessage(f"{kind}: argument {i} is {type(value).__name__}, not {t}")
+    if len(args) != len(schema):
+        raise BadMessage(f"{kind}: {len(args)} arguments, not {len(schema)}")
+    for i, (hint, value) in enumerate(zip(schema, args, strict=True)):
+        if not fits(value, hint):
+            name = getattr(hint, "__name__", None) if get_origin(hint) is None else None
+            raise BadMessage(f"{kind}: argument {i} is {type(value).__name__}, not "
+                             f"{name or hint}")
 
 
 def world_key(directory: Path) -> bytes:
@@ -218,8 +200,8 @@ def unseal(key: bytes, data: bytes) -> tuple[int, str, str, int, str, list]:
                                             doc["kind"], doc["args"])
     except (ValueError, KeyError, TypeError) as exc:
         raise BadMessage(f"a signed body that is not a message ({exc})") from None
-    if not (_is("int", gen) and _is("str", sender) and _is("str", to) and _is("int", seq)
-            and _is("str", kind) and isinstance(args, list)):
+    if not all(fits(v, hint) for v, hint in ((gen, int), (sender, str), (to, str),
+                                             (seq, int), (kind, str), (args, list[Any]))):
         raise BadMessage("a signed body with fields of the wrong types")
     check_args(kind, args)
     return gen, sender, to, seq, kind, args
