@@ -31,6 +31,7 @@ from typing import Any
 
 ENABLE = "CROSSOVER_ENABLE"
 JOB = "CROSSOVER_JOB"
+JOB_START = "CROSSOVER_JOB_START"
 RUNTIME_DIR = "CROSSOVER_RUNTIME_DIR"
 PRIORITY = "CROSSOVER_PRIORITY"
 TRACE = "CROSSOVER_TRACE"
@@ -72,6 +73,13 @@ def _count(value: str) -> int:
     if not re.fullmatch(r"\s*[0-9]+\s*", value):
         raise ValueError(value)
     return int(value)
+
+
+def _start_ns(value: str) -> int:
+    start = _count(value)
+    if start >= 2**63:  # the daemon takes a signed 64-bit count
+        raise ValueError(value)
+    return start
 
 
 def _node(value: str) -> str:
@@ -152,6 +160,12 @@ VARS: dict[str, Var] = {v.name: v for v in [
     _var(JOB, _job, None, "<script>-<pid of rank 0>",
          "give 1-200 printable characters without '/'",
          about="the job's name, the same on all its ranks; unique among running jobs"),
+    _var(JOB_START, _start_ns, 0, "0, or agreed with the name",
+         "give the job's start in ns since the epoch, a whole number >= 0",
+         about="when the job started, the same on all its ranks: with its name, its place "
+               "in the order every node serves jobs in (0: by name alone, before the "
+               "jobs started at a known time); crossoverrun and crossover-torchrun on one "
+               "node set it"),
     _var(RUNTIME_DIR, _path, None, "$XDG_RUNTIME_DIR/crossover, else /tmp/crossover-<uid>",
          "give a directory", sides=("job", "daemon"),
          about="the directory of the daemons' sockets and slot table (yours, mode 0700)"),
@@ -255,6 +269,11 @@ def enabled() -> bool:
 def job_name() -> str | None:
     """CROSSOVER_JOB, or None (unset or bad: the ranks agree on a name)."""
     return get(JOB)
+
+
+def job_start_ns() -> int:
+    """CROSSOVER_JOB_START: the job's start in ns since the epoch, 0 if unset (or bad)."""
+    return get(JOB_START)
 
 
 def runtime_dir_setting() -> str | None:

@@ -83,6 +83,10 @@ class Hello(Message):
     pid: int
     weight: float = 1.0
     gpu: int | None = None  # the CUDA device index the rank computes on, if any
+    # When the job started (ns since the epoch), the same on every rank: stamped by the
+    # launcher or agreed with the job's name; 0 if unknown. (start_ns, job) is the job's
+    # place in the global order on every node (`scheduler.state.JobOrder`).
+    start_ns: int = 0
 
 
 @dataclass
@@ -91,7 +95,6 @@ class Welcome(Message):
     device: str
     cores: list[int]  # CPU cores of the device: where the rank should pin itself
     node: str
-    order: int
     policy: str
     lease_s: float
     release_on_communicate: bool  # the policy frees the device while the rank communicates

@@ -3,7 +3,9 @@ environment, plus the context managers for custom training loops.
 
 The environment it reads is listed, and parsed, in `crossover.environment`: a bad value
 there is said once and never stops the job. Without CROSSOVER_JOB the job's name is
-"<script>-<pid of rank 0>", agreed over Horovod so all ranks use it.
+"<script>-<pid of rank 0>" and its start rank 0's clock, agreed over Horovod (or
+torch.distributed) so all ranks use them: with the name, the start is the job's place in
+the order every node serves jobs in.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -49,7 +52,9 @@ def init(job: str | None = None, gpu: int | None = None) -> SlotClient:
     if _client is not None:
         return _client
     info = RankInfo.from_env()
-    name = job or E.job_name() or _agreed_job_name(info)
+    name, start_ns = job or E.job_name(), E.job_start_ns()
+    if name is None:
+        name, start_ns = _agreed_identity(info)
     trace_dir = E.trace_dir()
     trace = TraceRecorder(name, info.rank, Path(trace_dir) / f"{name}.rank{info.rank}.json") \
         if trace_dir else None
@@ -59,6 +64,7 @@ def init(job: str | None = None, gpu: int | None = None) -> SlotClient:
         gpu=gpu,
         pin_cpu=E.pin_cpu(),
         trace=trace,
+        start_ns=start_ns,
     )
     atexit.register(shutdown)
     _write_trace_on_sigterm(trace)
@@ -126,19 +132,20 @@ def communicate() -> Iterator[None]:
             client.acquire()
 
 
-def _agreed_job_name(info: RankInfo) -> str:
-    local = f"{Path(sys.argv[0] or 'python').stem}-{os.getpid()}"
+def _agreed_identity(info: RankInfo) -> tuple[str, int]:
+    """The job's name and start, rank 0's, for a job launched without them."""
+    local = (f"{Path(sys.argv[0] or 'python').stem}-{os.getpid()}", time.time_ns())
     if info.size == 1:
         return local
     for mod in ("horovod.torch", "horovod.tensorflow"):
         hvd = sys.modules.get(mod)
         if hvd is not None and hvd.is_initialized():
-            return hvd.broadcast_object(local, root_rank=0, name="crossover.job_name")
+            return tuple(hvd.broadcast_object(local, root_rank=0, name="crossover.job"))
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
-        name = [local]
-        dist.broadcast_object_list(name, src=0)
-        return name[0]
+        agreed = [local]
+        dist.broadcast_object_list(agreed, src=0)
+        return tuple(agreed[0])
     raise RuntimeError(
         "crossover cannot name this job: set CROSSOVER_JOB to a name shared by all its "
         "ranks, or call hvd.init() (or torch.distributed.init_process_group) before "

@@ -51,6 +51,13 @@ TABLE = [
                            f"without '/' (default <script>-<pid of rank 0>)")),
     (E.JOB, "a\tb", Bad("CROSSOVER_JOB='a\\tb': give 1-200 printable characters without "
                         "'/' (default <script>-<pid of rank 0>)")),
+    (E.JOB_START, "", 0),
+    (E.JOB_START, "1765000000123456789", 1765000000123456789),
+    (E.JOB_START, "-5", Bad("CROSSOVER_JOB_START='-5': give the job's start in ns since the "
+                            "epoch, a whole number >= 0 (default 0, or agreed with the name)")),
+    (E.JOB_START, str(2**63), Bad(f"CROSSOVER_JOB_START='{2**63}': give the job's start in "
+                                  f"ns since the epoch, a whole number >= 0 (default 0, or "
+                                  f"agreed with the name)")),
     (E.RUNTIME_DIR, "", None),
     (E.RUNTIME_DIR, "/tmp/cx run", "/tmp/cx run"),
     (E.PRIORITY, "", 1.0),

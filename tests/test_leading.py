@@ -75,10 +75,10 @@ def test_a_real_leaders_answers_come_from_its_thread():
     lead = LeaderThread(Leader(peers, None, None, None, time.monotonic), time.monotonic,
                         lambda: None)
     lead.post(0, ("join", "A"))
-    lead.post(1, ("join", "A"))
-    wait_for(lambda: len(peers.sent) == 2, 10, "the leader's orders")
+    lead.post(1, ("stop_world",))
+    wait_for(lambda: len(peers.sent) == 2, 10, "the leader's shutdown to both nodes")
     lead.close()
-    assert peers.sent == [(0, ("order", "A", 0)), (1, ("order", "A", 0))]
+    assert peers.sent == [(0, ("shutdown",)), (1, ("shutdown",))]
 
 
 def test_the_leader_is_ticked_at_its_deadline_without_a_message():

@@ -71,7 +71,7 @@ def recorded_generations(monkeypatch, kind: type = RecordedGeneration) -> list:
 
 def member(name: str, clock: Clock, link: Link) -> Member:
     return Member(link, name, clock, lambda peers: Leader(peers, None, None, None, clock),
-                  holdings=lambda: ({}, [], []), argv=[])
+                  holdings=lambda: [], argv=[])
 
 
 def test_a_successor_brings_back_the_nodes_its_leader_had_yet_to():
@@ -84,7 +84,7 @@ def test_a_successor_brings_back_the_nodes_its_leader_had_yet_to():
     m.attached(4, 1, ["n0", "n1", "n2"], 0)
     m.route(0, ("members", [0, 1, 2], ["n3"]))
     assert m.lost_nodes == ["n3"]
-    clock.run(m, 6.0)  # the leader silent past 5 s: n1 is next in line
+    clock.run(m, 8.0)  # the leader silent past 5 s: n1 is next in line, asks, leads
     assert m.leader is not None
     assert sorted(m._respawn) == ["n0", "n3"]
     # and it tells the members, so that its own successor would too
@@ -97,42 +97,22 @@ def test_a_service_started_again_tells_the_leader_what_it_holds():
     link.rank, link.size, link.leader = 2, 3, 0
     m = member("n2", clock, link)
     m.attached(1, 2, ["n0", "n1", "n2"], 0)
-    assert (0, ("hold", {}, [], [])) in link.sent
+    assert (0, ("hold", [])) in link.sent
 
 
 def test_a_hold_replaces_what_the_leader_knew_of_that_node():
     """Job A has ranks on nodes 1 and 2, B on node 2 only. Node 2's service was started
-    again and holds nothing: A stays (node 1 has it), B is forgotten; a job still waiting
-    for its order there (pending) is kept."""
+    again and holds C only: A stays (node 1 has it), B is gone from node 2 and so from
+    the world, C is taken in."""
     clock, link = Clock(), Link()
     link.size = 3
     leader = Leader(link, None, None, None, clock)
-    for source, job in [(1, "A"), (2, "A"), (2, "B"), (2, "C")]:
+    for source, job in [(1, "A"), (2, "A"), (2, "B")]:
         leader.handle(source, ("join", job))
-    link.sent.clear()
-    leader.handle(2, ("hold", {}, [], ["C"]))
-    assert (2, ("forget", "B")) in link.sent
-    assert not any(obj == ("forget", "A") for _, obj in link.sent)
-    assert not any(obj == ("forget", "C") for _, obj in link.sent)
+    leader.handle(2, ("hold", ["C"]))
+    assert leader._members == {"A": {1}, "C": {2}}
     leader.handle(1, ("leave", "A"))
-    assert (1, ("forget", "A")) in link.sent  # node 2 no longer had it: A is gone
-
-
-def test_a_leave_voids_a_join_that_waits_for_the_members_holdings():
-    """A new leader waits for every member's holdings before it answers joins; a job
-    that joins and leaves meanwhile must not be taken in when the holdings arrive (its
-    presence would never end, and the idle shutdown never come)."""
-    clock, link = Clock(), Link()
-    link.size = 2
-    leader = Leader(link, None, None, None, clock)
-    leader.expect_holdings({0, 1}, 5.0)
-    leader.handle(1, ("join", "ghost"))
-    leader.handle(1, ("leave", "ghost"))
-    leader.handle(0, ("hold", {}, [], []))
-    leader.handle(1, ("hold", {}, [], []))
-    assert not any(obj[0] == "order" for _, obj in link.sent)
-    leader.check_idle(False)
-    assert leader._members == {}
+    assert leader._members == {"C": {2}}
 
 
 def test_a_member_no_generation_takes_back_leads_and_forms_one(monkeypatch):
@@ -166,9 +146,9 @@ def test_a_successor_that_steps_down_keeps_forming_its_newer_generation(monkeypa
     link.rank, link.size, link.leader = 1, 3, 0
     m = member("n1", clock, link)
     m.attached(1, 1, ["n0", "n1", "n2"], 0)
-    clock.run(m, 6.0)  # n0 silent past 5 s: n1 leads from epoch 2
+    clock.run(m, 8.0)  # n0 silent past 5 s: n1 asks n2, and leads from epoch 2
     assert m.leader is not None and m.world.epoch == 2
-    clock.run(m, 6.0 + member_mod.RESPAWN_S + 0.1)
+    clock.run(m, 8.0 + member_mod.RESPAWN_S + 0.1)
     assert [(g.epoch, g.nodes, g.leader) for g in started] == [(3, ["n1", "n2", "n0"], "n1")]
     m.attached(2, 1, ["n0", "n1", "n2"], 0)  # n0's generation, formed meanwhile
     assert m.leader is None and not started[0].killed
@@ -192,7 +172,7 @@ def run_with(m: Member, clock: Clock, until: float, alive: list[int]) -> None:
     while clock.t < until:
         clock.t = min(until, clock.t + 0.5)
         for rank in alive:
-            m.route(rank, ("beat",))
+            m.route(rank, ("beat", 1, 0))
         m.tick()
 
 

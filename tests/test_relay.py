@@ -147,8 +147,8 @@ def test_a_newer_generation_replaces_the_relay_and_an_older_one_is_refused(tmp_p
     assert node.uplink.key == (2, "b")
     node.uplink.send(0, ("join", "A"))
     assert sent(newer) == ("to", 0, ("join", "A"))
-    node.deliver(newer, 0, "b", ("order", "A", 3), gen=2)
-    assert node.next() == (0, ("order", "A", 3))
+    node.deliver(newer, 0, "b", ("mode", "antiphase", "", {"A": 3}), gen=2)
+    assert node.next() == (0, ("mode", "antiphase", "", {"A": 3}))
 
 
 def test_a_relays_end_detaches_the_service_and_what_it_sends_is_dropped(tmp_path):
@@ -159,8 +159,8 @@ def test_a_relays_end_detaches_the_service_and_what_it_sends_is_dropped(tmp_path
     assert node.next() == (1, ("detached", 0))
     assert not node.uplink.attached
     node.uplink.send(0, ("join", "A"))  # nowhere to go: dropped, never blocks
-    node.uplink.send(1, ("beat",))  # to itself: still queued
-    assert node.next() == (1, ("beat",))
+    node.uplink.send(1, ("beat", 1, 0))  # to itself: still queued
+    assert node.next() == (1, ("beat", 1, 0))
     with pytest.raises(queue.Empty):
         node.next(timeout=0.2)
 
@@ -289,11 +289,11 @@ def test_a_daemon_never_sends_a_message_off_its_schema(tmp_path, caplog):
     relay = node.relay(0, 0, ["x", "b"], 0)
     node.accept()
     with caplog.at_level("ERROR", logger="crossover.daemon"):
-        node.uplink.send(1, ("order", "A", "three"))
-    node.uplink.send(1, ("order", "A", 3))
+        node.uplink.send(1, ("epoch", 3, "two"))
+    node.uplink.send(1, ("epoch", 3, 2))
     relay.settimeout(5)
-    assert sent(relay) == ("to", 1, ("order", "A", 3))
-    assert "not sent to daemon 1: order: argument 1 is str, not int" in caplog.text
+    assert sent(relay) == ("to", 1, ("epoch", 3, 2))
+    assert "not sent to daemon 1: epoch: argument 1 is str, not int" in caplog.text
 
 
 def test_messages_sent_from_two_threads_arrive_in_the_order_of_their_numbers(tmp_path):
@@ -325,7 +325,7 @@ def test_a_message_read_before_a_new_generation_is_taken_is_dropped(tmp_path):
     node = Node(tmp_path)
     first = node.relay(1, 0, ["x", "b"], 0)
     node.accept()
-    node.deliver(first, 1, "b", ("hold", {"A": 0}, ["A"], []), gen=1)
+    node.deliver(first, 1, "b", ("hold", ["A"]), gen=1)
     deadline = time.monotonic() + 5
     while node.uplink.inbox.empty() and time.monotonic() < deadline:
         time.sleep(0.005)

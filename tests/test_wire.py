@@ -18,13 +18,14 @@ NAMES = ["n0", "n1", "n2"]
 
 #: one message of every kind, as the daemons send them
 MESSAGES = [
-    ("join", "A"), ("leave", "A"), ("forget", "A"), ("order", "A", 3),
+    ("join", "A"), ("leave", "A"),
     ("progress", "A", 120, True, 4, 0.031, 0.012),
     ("mode", "antiphase", "antiphase 1.12x concurrent", {"A": 4, "B": 2}),
     ("waited", "A", 0.004), ("delay", 0.002, 0.01), ("status?", 7),
     ("status!", 7, "n1", {"devices": {"0": {"holder": "A"}}, "world": {"lost": []}}),
-    ("shutdown",), ("stop_world",), ("beat",), ("members", [0, 2], ["n1"]), ("lead", 5),
-    ("hold", {"A": 0, "B": 1}, ["A"], ["C"]), ("epoch", 5, 2), ("grow", ["n3", "n4"]),
+    ("shutdown",), ("stop_world",), ("beat", 3, 0), ("members", [0, 2], ["n1"]), ("lead", 5),
+    ("hold", ["A", "B"]), ("epoch", 5, 2), ("grow", ["n3", "n4"]),
+    ("prevote", 5), ("object", 5, 0),
 ]
 
 
@@ -90,11 +91,11 @@ def test_another_generations_message_or_one_from_another_rank_is_stale(gen, sour
 
 
 @pytest.mark.parametrize("msg, reason", [
-    (("order", "A", "3"), "argument 1 is str, not int"),
-    (("order", "A", True), "argument 1 is bool, not int"),
+    (("epoch", 5, "2"), "argument 1 is str, not int"),
+    (("epoch", 5, True), "argument 1 is bool, not int"),
     (("lead",), "0 arguments"),
-    (("beat", 1), "1 arguments"),
-    (("hold", {"A": "x"}, [], []), "argument 0"),
+    (("beat",), "0 arguments"),
+    (("hold", ["A", 1]), "argument 0"),
     (("members", [0, "1"], []), "argument 0"),
     (("exec", "import os"), "unknown kind 'exec'"),
 ])
@@ -162,7 +163,7 @@ def test_a_new_world_makes_a_new_key(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("msg, reason", [
-    (("hold", {1: 2}, [], []), "argument 0"),  # JSON would make the key a string
+    (("mode", "antiphase", "", {1: 2}), "argument 2"),  # JSON would make the key a string
     (("status!", 1, "n1", {"jobs": {"A", "B"}}), "not JSON data"),  # a set
     (("waited", "A", float("nan")), "not JSON data"),
 ])

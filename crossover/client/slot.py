@@ -44,6 +44,8 @@ class SlotClient(DaemonLink):
         wait_s: longest wait for a grant before going on uncoordinated for that step
             (default: twice the daemon's lease, so a hung holder is revoked first).
         trace: a recorder for slot-wait/hold/communicate events, or None.
+        start_ns: when the job started (ns since the epoch), the same on all its ranks;
+            with its name, the job's place in the order every node serves jobs in.
     """
 
     def __init__(
@@ -56,6 +58,7 @@ class SlotClient(DaemonLink):
         pin_cpu: bool = False,
         wait_s: float | None = None,
         trace: TraceRecorder | None = None,
+        start_ns: int = 0,
     ) -> None:
         super().__init__(job, trace)  # the link: socket, table, healing
         self.info = info
@@ -87,10 +90,10 @@ class SlotClient(DaemonLink):
         self._keep_when_alone = E.keep_when_alone()
         self._reporter = StepReporter(info.rank)  # step counts, profiles, waits
         self._pinning = Pinning(pin_cpu, self._warn, trace)
-        self._register(runtime_dir, weight, gpu)
+        self._register(runtime_dir, weight, gpu, start_ns)
 
     def _register(self, runtime_dir: str | os.PathLike | None, weight: float,
-                  gpu: int | None) -> None:
+                  gpu: int | None, start_ns: int) -> None:
         """Find the node's daemon and register with it; fail open on anything but a
         set-up error (another protocol version, a rank in use), which raises."""
         info = self.info
@@ -99,7 +102,7 @@ class SlotClient(DaemonLink):
             # Under fake nodes local rank l is local rank l // N of node fake<l % N>.
             local_rank = info.local_rank // fake if fake else info.local_rank
             self._hello = P.Hello(self.job, info.rank, info.size, local_rank,
-                                  info.local_size, os.getpid(), weight, gpu)
+                                  info.local_size, os.getpid(), weight, gpu, start_ns)
             node = E.node_name(info.local_rank)
         except ValueError as exc:  # a CROSSOVER_NODE / _FAKE_NODES that does not parse
             self._fail_open(f"{exc}; crossover is off in this process", heal=False)

@@ -5,7 +5,7 @@ wait on each other: a join that makes the leader re-plan a group, or a mode deci
 tick, must not sit in front of a grant in the serve loop, and a burst of grants must not
 hold the world's joins back. `LeaderThread` runs one `world.Leader` on its own thread:
 the serve loop posts the leader's messages and the membership's calls (`renumber`,
-`member_lost`, `expect_holdings`) to its queue and goes on; the thread handles them in
+`member_lost`) to its queue and goes on; the thread handles them in
 the order posted, ticks the mode decisions at their deadlines and watches for the idle
 shutdown. The leader's sends go through the `Uplink`, which any thread may use (a
 message to this node is queued in the serve loop's inbox and wakes it).
@@ -75,9 +75,6 @@ class LeaderThread:
 
     def member_lost(self, rank: int) -> None:
         self._call(self.leader.member_lost, rank)
-
-    def expect_holdings(self, ranks: set[int], within_s: float) -> None:
-        self._call(self.leader.expect_holdings, set(ranks), within_s)
 
     def reset_aligner(self) -> None:
         """The mode changed: waits of the old mode say nothing of the new."""

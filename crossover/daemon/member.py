@@ -47,7 +47,7 @@ DETACHED_S = 1.0
 ORPHANED_S = 30.0
 
 #: what only the leader a daemon follows may tell it
-FROM_LEADER = frozenset({"order", "forget", "mode", "delay", "shutdown", "members"})
+FROM_LEADER = frozenset({"mode", "delay", "shutdown", "members"})
 #: what only a leader acts on
 TO_LEADER = frozenset({"join", "leave", "waited", "progress", "hold", "grow",
                        "stop_world"})
@@ -61,7 +61,7 @@ class Member:
         name: this daemon's node name.
         clock: monotonic clock.
         new_leader: makes the leader's decision-maker (this daemon leads, or took over).
-        holdings: what this node holds (`Ranks.holdings`), for a new leader.
+        holdings: the jobs with a rank on this node (`Ranks.holdings`), for a new leader.
         argv: this daemon's arguments after `-m crossover`, for the generations it forms.
         log_path: where the generations it forms write their output (None: inherited).
         secret: the world's key, handed to the relays of the generations it forms.
@@ -70,7 +70,7 @@ class Member:
 
     def __init__(self, peers: Uplink, name: str, clock: Callable[[], float],
                  new_leader: Callable[[Uplink], Leader | LeaderThread],
-                 holdings: Callable[[], tuple], argv: list[str],
+                 holdings: Callable[[], list[str]], argv: list[str],
                  log_path: Path | None = None, secret: bytes = b"", beat_s: float = 1.0,
                  dead_after_s: float = 5.0) -> None:
         self.peers, self.name, self.clock, self.argv = peers, name, clock, argv
@@ -93,6 +93,7 @@ class Member:
         self._epoch = 0  # the highest generation this daemon knows of or started
         self._detached_at: float | None = clock() if peers.relayed else None
         self._fails = 0  # generations in a row that did not form
+        self._cut_off = False  # a peer objected to this daemon's succession (said once)
 
     # --- messages -----------------------------------------------------------------------
     def route(self, source: int, msg: tuple) -> bool:
@@ -103,6 +104,8 @@ class Member:
             self._detached(msg[1])
             return True
         self._apply(self.world.heard(source))
+        if source == self.world.leader:
+            self._cut_off = False
         stale = kind == "beat" and not self.world.leads and source != self.world.leader
         if stale or (kind in FROM_LEADER and source != self.world.leader) or (
                 kind in TO_LEADER and self.leader is None):
@@ -128,8 +131,25 @@ class Member:
                 self.peers.send(source, ("epoch", self.world.epoch, self.world.leader))
             self._apply(changes)
         elif kind == "epoch":
-            self._apply(self.world.newer(msg[1], msg[2]))
-        elif kind != "beat":
+            self._apply(self.world.newer(msg[1], msg[2], source))
+        elif kind == "prevote":  # next in line asks: do you still hear the leader?
+            if self.world.objects(source, msg[1]):
+                self.peers.send(source, ("object", self.world.epoch, self.world.leader))
+        elif kind == "object":
+            self._apply(self.world.objection(source, msg[1], msg[2]))
+        elif kind == "beat":
+            if msg[2] != source:
+                pass  # a member's
+            elif self.world.leads and source != self.peers.rank:
+                # two leaders (each lost the other a while): the older steps down
+                changes = self.world.lead(source, msg[1])
+                if changes.follow is None:
+                    self.peers.send(source, ("lead", self.world.epoch))
+                self._apply(changes)
+            elif source == self.world.leader and msg[1] > self.world.epoch:
+                # the leader's `lead` was lost on the way: its beat says it leads
+                self._apply(self.world.lead(source, msg[1]))
+        else:
             return False
         return True
 
@@ -174,7 +194,7 @@ class Member:
                 self.leader = self._new_leader(self.peers)
             else:
                 self.leader.renumber(ranks_now)
-            self._lead(set(range(len(names))))
+            self._lead()
         else:
             if self.leader is not None:
                 log.warning("daemon %d follows %s from generation %d: no longer the "
@@ -182,7 +202,7 @@ class Member:
                 self._step_down()
                 self._retire_formed()
             # what this node holds now (a service started again holds nothing)
-            self.peers.send_leader(("hold", *self._holdings()))
+            self.peers.send_leader(("hold", self._holdings()))
 
     def _step_down(self) -> None:
         # A generation it is forming runs on: the newest generation wins at every
@@ -196,7 +216,7 @@ class Member:
     def _detached(self, epoch: int) -> None:
         self._detached_at = self.clock()
         log.warning("node %s: its relay (generation %d) is gone; serving its ranks on "
-                    "with the last order and mode, %s", self.name, epoch,
+                    "in the last mode, %s", self.name, epoch,
                     "and forming a new generation" if self.leader is not None else
                     "until the leader forms a new generation")
 
@@ -269,7 +289,7 @@ class Member:
         world.lead(self.peers.rank, world.epoch + 1)
         self.peers.leader = self.peers.rank
         self.leader = self._new_leader(self.peers)
-        self._lead(set(world.alive))  # `_form` then forms a generation over them
+        self._lead()  # `_form` then forms a generation over the members alive
 
     def next_deadline(self) -> float | None:
         ends = [self.world.next_deadline()] if self.peers.size > 1 else []
@@ -350,7 +370,7 @@ class Member:
             self._step_down()
         if changes.took_over:
             log.warning("the leader is lost: daemon %d (node %s) leads from epoch %d and "
-                        "rebuilds the jobs' order from what the %d members hold",
+                        "counts the jobs' nodes from what the %d members hold",
                         self.peers.rank, self.name, world.epoch, len(world.alive))
             self._step_down()
             self.leader = self._new_leader(self.peers)
@@ -359,10 +379,10 @@ class Member:
             for node in {self.names[r] for r in world.lost if r in self.names} | set(
                     self.lost_nodes):
                 self._respawn_later(node)
-            self._lead(world.alive)
+            self._lead()
         if changes.follow is not None:
             self.peers.leader = changes.follow
-            self.peers.send(changes.follow, ("hold", *self._holdings()))
+            self.peers.send(changes.follow, ("hold", self._holdings()))
         elif not world.leads:
             self.peers.leader = world.leader
         for rank in changes.lost:
@@ -376,14 +396,20 @@ class Member:
             log.warning("daemon %d (node %s) is back: taking in what it holds", rank,
                         self.names.get(rank, "?"))
             self._respawn.pop(self.names.get(rank, ""), None)
-            if self.leader is not None:
-                self.leader.expect_holdings({rank}, world.dead_after_s)
             self.peers.send(rank, ("lead", world.epoch))
         if (changes.lost or changes.back) and world.leads:
             self.peers.lost = set(world.lost)
             self._tell_members()
         for rank in changes.beat_to:
-            self.peers.send(rank, ("beat",))
+            self.peers.send(rank, ("beat", world.epoch, world.leader))
+        for rank in changes.ask:
+            self.peers.send(rank, ("prevote", world.epoch))
+        if changes.objected is not None and not self._cut_off:
+            self._cut_off = True  # said once a cut: it asks again every few seconds
+            log.warning("daemon %d (node %s) cannot hear its leader (node %s), which "
+                        "daemon %d still hears: it stays a member and serves on; its "
+                        "jobs' modes wait for the link", self.peers.rank, self.name,
+                        self.names.get(world.leader, "?"), changes.objected)
 
     def _respawn_later(self, node: str) -> None:
         tries = self._tries.get(node, 0)
@@ -394,9 +420,8 @@ class Member:
             return
         self._respawn[node] = self.clock() + min(RESPAWN_MAX_S, RESPAWN_S * 2 ** tries)
 
-    def _lead(self, ranks: set[int]) -> None:
-        """Lead: ask `ranks` what they hold, and say who is in the world."""
-        self.leader.expect_holdings(ranks, self.world.dead_after_s)
+    def _lead(self) -> None:
+        """Lead: ask every member what it holds, and say who is in the world."""
         self.peers.lost = set(self.world.lost)
         self.peers.broadcast(("lead", self.world.epoch))
         self._tell_members()

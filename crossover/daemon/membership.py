@@ -10,15 +10,22 @@ the leader to every member, every `beat_s`; any message counts as a beat. The ru
   presence away (as if each had left that node) and says so in status. Its node's ranks
   fail open on their own (their daemon is gone) and the other nodes serve on.
 - **A leader silent for `dead_after_s`** is lost to every member; the lowest live rank
-  of the last member list the leader sent succeeds it: it raises the epoch, says `lead`
-  to every live member, and each answers with what it holds (the jobs' orders, the jobs
-  present, the joins that wait), from which the successor rebuilds the order. If the
+  of the last member list the leader sent succeeds it. First it asks the others
+  (`prevote`): one that still hears the leader objects, and the successor stays a
+  member (a cut between two nodes that both reach the rest must not depose a leader the
+  others hear: without this, 1 led, 2 followed it and deposed 0, 0 could not hear 1 and
+  led again, for ever). With no objection within `ask_s` it raises the epoch, says
+  `lead` to every live member, and each answers with the jobs it holds. After an
+  objection it asks again `ask_s` later, while the leader stays silent. If the
   successor is silent too, the next in line follows after another `dead_after_s`.
 - **Epochs settle disputes.** A leader's messages carry no epoch, but only the leader a
   member follows is obeyed; a leader that hears of a higher epoch (a stopped leader
   resumed after its succession) steps down and follows the newer one.
 - **A lost member that speaks again** (stopped, then resumed) is taken back: the leader
-  says `lead` to it alone, and its holdings are merged like a successor's.
+  says `lead` to it alone, and its holdings are merged like a successor's. So that a
+  healed link is found from both ends, a leader beats to its lost members, and a
+  member to the leader it found silent, every `dead_after_s` (two leaders that lost
+  each other meet again, and the older steps down).
 - **Silence this daemon slept through is no sign of death.** Its serve loop comes round
   at most every half second; a gap of over `dead_after_s / 2` between ticks means it did
   not run (it was stopped, the whole machine stalled, or its loop was blocked), and its
@@ -48,6 +55,8 @@ class Changes:
         beat_to: ranks to send a heartbeat to now.
         stalled_s: this daemon's loop did not come round for this long (0 if it did):
             the peers' silence is counted without it.
+        ask: ranks to ask whether they still hear the leader (this daemon is next).
+        objected: a peer still hears the leader: this daemon stays a member for now.
     """
 
     lost: list[int] = field(default_factory=list)
@@ -57,6 +66,8 @@ class Changes:
     stepped_down: bool = False
     beat_to: list[int] = field(default_factory=list)
     stalled_s: float = 0.0
+    ask: list[int] = field(default_factory=list)
+    objected: int | None = None
 
 
 class Membership:
@@ -89,6 +100,16 @@ class Membership:
         self._next_beat = now
         self._ticked = now
         self._forgiven: set[int] = set()  # peers whose silence a stall already shortened
+        # Next in line after a silent leader: it takes over at `_asking` unless a peer
+        # objects, and after an objection asks again at `_ask_again`.
+        self.ask_s = 2 * beat_s
+        self._asking: float | None = None
+        self._ask_again: float | None = None
+        # The leader this member found silent, beaten to until a leader claims the lead:
+        # a cut between them only (the successor still hears it) may heal, and that
+        # leader takes this member back on hearing it.
+        self._silent_leader: int | None = None
+        self._next_probe = now
 
     @property
     def leads(self) -> bool:
@@ -104,6 +125,12 @@ class Membership:
         if not 0 <= source < self.size:
             return out  # not of this world (a test's stand-in peer)
         self._fresh(source, self.clock())
+        if source == self._silent_leader:
+            # the leader found silent speaks again, and no one claimed a newer epoch
+            # since (a claim clears it): follow it again, no succession
+            self.leader, self._silent_leader = source, None
+        if source == self.leader:
+            self._asking = self._ask_again = None
         if source not in self.alive and source != self.rank:
             self.alive.add(source)
             if self.leads:
@@ -127,18 +154,22 @@ class Membership:
             return out  # an older claim: the answer (`epoch_of`) sets it right
         out.stepped_down = self.leads and source != self.rank
         self.leader, self.epoch = source, epoch
+        self._asking = self._ask_again = self._silent_leader = None
         self.alive.add(source)
         self._fresh(source, self.clock())
         out.follow = source
         return out
 
-    def newer(self, epoch: int, leader: int) -> Changes:
-        """A peer says it follows `leader` at `epoch`: follow that leader if its claim is
-        newer than the one this daemon follows (a leader behind steps down). At the same
-        epoch a leader this daemon has found lost is not followed: its claim is from
-        before the succession that this daemon awaits."""
-        if (epoch, -leader) <= (self.epoch, -self.leader) or (
-                epoch == self.epoch and leader not in self.alive):
+    def newer(self, epoch: int, leader: int, source: int | None = None) -> Changes:
+        """Peer `source` says it follows `leader` at `epoch`: follow that leader if its
+        epoch is newer than this daemon's (a leader behind steps down), or if `source`
+        is the daemon this one follows and names another at the same epoch (it stepped
+        down for a leader this daemon never heard claim). No one else's word at the
+        same epoch: a peer may name the successor it awaits, which claimed nothing (two
+        leaders of one epoch settle it by their own `lead`s). Those it names have lower
+        ranks, so following them ends."""
+        same = epoch == self.epoch and source == self.leader != leader and not self.leads
+        if epoch <= self.epoch and not same:
             return Changes()
         return self.lead(leader, epoch)
 
@@ -156,6 +187,10 @@ class Membership:
             self._next_beat = now + self.beat_s
             out.beat_to = sorted(self.alive - {self.rank}) if self.leads else \
                 [self.leader] if self.leader != self.rank else []
+        probed = self._probed()
+        if probed and now >= self._next_probe:
+            self._next_probe = now + self.dead_after_s
+            out.beat_to = sorted(set(out.beat_to) | probed)
         silent = {r for r in self.alive - {self.rank}
                   if now - self._heard.get(r, now) > self.dead_after_s}
         if self.leads:
@@ -163,18 +198,74 @@ class Membership:
             self.alive -= silent
         elif self.leader in silent:
             self.alive.discard(self.leader)
-            self.leader = min(self.alive)  # this rank is always alive: never empty
-            # the successor gets a full allowance from now to claim the lead
-            self._fresh(self.leader, now)
-            if self.leads:
-                self.epoch += 1
-                out.took_over = True
-                # members beat to the old leader until they hear of this one
-                for r in self.alive:
-                    self._fresh(r, now)
-                out.beat_to = sorted(self.alive - {self.rank})
-                self._next_beat = now + self.beat_s
+            if self._silent_leader is None:
+                self._silent_leader = self.leader
+            successor = min(self.alive)  # this rank is always alive: never empty
+            if successor == self.rank:
+                self._ask(now, out)
+            else:  # it gets a full allowance from now to claim the lead
+                self.leader = successor
+                self._fresh(successor, now)
+        elif self._asking is not None and now >= self._asking:
+            self._take_over(now, out)
+        elif self._ask_again is not None and now >= self._ask_again:
+            self._ask(now, out)
         return out
+
+    def _probed(self) -> set[int]:
+        """Who is beaten to every `dead_after_s` though silent: the leader's lost
+        members, or the leader this member found silent. A link that heals is found
+        from either end (two leaders that lost each other meet again), at one small
+        message per peer per `dead_after_s`."""
+        silent = set(range(self.size)) - self.alive if self.leads else {self._silent_leader}
+        return silent - {self.rank, None}
+
+    def _ask(self, now: float, out: Changes) -> None:
+        """Next in line: ask the others whether they still hear the leader."""
+        self._ask_again = None
+        out.ask = sorted(self.alive - {self.rank})
+        if out.ask:
+            self._asking = now + self.ask_s
+        else:
+            self._take_over(now, out)
+
+    def _take_over(self, now: float, out: Changes) -> None:
+        self._asking = self._silent_leader = None
+        self.leader = self.rank
+        self.epoch += 1
+        out.took_over = True
+        # members beat to the old leader until they hear of this one
+        for r in self.alive:
+            self._fresh(r, now)
+        out.beat_to = sorted(self.alive - {self.rank})
+        self._next_beat = now + self.beat_s
+
+    def objects(self, candidate: int, epoch: int) -> bool:
+        """Whether this daemon objects to `candidate` succeeding the leader of `epoch`:
+        it knows a newer epoch, or leads that one, or heard its leader of that epoch
+        within `dead_after_s`. (A candidate of a newer epoch than this daemon's is not
+        objected to: this daemon's leader is the older.)"""
+        if epoch != self.epoch:
+            return epoch < self.epoch
+        if self.leads:
+            return True
+        if self.leader == candidate:
+            return False  # it is this daemon's successor too
+        heard = self._heard.get(self.leader)
+        return self.leader in self.alive and heard is not None and \
+            self.clock() - heard <= self.dead_after_s
+
+    def objection(self, source: int, epoch: int, leader: int) -> Changes:
+        """`source` objects: it follows `leader` from `epoch`. A newer leader is
+        followed; else this daemon stays a member (of a leader it cannot hear) and asks
+        again `ask_s` later, unless it hears the leader meanwhile."""
+        changes = self.newer(epoch, leader, source)
+        if changes.follow is not None or self._asking is None:
+            return changes
+        now = self.clock()
+        self._asking, self._ask_again = None, now + self.ask_s
+        changes.objected = source
+        return changes
 
     def _fresh(self, peer: int, now: float) -> None:
         """`peer`'s silence starts again at `now` (a later stall may shorten it again)."""
@@ -185,6 +276,9 @@ class Membership:
         """When `tick` may next have something to do."""
         watched = self.alive - {self.rank} if self.leads else {self.leader} - {self.rank}
         ends = [self._heard.get(r, self._next_beat) + self.dead_after_s for r in watched]
+        ends += [t for t in (self._asking, self._ask_again) if t is not None]
+        if self._probed():
+            ends.append(self._next_probe)
         return min([self._next_beat, *ends])
 
     def snapshot(self) -> dict:

@@ -1,8 +1,9 @@
 """The ranks of one node: their hellos, registration, requests, company and leaving.
 
 `Ranks` turns what a rank's connection says into the scheduler's calls and the replies:
-a hello is checked, waits for its job's global order (the leader's, see `world`), and is
-registered; requests go through `TableSync.change`, so the slot table's events before
+a hello is checked and registered at once, in its job's place in the global order, which
+the job carries (its start and name, `scheduler.state.JobOrder`: no node asks another);
+requests go through `TableSync.change`, so the slot table's events before
 them are applied first; a closed connection frees its rank. The ranks beside each other
 on a device are told of their company and the mode (`Company`), and CPU jobs that share
 this host under concurrent service get their share of its cores (`placement`).
@@ -63,8 +64,6 @@ class Ranks:
         self.core_shares = core_shares
         self.peers, self.aligning, self.deciding, self.clock = peers, aligning, deciding, clock
         self.by_key: dict[tuple[str, int], RankConn] = {}
-        self.orders: dict[str, int] = {}  # global job order, decided by the leader
-        self.pending: dict[str, list[RankConn]] = {}  # ranks waiting for their job's order
         # ranks whose registration waits for their device's table (`TableSync.change`)
         self.joining: dict[tuple[str, int], RankConn] = {}
         self.steps: dict[str, int] = {}  # job -> most steps a local rank reported
@@ -75,7 +74,7 @@ class Ranks:
     @property
     def busy(self) -> bool:
         """Whether a rank is here or on its way."""
-        return bool(self.by_key) or bool(self.pending) or bool(self.joining)
+        return bool(self.by_key) or bool(self.joining)
 
     def has_job(self, job: str) -> bool:
         """Whether a rank of `job` is registered here, or its registration is queued."""
@@ -162,23 +161,30 @@ class Ranks:
                 ("pid", 0 <= hello.pid <= INT32_MAX),  # a C pid_t
                 ("weight", math.isfinite(hello.weight) and hello.weight > 0),
                 ("gpu", hello.gpu is None or 0 <= hello.gpu <= INT32_MAX),
+                ("start_ns", 0 <= hello.start_ns < 2**63),
             ] if not ok
         ]
         if problems:
             raise P.ProtocolError(f"hello with invalid {', '.join(problems)}: {hello}")
         key = (hello.job, hello.rank)
-        if key in self.by_key or key in self.joining \
-                or any(c.key == key for c in self.pending.get(hello.job, [])):
+        if key in self.by_key or key in self.joining:
             self._refuse(conn, P.ErrorCode.DUPLICATE, "duplicate rank",
                          f"job {hello.job!r} rank {hello.rank} is connected already: two "
                          f"jobs with one name? Give each job its own name (CROSSOVER_JOB or "
                          f"crossoverrun --crossover-job)")
             return
-        # A job's ranks share one weight; checked here too, as ranks of a new job wait
-        # for its order and are registered together later.
-        weights = {c.hello.weight for c in self.pending.get(hello.job, [])}
-        if self.sched.weight_of(hello.job) is not None:
-            weights.add(self.sched.weight_of(hello.job))
+        peers = [c.hello for c in [*self.by_key.values(), *self.joining.values()]
+                 if c.hello.job == hello.job]
+        starts = {h.start_ns for h in peers}
+        if starts and starts != {hello.start_ns}:
+            self._refuse(conn, P.ErrorCode.DUPLICATE, "another job of that name",
+                         f"job {hello.job!r} rank {hello.rank} started at {hello.start_ns} "
+                         f"ns, its other ranks here at {sorted(starts)}: two jobs with one "
+                         f"name? Give each job its own name (CROSSOVER_JOB or crossoverrun "
+                         f"--crossover-job), or its ranks one CROSSOVER_JOB_START")
+            return
+        # A job's ranks share one weight.
+        weights = {h.weight for h in peers}
         if weights and weights != {hello.weight}:
             self._refuse(conn, P.ErrorCode.REFUSED, "weight differs from its job's",
                          f"job {hello.job!r} rank {hello.rank} has priority weight "
@@ -186,13 +192,9 @@ class Ranks:
                          f"rank of a job the same CROSSOVER_PRIORITY")
             return
         conn.hello = hello
-        if hello.job in self.orders:
-            self._admit(conn)
-        else:
-            first = hello.job not in self.pending
-            self.pending.setdefault(hello.job, []).append(conn)
-            if first:
-                self.peers.send_leader(("join", hello.job))
+        if not peers:  # the job's first rank here: the leader counts its nodes
+            self.peers.send_leader(("join", hello.job))
+        self._admit(conn)
 
     def _refuse(self, conn: RankConn, code: P.ErrorCode, why: str, message: str) -> None:
         """Answer a hello with an error and hang up (`why`: for the log)."""
@@ -200,7 +202,7 @@ class Ranks:
         self.conns.close(conn, why)
 
     def _admit(self, conn: RankConn) -> None:
-        """Register a rank whose job has its order (after the table's events before it)."""
+        """Register a rank (after the table's events before it)."""
         hello = conn.hello
         device = f"gpu{hello.gpu}" if hello.gpu is not None \
             else self.node.cpu_device(hello.local_rank % self.node.cpu_devices)[0]
@@ -215,7 +217,7 @@ class Ranks:
         del self.joining[conn.key]
         cores = [] if hello.gpu is not None else self.node.cpu_device(
             hello.local_rank % self.node.cpu_devices)[1]
-        order = self.orders[hello.job]
+        order = (hello.start_ns, hello.job)
         self.sched.register(hello.job, hello.rank, device, order, hello.weight)
         # At once, before anything else can raise: `closed` unregisters what is here.
         conn.registered, conn.device = True, device
@@ -227,36 +229,35 @@ class Ranks:
             self.peers.send_leader(("progress", hello.job, 0, True, 0, 0.0, 0.0))
         place = self.table.reserve(conn.key, device)
         table, slot, index = (self.table.path, *place) if place else ("", -1, -1)
-        log.info("job %s rank %d on node %s -> %s (order %d)",
-                 hello.job, hello.rank, self.node.name, device, order)
+        log.info("job %s rank %d on node %s -> %s (started %d)",
+                 hello.job, hello.rank, self.node.name, device, hello.start_ns)
         policy = self.sched.policy
-        self.conns.reply(conn, P.Welcome(device, cores, self.node.name, order, policy.name,
+        self.conns.reply(conn, P.Welcome(device, cores, self.node.name, policy.name,
                                          self.sched.lease_s, policy.release_on_communicate,
                                          policy.yield_on_step, table, slot, index,
                                          report_waits=self.aligning))
         self.tell_company()  # every device: the host's cores may be split anew
 
     def closed(self, conn: RankConn, why: str) -> None:
-        """`conn` closed: forget a rank that waited for its job's order or its device's
-        table, free one that was registered (after the table's events before now), and
-        tell the leader when the job has no rank left here (else it counts this node
-        among the job's members for ever)."""
+        """`conn` closed: forget a rank that waited for its device's table, free one that
+        was registered (after the table's events before now), and tell the leader when
+        the job has no rank left here (else it counts this node among the job's members
+        for ever)."""
         key = conn.key
         if key is None:
             return
         job = key[0]
         if self.joining.get(key) is conn:
             del self.joining[key]
-        elif conn in self.pending.get(job, []):
-            self.pending[job].remove(conn)
-            if not self.pending[job]:
-                del self.pending[job]
         elif conn.registered and self.by_key.get(key) is conn:
             del self.by_key[key]
             log.info("job %s rank %d left node %s (%s)", job, key[1], self.node.name, why)
             device = self.sched.device_of(*key)
             self.table.change(device, lambda: self._unregister(key, device))
-        if not self.has_job(job) and job not in self.pending:
+        else:
+            return  # refused, or never said hello
+        if not self.has_job(job):
+            self.steps.pop(job, None)
             self.peers.send_leader(("leave", job))
 
     def _unregister(self, key: tuple[str, int], device: str | None) -> None:
@@ -267,23 +268,9 @@ class Ranks:
             self.tell_company()  # every device: the host's cores may be split anew
 
     # --- the leader's decisions ---------------------------------------------------------
-    def order(self, job: str, order: int) -> None:
-        """The leader gave `job` its place: register its ranks that waited for it."""
-        self.orders[job] = order
-        for conn in self.pending.pop(job, []):
-            self._admit(conn)
-
-    def holdings(self) -> tuple[dict[str, int], list[str], list[str]]:
-        """What this node holds, for a new leader to rebuild the order from: the orders
-        it knows, the jobs with a rank here, and the jobs whose ranks wait for an order."""
-        present = sorted({j for j, _ in self.by_key} | {j for j, _ in self.joining})
-        return dict(self.orders), present, sorted(self.pending)
-
-    def forget(self, job: str) -> None:
-        """The job left every node (unless a rank of it came back here since)."""
-        if not self.has_job(job) and job not in self.pending:
-            self.orders.pop(job, None)
-            self.steps.pop(job, None)
+    def holdings(self) -> list[str]:
+        """The jobs with a rank here, for a new leader to count the jobs' nodes."""
+        return sorted({j for j, _ in self.by_key} | {j for j, _ in self.joining})
 
     def set_mode(self, mode: Mode, points: dict[str, int]) -> None:
         self.deliver(self.sched.set_mode(mode, points))
@@ -325,7 +312,7 @@ class Ranks:
             if not conn.on_host_cpu:
                 return {}  # a GPU job or one that spans hosts: leave the cores alone
             ranks[job] = ranks.get(job, 0) + 1
-        jobs = sorted(ranks, key=lambda job: self.orders[job])
+        jobs = sorted(ranks, key=lambda job: self.sched.order_of(job))
         shares = partition(self.node.cores, [(job, ranks[job]) for job in jobs])
         if shares != self._last_shares:
             self._last_shares = shares

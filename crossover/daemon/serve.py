@@ -1,9 +1,10 @@
 """The coordinator daemon: one process per node, jobs' ranks connect over a Unix socket.
 
-The daemon processes of all nodes form one MPI world. Daemon 0 (the leader) decides the
-global job order when a job first joins anywhere and tells every daemon; each daemon then
-grants its own devices with that order, so a job's ranks are in the same phase on every
-node without any cross-node message on the grant path.
+The daemon processes of all nodes form one world (`member`). Every rank of a job carries
+the job's place in the global order (its start and name), so every daemon grants its own
+devices in the same order of jobs, and a job's ranks are in the same phase on every node,
+without any cross-node message on the grant path or for a job to start; the leader
+decides the modes.
 
 Reliability: a rank whose connection closes (crash, kill, exit) loses its slot at once;
 a rank that holds past its lease loses it then. Clients treat a vanished daemon as
@@ -11,7 +12,7 @@ a rank that holds past its lease loses it then. Clients treat a vanished daemon 
 
 The parts, composed here, each with its own module: `Connections` (sockets and frames),
 `Ranks` (what ranks say, and their company), `TableSync` (the slot table and the
-scheduler in one order), `Leader` (daemon 0's decisions, on a thread of their own:
+scheduler in one order), `Leader` (the leader's decisions, on a thread of their own:
 `leading`). `Daemon` owns the serve loop, the scheduler's clock-driven changes (leases,
 re-alignment), and what a node does with the other daemons' messages.
 """
@@ -314,11 +315,7 @@ class Daemon:
     def _on_peer(self, source: int, msg: tuple) -> None:
         """What this node does with the leader's (or a peer's) message."""
         kind = msg[0]
-        if kind == "order":
-            self.ranks.order(msg[1], msg[2])
-        elif kind == "forget":
-            self.ranks.forget(msg[1])
-        elif kind == "mode":
+        if kind == "mode":
             if self.leader is not None:
                 self.leader.reset_aligner()
             self.ranks.mode_reason = msg[2]

@@ -45,14 +45,14 @@ KEY_FILE = "world.key"
 
 #: Each kind's arguments, in order, as the types `protocol.fits` checks.
 SCHEMAS: dict[str, tuple[Any, ...]] = {
-    "join": (str,), "leave": (str,), "forget": (str,), "order": (str, int),
+    "join": (str,), "leave": (str,),
     "progress": (str, int, bool, int, float, float),
     "mode": (str, str, dict[str, int]), "waited": (str, float), "delay": (float, float),
     "status?": (int,), "status!": (int, str, dict[str, Any]),
-    "shutdown": (), "stop_world": (), "beat": (),
+    "shutdown": (), "stop_world": (), "beat": (int, int),
     "members": (list[int], list[str]), "lead": (int,),
-    "hold": (dict[str, int], list[str], list[str]), "epoch": (int, int),
-    "grow": (list[str],),
+    "hold": (list[str],), "epoch": (int, int),
+    "grow": (list[str],), "prevote": (int,), "object": (int, int),
 }
 
 

@@ -16,6 +16,7 @@ import io
 import os
 import shlex
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -224,14 +225,22 @@ def version() -> str:
 
 
 # --- running -------------------------------------------------------------------------
-def job_env(args: argparse.Namespace, rdir: Path, job: str) -> dict[str, str]:
-    """The environment that puts a job's processes under crossover."""
+def job_env(args: argparse.Namespace, rdir: Path, job: str,
+            starts_every_rank: bool = True) -> dict[str, str]:
+    """The environment that puts a job's processes under crossover.
+
+    `starts_every_rank`: this launcher starts all the job's ranks, so its clock stamps the
+    job's start (with the name, the job's place in the order); a launcher of one node's
+    ranks of many leaves the start to the user (or 0: ordered by name).
+    """
     env = {
         INJECT_ENV: "1", "CROSSOVER_ENABLE": "1", "CROSSOVER_JOB": job,
         "CROSSOVER_RUNTIME_DIR": str(rdir),
         "PYTHONPATH": os.pathsep.join(
             p for p in (inject_dir(), os.environ.get("PYTHONPATH", "")) if p),
     }
+    if starts_every_rank:
+        env[E.JOB_START] = str(time.time_ns())
     if args.crossover_priority is not None:
         env["CROSSOVER_PRIORITY"] = str(args.crossover_priority)
     if args.crossover_trace:

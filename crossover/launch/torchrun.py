@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, PermissionError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
-    os.environ.update(cli.job_env(args, rdir, job))
+    os.environ.update(cli.job_env(args, rdir, job, starts_every_rank=_single_node(parsed)))
     with daemon_watch(args, hosts):
         rc = run_runner_child([*TORCHRUN, *rest])
     if args.crossover_trace:

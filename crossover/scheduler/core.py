@@ -47,6 +47,7 @@ from crossover.scheduler.state import (
     SKIPPED,
     WAITING,
     DeviceEntry,
+    JobOrder,
     RankEntry,
     RankState,
     SchedulerError,
@@ -77,7 +78,7 @@ class SlotScheduler(ModeSwitching, SchedulerViews):
         self.lease_s = lease_s
         self.patience_s = patience_s
         self._where: dict[tuple[str, int], str] = {}  # (job, rank) -> device
-        self._jobs: dict[str, tuple[int, float]] = {}  # job -> (order, weight)
+        self._jobs: dict[str, tuple[JobOrder, float]] = {}  # job -> (order, weight)
         self._devices: dict[str, DeviceEntry] = {}
         # Concurrent serves every request at once, as plain co-location does (see
         # `mode`); an exclusive policy starts in antiphase.
@@ -86,11 +87,13 @@ class SlotScheduler(ModeSwitching, SchedulerViews):
         self._moved: dict[str, int] = {}
 
     # --- membership -------------------------------------------------------------------
-    def register(self, job: str, rank: int, device: str, order: int, weight: float = 1.0):
+    def register(self, job: str, rank: int, device: str, order: JobOrder,
+                 weight: float = 1.0) -> None:
         """Add a rank of `job` that computes on `device`.
 
         Args:
-            order: the job's place in the global order (the same for all its ranks).
+            order: the job's place in the global order (the same for all its ranks, and on
+                every node).
             weight: priority weight, > 0.
 
         Raises:

@@ -14,6 +14,7 @@ A policy also says at which phase changes a holder gives the device up.
 from __future__ import annotations
 
 from crossover.protocol import Phase
+from crossover.scheduler.state import JobOrder
 
 
 class Policy:
@@ -37,7 +38,7 @@ class Policy:
             return not self.yield_on_step
         return False
 
-    def key(self, turn: int, order: int, weight: float) -> tuple[float, int]:
+    def key(self, turn: int, order: JobOrder, weight: float) -> tuple[float, JobOrder]:
         """Sort key of a request: lower goes first.
 
         Args:
@@ -93,7 +94,7 @@ class PriorityPolicy(Policy):
     name = "priority"
     yield_on_step = True  # step boundaries are where a heavier job can go first
 
-    def key(self, turn: int, order: int, weight: float) -> tuple[float, int]:
+    def key(self, turn: int, order: JobOrder, weight: float) -> tuple[float, JobOrder]:
         return (turn / weight, order)
 
 

@@ -31,6 +31,12 @@ BUSY, IDLE, SKIPPED = RankState.BUSY, RankState.IDLE, RankState.SKIPPED
 ACTIVE = (NEW, WAITING, BUSY)
 
 
+#: A job's place in the global order: (its start in ns since the epoch, its name), carried
+#: by every rank of the job, so every node orders any two jobs alike with no agreement
+#: between nodes, and no two jobs share a place (names are unique). Only compared.
+JobOrder = tuple[int, str]
+
+
 class SchedulerError(ValueError):
     """A call that does not fit the scheduler's state (a client bug, reported back)."""
 
@@ -50,7 +56,7 @@ class RankEntry:
 
     job: str
     rank: int
-    order: int
+    order: JobOrder
     weight: float
     turn: int  # the key of this rank's next request: its job's offset + `pos`
     state: RankState = NEW

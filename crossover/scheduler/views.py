@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from crossover.protocol import Mode
 from crossover.scheduler.policies import Policy
-from crossover.scheduler.state import HOLDING, IDLE, WAITING, DeviceEntry, RankEntry
+from crossover.scheduler.state import HOLDING, IDLE, WAITING, DeviceEntry, JobOrder, RankEntry
 
 
 class SchedulerViews:
@@ -30,10 +30,9 @@ class SchedulerViews:
         """The device the rank is registered on, None if it is not."""
         return self._where.get((job, rank))
 
-    def weight_of(self, job: str) -> float | None:
-        """The priority weight of a registered job, None if it has no rank here."""
-        entry = self._jobs.get(job)
-        return entry[1] if entry else None
+    def order_of(self, job: str) -> JobOrder:
+        """The place in the global order of a job with a rank here."""
+        return self._jobs[job][0]
 
     def jobs_on(self, device: str) -> set[str]:
         """The jobs with a rank registered on `device`."""
