@@ -152,6 +152,10 @@ class Membership:
         out = Changes()
         if (epoch, -source) <= (self.epoch, -self.leader) and source != self.leader:
             return out  # an older claim: the answer (`epoch_of`) sets it right
+        return self._follow(source, epoch)
+
+    def _follow(self, source: int, epoch: int) -> Changes:
+        out = Changes()
         out.stepped_down = self.leads and source != self.rank
         self.leader, self.epoch = source, epoch
         self._asking = self._ask_again = self._silent_leader = None
@@ -166,10 +170,11 @@ class Membership:
         is the daemon this one follows and names another at the same epoch (it stepped
         down for a leader this daemon never heard claim). No one else's word at the
         same epoch: a peer may name the successor it awaits, which claimed nothing (two
-        leaders of one epoch settle it by their own `lead`s). Those it names have lower
-        ranks, so following them ends."""
-        same = epoch == self.epoch and source == self.leader != leader and not self.leads
-        if epoch <= self.epoch and not same:
+        leaders of one epoch settle it by their own `lead`s)."""
+        if epoch == self.epoch and source == self.leader != leader != self.rank \
+                and not self.leads:
+            return self._follow(leader, epoch)  # whichever rank it is
+        if epoch <= self.epoch:
             return Changes()
         return self.lead(leader, epoch)
 
