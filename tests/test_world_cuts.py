@@ -16,20 +16,17 @@ from crossover.daemon import member as member_mod
 from crossover.daemon.member import TO_LEADER, Member
 from crossover.daemon.membership import Membership
 from crossover.daemon.world import Leader
+from tests.test_member import Link
 
 STEP_S = 0.25  # the serve loop's tick
-
-
 FORM_S = 3.0  # how long a generation takes to form
 
 
-class NetLink:
-    """One node's side of the network (`Uplink`'s interface), in its generation."""
-
-    relayed, attached, relay_pid = True, True, None
-    refused = stale = 0
+class NetLink(Link):
+    """One node's side of the network, in its generation: sends go on the network."""
 
     def __init__(self, net: Net, node: int, names: list[str]) -> None:
+        super().__init__()
         self.net, self.node = net, node
         self.join(1, names, 0)
 
@@ -40,14 +37,6 @@ class NetLink:
 
     def send(self, dest: int, obj: tuple) -> None:
         self.net.post(self, int(self.names[dest][1:]), obj)
-
-    def send_leader(self, obj: tuple) -> None:
-        self.send(self.leader, obj)
-
-    def broadcast(self, obj: tuple, lost_too: bool = False) -> None:
-        for dest in range(self.size):
-            if lost_too or dest not in self.lost:
-                self.send(dest, obj)
 
 
 class SimGeneration:

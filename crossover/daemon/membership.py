@@ -18,9 +18,11 @@ the leader to every member, every `beat_s`; any message counts as a beat. The ru
   `lead` to every live member, and each answers with the jobs it holds. After an
   objection it asks again `ask_s` later, while the leader stays silent. If the
   successor is silent too, the next in line follows after another `dead_after_s`.
-- **Epochs settle disputes.** A leader's messages carry no epoch, but only the leader a
-  member follows is obeyed; a leader that hears of a higher epoch (a stopped leader
-  resumed after its succession) steps down and follows the newer one.
+- **Epochs settle disputes.** Only the leader a member follows is obeyed; a leader that
+  hears of a higher epoch (a stopped leader resumed after its succession) steps down and
+  follows the newer one. Beats carry the sender's epoch and leader: a leader's beat of a
+  newer epoch is its `lead` (one lost on the way is made good), and two leaders that
+  hear each other's beats settle it by their `lead`s.
 - **A lost member that speaks again** (stopped, then resumed) is taken back: the leader
   says `lead` to it alone, and its holdings are merged like a successor's. So that a
   healed link is found from both ends, a leader beats to its lost members, and a
@@ -149,12 +151,12 @@ class Membership:
 
     def lead(self, source: int, epoch: int) -> Changes:
         """`source` says it leads from `epoch` on."""
-        out = Changes()
         if (epoch, -source) <= (self.epoch, -self.leader) and source != self.leader:
-            return out  # an older claim: the answer (`epoch_of`) sets it right
+            return Changes()  # an older claim: the answer (`epoch`) sets it right
         return self._follow(source, epoch)
 
     def _follow(self, source: int, epoch: int) -> Changes:
+        """Follow `source` at `epoch` (stepping down if this daemon led)."""
         out = Changes()
         out.stepped_down = self.leads and source != self.rank
         self.leader, self.epoch = source, epoch
