@@ -189,7 +189,9 @@ def _stop(args: argparse.Namespace) -> int:
 
 def _daemon(args: argparse.Namespace) -> int:
     from crossover.daemon import Daemon
+    from crossover.daemon.logfile import LOG_FILE, adopt
     from crossover.daemon.sockets import RUNNING_EXIT, DaemonRunning
+    from crossover.transport import runtime_dir
 
     if args.node is not None:
         os.environ[E.NODE] = args.node  # read as CROSSOVER_NODE is, by node_identity
@@ -200,8 +202,14 @@ def _daemon(args: argparse.Namespace) -> int:
         return run_relay(args.generation, args.leader,
                          args.nodes.split(",") if args.nodes else None, sys.argv[1:],
                          args.runtime_dir)
-    logging.basicConfig(level=logging.INFO, format="crossover-daemon %(asctime)s %(message)s",
-                        stream=sys.stderr)
+    try:
+        adopted = adopt(runtime_dir(args.runtime_dir, create=False) / LOG_FILE,
+                        E.log_bytes(), "crossover-daemon")
+    except PermissionError:  # the daemon names what is wrong with the directory
+        adopted = False
+    if not adopted:
+        logging.basicConfig(level=logging.INFO,
+                            format="crossover-daemon %(asctime)s %(message)s", stream=sys.stderr)
     try:
         daemon = Daemon(policy=args.policy, lease_s=args.lease, patience_s=args.patience,
                         idle_shutdown_s=args.idle_shutdown, runtime_dir=args.runtime_dir,

@@ -42,6 +42,8 @@ NATIVE = "CROSSOVER_NATIVE"
 NODE = "CROSSOVER_NODE"
 FAKE_NODES = "CROSSOVER_FAKE_NODES"
 WORLD_KEY = "CROSSOVER_WORLD_KEY"
+LOG_BYTES = "CROSSOVER_LOG_BYTES"
+RELAY_NETWORK = "CROSSOVER_RELAY_NETWORK"
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -98,6 +100,20 @@ def _job(value: str) -> str:
 
 
 def _path(value: str) -> str:
+    return value
+
+
+def _log_bytes(value: str) -> int:
+    size = _count(value)
+    if size < 4096:  # fewer would rotate at every few lines
+        raise ValueError(value)
+    return size
+
+
+def _network(value: str) -> str:
+    # an interface name, an IPv4 network in CIDR form, or "any" (Open MPI's own choice)
+    if not re.fullmatch(r"[A-Za-z0-9_.:@-]{1,15}|\d{1,3}(\.\d{1,3}){3}/\d{1,2}", value):
+        raise ValueError(value)
     return value
 
 
@@ -197,6 +213,17 @@ VARS: dict[str, Var] = {v.name: v for v in [
          about="the key that signs the messages between the nodes' daemons; crossoverrun "
                "and the leader hand it to the daemons they start on other hosts (never "
                "give it on a command line)", secret=True),
+    _var(LOG_BYTES, _log_bytes, 16 << 20, str(16 << 20),
+         "give a size in bytes, a whole number >= 4096", sides=("daemon",),
+         about="the size past which the runtime directory's daemon.log is renamed "
+               "daemon.log.1 (the older one goes): the daemons' log stays within about "
+               "twice this"),
+    _var(RELAY_NETWORK, _network, None, "the network of the node name's address",
+         "give an interface name (eth0), an IPv4 network (10.1.0.0/16) or any",
+         sides=("daemon",),
+         about="the interface or network the relays' MPI traffic between nodes takes "
+               "(Open MPI's btl_tcp_if_include and oob_tcp_if_include); any: Open MPI's "
+               "own choice. A node name that resolves to a loopback address means any"),
 ]}
 
 _reported: set[str] = set()  # variables whose bad value this process has reported
@@ -324,6 +351,16 @@ def world_key() -> bytes | None:
     """CROSSOVER_WORLD_KEY: the world's key handed over, or None (the runtime
     directory's; `crossover.daemon.wire.world_key`). ValueError if it is not a key."""
     return get(WORLD_KEY)
+
+
+def log_bytes() -> int:
+    """CROSSOVER_LOG_BYTES: the daemons' log's rotation size."""
+    return int(get(LOG_BYTES))
+
+
+def relay_network() -> str | None:
+    """CROSSOVER_RELAY_NETWORK, or None (unset: the node name's network)."""
+    return get(RELAY_NETWORK)
 
 
 def fake_nodes() -> int:

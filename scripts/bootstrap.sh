@@ -25,6 +25,8 @@ command -v mpirun >/dev/null 2>&1 || need+=(openmpi-bin)
 command -v cmake >/dev/null 2>&1 || need+=(cmake)
 command -v g++ >/dev/null 2>&1 || need+=(g++)
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
+# the emulated cluster's network faults (root only; bench/harness/cluster.py)
+if [ "$(id -u)" = 0 ]; then command -v iptables >/dev/null 2>&1 || need+=(iptables); fi
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ]; then
     log "missing system packages: ${need[*]}; run as root or install them: apt-get install -y ${need[*]}"

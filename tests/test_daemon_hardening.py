@@ -404,8 +404,9 @@ def test_a_rank_that_leaves_before_its_job_has_an_order_is_forgotten(cluster: Cl
         if daemons.poll() is None:
             daemons.kill()
     # the leader's stop reached the other node: both relays of the world ended on it
-    # (a node never told takes the leader for lost and forms a world of its own)
-    relays = log.read_text()
+    # (a node never told takes the leader for lost and forms a world of its own); the
+    # relays log to the runtime directory, beside their services
+    relays = services.read_text()
     assert relays.count("(generation 0) ends: stop") == 2, logs()
     assert "did not return" not in relays, logs()
 

@@ -105,6 +105,18 @@ TABLE = [
     (E.WORLD_KEY, "0x" + "ab" * 16, Bad("CROSSOVER_WORLD_KEY=<34 characters, not shown>: "
                                         "give the world's key in hex, at least 32 digits "
                                         "(default the runtime directory's world.key)")),
+    (E.LOG_BYTES, "", 16 << 20),
+    (E.LOG_BYTES, "65536", 65536),
+    (E.LOG_BYTES, "100", Bad("CROSSOVER_LOG_BYTES='100': give a size in bytes, a whole "
+                             f"number >= 4096 (default {16 << 20})")),
+    (E.RELAY_NETWORK, "", None),
+    (E.RELAY_NETWORK, "eth0", "eth0"),
+    (E.RELAY_NETWORK, "10.1.0.0/16", "10.1.0.0/16"),
+    (E.RELAY_NETWORK, "any", "any"),
+    (E.RELAY_NETWORK, "eth0 eth1", Bad("CROSSOVER_RELAY_NETWORK='eth0 eth1': give an "
+                                       "interface name (eth0), an IPv4 network (10.1.0.0/16) "
+                                       "or any (default the network of the node name's "
+                                       "address)")),
 ]
 
 

@@ -3,16 +3,19 @@ sockets: which relay it takes, and what it forwards."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import queue
 import socket
 import threading
 import time
 
+import psutil
 import pytest
 
 from crossover.daemon.frames import hello, read_frame, write_frame
 from crossover.daemon.generation import generation_command
+from crossover.daemon.network import network_mca_flags, own_network, relay_network
 from crossover.daemon.relay import (
     daemon_flags,
     missing_relay_mca,
@@ -72,6 +75,26 @@ def test_a_relay_names_the_open_mpi_settings_its_world_was_started_without():
     assert missing_relay_mca({"OMPI_MCA_orte_enable_recovery": "true",
                               "OMPI_MCA_orte_allowed_exit_without_sync": "0"}) == [
         "orte_allowed_exit_without_sync"]
+
+
+def test_relays_keep_to_the_network_of_the_node_names_address(monkeypatch):
+    addrs = [(a.address, a.netmask) for v in psutil.net_if_addrs().values() for a in v
+             if a.family == socket.AF_INET and not a.address.startswith("127.")]
+    for addr, mask in addrs:  # a name that resolves to one of this machine's addresses
+        assert own_network(addr) == str(ipaddress.ip_network(f"{addr}/{mask}",
+                                                             strict=False))
+    assert own_network("127.0.0.1") is None  # one machine: Open MPI's own choice
+    assert own_network("192.0.2.254" if ("192.0.2.254", "255.255.255.0") not in addrs
+                       else "198.51.100.7") is None  # not an address of this machine
+    monkeypatch.setenv("CROSSOVER_RELAY_NETWORK", "10.9.0.0/16")
+    assert network_mca_flags() == ["--mca", "btl_tcp_if_include", "10.9.0.0/16",
+                                   "--mca", "oob_tcp_if_include", "10.9.0.0/16"]
+    assert relay_mca_flags()[-6:] == network_mca_flags()
+    monkeypatch.setenv("CROSSOVER_RELAY_NETWORK", "ANY")
+    assert network_mca_flags() == []
+    monkeypatch.delenv("CROSSOVER_RELAY_NETWORK")
+    monkeypatch.setenv("CROSSOVER_FAKE_NODES", "3")  # no addresses to look up
+    assert relay_network() is None
 
 
 class Node:

@@ -48,7 +48,6 @@ def test_each_death_of_a_service_costs_one_restart_and_no_new_generation(cluster
         assert now["world"]["relay_pid"] == first["world"]["relay_pid"]
 
         def restarts() -> list[tuple[str, str]]:
-            # the relay logs through mpirun, a moment behind the services' own lines
             return re.findall(r"relay of node fake1: its service \(process (\d+)\) died; "
                               r"starting another \((\d+) of",
                               (cluster.tmp / "daemon.log").read_text())

@@ -1,15 +1,23 @@
-"""An emulated two-host cluster on one machine: network namespaces, a shaped veth link.
+"""An emulated cluster on one machine: network namespaces on a bridge, shaped links.
 
-    with EmulatedCluster(mbit=1000) as c:      # as root
+    with EmulatedCluster(mbit=1000) as c:      # as root; hosts=3 for three
         c.shape(500, delay_ms=0.5)               # re-shape without rebuilding
         subprocess.run(c.mpirun(["python", "job.py"]), env=..., timeout=300)
+        c.cut(0, 1)                              # the faults networks make: a pair cut,
+        c.cut(0, 2, both=False)                  # a cut one way, loss on a host's link
+        c.lose(2, 0.2)
+        c.heal()
 
 Each emulated host is a network namespace pinned to one CPU core (one core plays one
-accelerator). Open MPI reaches the hosts through a tiny remote-shell agent that runs the
-command inside the host's namespace, pinned to its core, with CROSSOVER_NODE set to the
-host's name (namespaces share one hostname, so the crossover daemons and clients need it).
+accelerator), its link a veth pair to a bridge in a switch namespace of its own. Open MPI
+reaches the hosts through a tiny remote-shell agent that runs the command inside the
+host's namespace, pinned to its core, with CROSSOVER_NODE set to the host's name
+(namespaces share one hostname, so the crossover daemons and clients need it). Cuts and
+loss are iptables rules inside a host's namespace (this kernel has no netem or tc
+classifiers): a cut drops what one host sends to another, silently, as a failed switch
+port or route does; loss drops that fraction of the packets a host sends and receives.
 
-Everything made here (namespaces, the veth pair, /etc/hosts lines, the agent, and the
+Everything made here (namespaces, links, /etc/hosts lines, the agent, and the
 Open MPI session directories a rank killed on a host leaves under the host's name) is
 removed on every exit path: the context's end, an exception, Ctrl-C, SIGTERM,
 interpreter exit. A run killed with SIGKILL leaves them behind; `cleanup_stale()`
@@ -37,6 +45,8 @@ MARKER = "# crossover-bench"
 #: The script that launches a job's ranks on the hosts (`rank_launch`).
 RANK_LAUNCH = str(Path(__file__).resolve().parent / "rank_launch.py")
 PREFIX = "xob"
+#: the bridge in the switch namespace
+BRIDGE = "xobridge"
 
 AGENT = """#!/bin/sh
 # Open MPI remote-shell agent for emulated hosts: [options] HOST command...
@@ -71,10 +81,16 @@ def cleanup_stale(hosts_file: Path = HOSTS_FILE) -> list[str]:
             and not _owner_alive(ln)]
     for ln in dead:
         _ip("netns", "del", ln.split()[1], check=False)
+        _ip("netns", "del", _switch_of(ln.split()[1]), check=False)
         _remove_session_dirs([ln.split()[1]])
     if dead:
         hosts_file.write_text("".join(ln for ln in lines if ln not in dead))
     return [ln.split()[1] for ln in dead]
+
+
+def _switch_of(host: str) -> str:
+    # the switch namespace of the cluster that host `host` (PREFIX + tag + "h" + i) is of
+    return host.rsplit("h", 1)[0] + "sw"
 
 
 def _session_dirs(hosts: list[str]) -> list[Path]:
@@ -106,33 +122,40 @@ def _owner_alive(hosts_line: str) -> bool:
 
 
 class EmulatedCluster:
-    """Two emulated hosts joined by a shaped veth link.
+    """Emulated hosts joined by shaped links to one bridge.
 
     Args:
-        mbit: link rate in Mbit/s, each direction (token bucket on both ends).
-        delay_ms: one-way delay added on each end (netem), 0 for none.
-        cores: the CPU core of each host (default: 0 and 1, or 0 and 0 on one core).
+        mbit: each host's link rate in Mbit/s, each direction (token bucket on its end).
+        delay_ms: one-way delay added on each host's end (netem), 0 for none.
+        cores: the CPU core of each host (default: the available cores in turn).
         subnet_octet: the third octet of the private 10.231.X.0/24 used (default: chosen
             from the pid, so concurrent runs do not collide).
+        hosts: how many hosts (2 to 16).
 
     Raises:
         PermissionError: not root (namespaces need CAP_NET_ADMIN).
+        ValueError: a number of hosts outside 2-16.
     """
 
     def __init__(self, mbit: float = 1000.0, delay_ms: float = 0.0,
-                 cores: tuple[int, int] | None = None, subnet_octet: int | None = None) -> None:
+                 cores: tuple[int, ...] | None = None, subnet_octet: int | None = None,
+                 hosts: int = 2) -> None:
         if os.geteuid() != 0:
             raise PermissionError("the emulated cluster needs root (ip netns); run as root")
+        if not 2 <= hosts <= 16:
+            raise ValueError(f"an emulated cluster has 2 to 16 hosts, not {hosts}")
         # the whole pid (up to 7 digits): a cut one could name a live cluster's twin, and
-        # "xob" + 7 digits + "v0" still fits an interface name's 15 characters
-        tag = f"{os.getpid()}"
-        self.hosts = [f"{PREFIX}{tag}h0", f"{PREFIX}{tag}h1"]
-        self.ifaces = [f"{PREFIX}{tag}v0", f"{PREFIX}{tag}v1"]
+        # "xob" + 7 digits + "v15" still fits an interface name's 15 characters
+        tag = f"{PREFIX}{os.getpid()}"
+        self.hosts = [f"{tag}h{i}" for i in range(hosts)]
+        self.switch = _switch_of(self.hosts[0])
+        self.ifaces = [f"{tag}v{i}" for i in range(hosts)]  # each host's end, before its move
+        self.ports = [f"{tag}p{i}" for i in range(hosts)]  # the bridge's ends
         octet = subnet_octet if subnet_octet is not None else 16 + os.getpid() % 200
         self.subnet = f"10.231.{octet}.0/24"
-        self.addrs = [f"10.231.{octet}.1", f"10.231.{octet}.2"]
+        self.addrs = [f"10.231.{octet}.{i + 1}" for i in range(hosts)]
         avail = sorted(os.sched_getaffinity(0))
-        self.cores = cores or ((avail[0], avail[1]) if len(avail) > 1 else (avail[0],) * 2)
+        self.cores = tuple(cores or (avail[i % len(avail)] for i in range(hosts)))
         self.mbit, self.delay_ms = mbit, delay_ms
         self._tmp: Path | None = None
         self._up = False
@@ -154,17 +177,24 @@ class EmulatedCluster:
         self.down()
 
     def up(self) -> None:
-        """Create the namespaces, the link, the addresses, the hosts lines and the agent."""
+        """Create the namespaces, the bridge, the links, the addresses, the hosts lines and
+        the agent."""
         cleanup_stale()
         self._up = True  # from here on, down() has something to undo
         self._tmp = Path(tempfile.mkdtemp(prefix="crossover-cluster-"))
         with HOSTS_FILE.open("a") as f:
             for host, addr in zip(self.hosts, self.addrs, strict=True):
                 f.write(f"{addr} {host} {MARKER} pid={os.getpid()}\n")
-        for host in self.hosts:
+        _ip("netns", "add", self.switch)
+        _ip("-n", self.switch, "link", "add", "name", BRIDGE, "type", "bridge")
+        _ip("-n", self.switch, "link", "set", BRIDGE, "up")
+        for host, iface, port, addr in zip(self.hosts, self.ifaces, self.ports, self.addrs,
+                                           strict=True):
             _ip("netns", "add", host)
-        _ip("link", "add", self.ifaces[0], "type", "veth", "peer", "name", self.ifaces[1])
-        for host, iface, addr in zip(self.hosts, self.ifaces, self.addrs, strict=True):
+            _ip("link", "add", iface, "type", "veth", "peer", "name", port)
+            _ip("link", "set", port, "netns", self.switch)
+            _ip("-n", self.switch, "link", "set", port, "master", BRIDGE)
+            _ip("-n", self.switch, "link", "set", port, "up")
             _ip("link", "set", iface, "netns", host)
             # One name on every host, so per-host settings such as HOROVOD_GLOO_IFACE
             # can be passed once for the whole job.
@@ -184,9 +214,10 @@ class EmulatedCluster:
         """Remove everything `up` made; safe to call twice and after a partial `up`."""
         if self._up:
             self._up = False
-            for host in self.hosts:
-                _ip("netns", "del", host, check=False)  # takes its veth end with it
-            _ip("link", "del", self.ifaces[0], check=False)  # if the move never happened
+            for ns in (*self.hosts, self.switch):
+                _ip("netns", "del", ns, check=False)  # takes its veth ends with it
+            for iface in self.ifaces:  # a pair whose move never happened
+                _ip("link", "del", iface, check=False)
             lines = HOSTS_FILE.read_text().splitlines(keepends=True)
             HOSTS_FILE.write_text("".join(ln for ln in lines
                                           if not any(f" {h} {MARKER}" in ln for h in self.hosts)))
@@ -203,13 +234,38 @@ class EmulatedCluster:
         session directories): [] when clean."""
         left = []
         names = _ip("netns", "list").stdout
-        left += [h for h in self.hosts if re.search(rf"^{h}\b", names, re.M)]
+        left += [h for h in (*self.hosts, self.switch) if re.search(rf"^{h}\b", names, re.M)]
         links = _ip("link", "show").stdout
-        left += [i for i in self.ifaces if i in links]
+        left += [i for i in (*self.ifaces, *self.ports) if re.search(rf"\b{i}\b", links)]
         hosts = HOSTS_FILE.read_text()
         left += [f"/etc/hosts:{h}" for h in self.hosts if h in hosts]
         left += [str(d) for d in _session_dirs(self.hosts)]
         return left
+
+    # --- faults -------------------------------------------------------------------------
+    def cut(self, a: int, b: int, both: bool = True) -> None:
+        """Drop everything host `a` sends to host `b` (and `b` to `a` if `both`)."""
+        for src, dst in ((a, b), (b, a)) if both else ((a, b),):
+            self._iptables(src, "-A", "OUTPUT", "-d", self.addrs[dst], "-j", "DROP")
+
+    def lose(self, host: int, fraction: float) -> None:
+        """Drop `fraction` (0-1) of the packets host `host` sends and receives, at random."""
+        rule = ["-m", "statistic", "--mode", "random", "--probability", f"{fraction:g}",
+                "-j", "DROP"]
+        self._iptables(host, "-A", "OUTPUT", "-o", LINK, *rule)
+        self._iptables(host, "-A", "INPUT", "-i", LINK, *rule)
+
+    def heal(self, host: int | None = None) -> None:
+        """Undo the cuts and loss made on host `host` (default: on every host)."""
+        for h in range(len(self.hosts)) if host is None else (host,):
+            self._iptables(h, "-F", "OUTPUT")
+            self._iptables(h, "-F", "INPUT")
+
+    def _iptables(self, host: int, *rule: str) -> None:
+        res = _ip("netns", "exec", self.hosts[host], "iptables", "-w", *rule, check=False)
+        if res.returncode != 0:
+            raise RuntimeError(f"iptables {' '.join(rule)} on {self.hosts[host]} failed: "
+                               f"{res.stderr.strip()} (Debian: apt-get install iptables)")
 
     # --- the link -----------------------------------------------------------------------
     def shape(self, mbit: float, delay_ms: float = 0.0) -> None:

@@ -22,12 +22,19 @@ few seconds (exponentially distributed, mean --fault-every) one fault strikes:
                   (the node is lost; a new generation starts a service there)
     rank_stop     SIGSTOP one rank for up to lease + 1 s, then SIGCONT
     link_cut      (--emulated) one host's link down for 2-12 s, then up: each side
-                  serves on alone, and the world is one again after (no job starts
-                  while it is down, and none is cut in its first RENDEZVOUS_S: a launch
-                  over a down link fails with or without crossover)
+                  serves on alone, and the world is one again after
+    pair_cut      (--emulated, 3+ hosts) two hosts cannot reach each other, both ways,
+                  for 2-12 s, while both reach the rest
+    oneway_cut    (--emulated, 3+ hosts) what one host sends another is dropped for
+                  2-12 s (TCP cannot connect or deliver either way then)
+    loss          (--emulated) 10-50 % of one host's packets dropped for 2-12 s
 
---emulated: the two emulated hosts of bench/harness/cluster.py (network namespaces joined by a
-1000 Mbit/s link, root only) instead of fake nodes; every job has a rank on each.
+Network faults come one at a time, and no job starts while one lasts and none is cut in
+its first RENDEZVOUS_S: a launch over a cut link fails with or without crossover.
+
+--emulated: emulated hosts of bench/harness/cluster.py (--hosts of them, network
+namespaces on a bridge, 1000 Mbit/s links, root only) instead of fake nodes; every job
+has a rank on each.
 
 A daemon already down or stopped gets no second fault, and the last node that answers
 is never killed whole: with no service and no relay left anywhere nothing can bring the
@@ -41,6 +48,10 @@ bench/results/robustness/chaos_world.json (the keys of chaos.json, plus `nodes`)
                     (from the fault to 15 s after its end) nor a stop of its own
     nodes_answering the fewest and the last count of nodes whose daemon answered
     world_whole_at_end  every node in the world, none lost, once the faults stopped
+    order_checks    how often every node's jobs were compared (at each fault and each
+                    heal): a job has one place, (start, name), on every node that has it
+    order_disagreements  the jobs seen with different places on two nodes, or two jobs
+                    with one place: must be 0
     generations     how many generations of the world formed
 """
 
@@ -52,11 +63,13 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -81,7 +94,9 @@ RESULTS = area_results("robustness")
 
 FAULTS = {"member_kill": 0.15, "leader_kill": 0.1, "member_stop": 0.15,
           "leader_stop": 0.1, "relay_kill": 0.15, "node_kill": 0.15, "rank_stop": 0.2,
-          "link_cut": 0.1}
+          "link_cut": 0.1, "pair_cut": 0.1, "oneway_cut": 0.05, "loss": 0.1}
+#: the faults of the network, one at a time (emulated hosts only); pair cuts need 3 hosts
+NETWORK = {"link_cut": 2, "pair_cut": 3, "oneway_cut": 3, "loss": 2}
 #: a job's launch and rendezvous are over this long after its start (no link cut before)
 RENDEZVOUS_S = 8.0
 #: a daemon fault disturbs slot waits from its start to this long after its end
@@ -112,6 +127,9 @@ class World:
         self.busy: set[str] = set()  # nodes whose daemon is down or stopped by a fault
         self.cut = False  # a host's link is down
         self.cut_due = False  # a cut waits for the running jobs' rendezvous to end
+        self.order_checks, self.disagreements = 0, []
+        #: (monotonic time, node, pid, RSS bytes, open fds) of services and relays
+        self.resources: list[tuple[float, str, int, int, int]] = []
         deadline = time.monotonic() + 60
         while len(self.status()) < nodes:
             if time.monotonic() > deadline or self.proc.poll() is not None:
@@ -147,6 +165,44 @@ class World:
                 with contextlib.suppress(psutil.Error):
                     p.send_signal(sig)
             psutil.wait_procs(procs, timeout=5)
+
+    def check_orders(self) -> None:
+        """Ask every node that answers for its jobs' places and count the disagreements:
+        a job with two places on two nodes, or two jobs with one place on a node. Also
+        samples the services' and relays' memory and open files."""
+        with ThreadPoolExecutor(len(self.names)) as pool:
+            own = dict(zip(self.names, pool.map(self._own, self.names), strict=True))
+        places: dict[str, tuple[str, list]] = {}
+        now = time.monotonic()
+        for name, snap in own.items():
+            if snap is None:
+                continue
+            for pid in (snap["daemon"]["pid"], snap["world"].get("relay_pid")):
+                with contextlib.suppress(psutil.Error, TypeError):
+                    p = psutil.Process(pid)
+                    self.resources.append((now, name, pid, p.memory_info().rss,
+                                           p.num_fds()))
+            jobs = snap["jobs"]
+            seen: dict[tuple, str] = {}
+            for job, entry in jobs.items():
+                place = tuple(entry["order"])
+                if seen.setdefault(place, job) != job:
+                    self.disagreements.append(f"{job} and {seen[place]} share {place} "
+                                              f"on {name}")
+                first = places.setdefault(job, (name, list(place)))
+                if first[1] != list(place):
+                    self.disagreements.append(f"{job}: {first[1]} on {first[0]}, "
+                                              f"{list(place)} on {name}")
+        self.order_checks += 1
+
+    def _own(self, name: str) -> dict | None:
+        """Node `name`'s snapshot as it says it (None: busy, or it does not answer)."""
+        if name in self.busy:
+            return None
+        try:
+            return daemon_status(self.runtime, name, timeout_s=3.0)[name]
+        except (ConnectionError, KeyError):
+            return None
 
     def whole(self) -> bool:
         """Every node in the world under one leader, none lost."""
@@ -198,28 +254,48 @@ def inject(kind: str, world: World, jobs: list[RunningJob], rng: random.Random,
             stops.append((job.name, at, time.time()))
         later.append((time.monotonic() + pause, cont))
         return f"SIGSTOP {pause:.1f} s a rank of {job.name}"
-    if kind == "link_cut":
-        # one cut at a time, and only past the jobs' rendezvous: a job that cannot
-        # reach its peers while it starts fails without crossover too (Gloo's store).
-        # Until the running jobs are past theirs, the cut is due and no job starts.
+    if kind in NETWORK:
+        # one network fault at a time, and only past the jobs' rendezvous: a job that
+        # cannot reach its peers while it starts fails without crossover too (Gloo's
+        # store). Until the running jobs are past theirs, the fault is due and no job
+        # starts.
         if world.cut:
             return None
         world.cut_due = any(time.monotonic() - j.started < RENDEZVOUS_S
                             for j in jobs if j.proc.poll() is None)
         if world.cut_due:
             return None
-        host = rng.choice(world.names)
-        pause, at = rng.uniform(2.0, 12.0), time.time()
-        link = ["ip", "-n", host, "link", "set", LINK]
-        subprocess.run([*link, "down"], check=True, timeout=30)
+        cluster, pause, at = world.cluster, rng.uniform(2.0, 12.0), time.time()
+        host = rng.randrange(len(world.names))
+        other = rng.choice([i for i in range(len(world.names)) if i != host])
+        if kind == "link_cut":
+            link = ["ip", "-n", world.names[host], "link", "set", LINK]
+            subprocess.run([*link, "down"], check=True, timeout=30)
+            what = f"link of {world.names[host]} down"
+
+            def undo() -> None:
+                subprocess.run([*link, "up"], check=True, timeout=30)
+        else:
+            if kind == "loss":
+                fraction = rng.uniform(0.1, 0.5)
+                cluster.lose(host, fraction)
+                what = f"{fraction:.0%} of {world.names[host]}'s packets lost"
+            else:
+                cluster.cut(host, other, both=kind == "pair_cut")
+                what = f"{world.names[host]} {'<' if kind == 'pair_cut' else ''}-/-> " \
+                       f"{world.names[other]}"
+
+            def undo() -> None:
+                cluster.heal()
         world.cut = True
 
-        def reconnect() -> None:
-            subprocess.run([*link, "up"], check=True, timeout=30)
+        def heal() -> None:
+            undo()
             world.cut = False
             windows.append((at, time.time() + SETTLE_S))
-        later.append((time.monotonic() + pause, reconnect))
-        return f"link of {host} down for {pause:.1f} s"
+            world.check_orders()
+        later.append((time.monotonic() + pause, heal))
+        return f"{what} for {pause:.1f} s"
     nodes = world.status()
     leader = next((s["world"]["leader_node"] for s in nodes.values()), None)
     targets = [n for n in nodes if n not in world.busy
@@ -272,9 +348,11 @@ def main() -> int:
     ap.add_argument("--job-timeout", type=float, default=240.0)
     ap.add_argument("--out", default="chaos_world")
     ap.add_argument("--emulated", action="store_true",
-                    help="the two emulated hosts (root), with link cuts, not fake nodes")
+                    help="emulated hosts (root), with network faults, not fake nodes")
+    ap.add_argument("--hosts", type=int, default=3, help="emulated hosts (default 3)")
     args = ap.parse_args()
-    with EmulatedCluster(mbit=1000) if args.emulated else contextlib.nullcontext() as c:
+    with EmulatedCluster(mbit=1000, hosts=args.hosts) if args.emulated else \
+            contextlib.nullcontext() as c:
         return run(args, c)
 
 
@@ -286,14 +364,16 @@ def run(args: argparse.Namespace, cluster: EmulatedCluster | None) -> int:
            "CROSSOVER_TRACE": str(traces), "OMPI_MCA_mpi_yield_when_idle": "1"}
     env.pop("CROSSOVER_FAKE_NODES", None)
     world = World(args.nodes, runtime, env, tmp / "daemon.log", cluster)
-    faults_here = {k: w for k, w in FAULTS.items() if cluster or k != "link_cut"}
+    hosts = len(cluster.hosts) if cluster else 0
+    faults_here = {k: w for k, w in FAULTS.items() if hosts >= NETWORK.get(k, 0)}
     jobs: list[RunningJob] = []
     faults: Counter = Counter()
     later: list = []
     windows: list[tuple[float, float]] = []  # daemon faults: (from, settled)
     stops: list[tuple[str, float, float]] = []  # rank stops: (job, from, to)
     hangs, n, answering = [], 0, []
-    end = time.monotonic() + args.minutes * 60
+    began = time.monotonic()
+    end = began + args.minutes * 60
     next_fault = time.monotonic() + rng.expovariate(1 / args.fault_every)
     print(f"chaos_world: {len(world.names)} nodes, {args.minutes:g} min, a fault every "
           f"~{args.fault_every:g} s, work in {tmp}", flush=True)
@@ -309,10 +389,12 @@ def run(args: argparse.Namespace, cluster: EmulatedCluster | None) -> int:
                 n += 1
                 jobs.append(start_job(n, rng, world, env, tmp))
             if time.monotonic() >= next_fault or world.cut_due:
-                kind = "link_cut" if world.cut_due else rng.choices(
+                kind = rng.choice([k for k in faults_here if k in NETWORK]) \
+                    if world.cut_due else rng.choices(
                     list(faults_here), weights=list(faults_here.values()))[0]
                 what = inject(kind, world, jobs, rng, later, windows, stops)
                 if what is not None:
+                    world.check_orders()
                     faults[kind] += 1
                     answering.append(len(world.status()))
                     print(f"chaos_world: fault {sum(faults.values())}: {what} "
@@ -333,6 +415,7 @@ def run(args: argparse.Namespace, cluster: EmulatedCluster | None) -> int:
         while not world.whole() and time.monotonic() < deadline:
             time.sleep(1.0)
         whole = world.whole()
+        world.check_orders()
         answering.append(len(world.status()))
         generations = daemon_log(tmp).count("forming generation")
     finally:
@@ -365,6 +448,10 @@ def run(args: argparse.Namespace, cluster: EmulatedCluster | None) -> int:
         "nodes_answering": {"fewest": min(answering, default=0),
                             "at_end": answering[-1] if answering else 0},
         "world_whole_at_end": whole, "generations": generations,
+        "order_checks": world.order_checks,
+        "order_disagreements": len(world.disagreements),
+        "order_disagreement_examples": world.disagreements[:10],
+        "resources": resource_drift(world.resources, began, began + args.minutes * 60),
         "reconnects": sum(j.log.read_text().count("is coordinated again") for j in jobs),
     }
     out = write_result(RESULTS, args.out, result)
@@ -372,7 +459,36 @@ def run(args: argparse.Namespace, cluster: EmulatedCluster | None) -> int:
                                               "hangs", "longest_stall_s",
                                               "nodes_answering", "world_whole_at_end")}))
     print(f"chaos_world: wrote {out}")
-    return 0 if not (mismatches or hangs or failed) and whole else 1
+    return 0 if not (mismatches or hangs or failed or world.disagreements) and whole else 1
+
+
+def resource_drift(samples: list[tuple[float, str, int, int, int]], start: float,
+                   end: float) -> dict | None:
+    """The services' and relays' RSS and open fds from minute 10 to the end: the
+    medians of the samples in minutes 10-12 and in the last two minutes, and the change
+    (None for a storm shorter than 14 minutes). Kills replace processes, so these are
+    the figures of whichever processes serve then; those that lived through both
+    windows are also compared one by one."""
+    if end - start < 14 * 60:
+        return None
+    first = [x for x in samples if start + 600 <= x[0] < start + 720]
+    last = [x for x in samples if x[0] >= end - 120]
+    if not first or not last:
+        return None
+
+    def change(a: float, b: float) -> float:
+        return round(b / a - 1, 3) if a else 0.0
+    out = {}
+    for key, i in (("rss_bytes", 3), ("fds", 4)):
+        a, b = statistics.median(x[i] for x in first), statistics.median(x[i] for x in last)
+        out[key] = {"minute_10_12": a, "last_2_min": b, "change": change(a, b)}
+    both = {x[2] for x in first} & {x[2] for x in last}
+    out["survivors"] = {
+        str(pid): {key: change(statistics.median(x[i] for x in first if x[2] == pid),
+                               statistics.median(x[i] for x in last if x[2] == pid))
+                   for key, i in (("rss_bytes", 3), ("fds", 4))}
+        for pid in sorted(both)}
+    return out
 
 
 def daemon_log(tmp: Path) -> str:

@@ -43,7 +43,9 @@ from crossover import environment as E
 from crossover.backoff import Backoff, wait_until
 from crossover.daemon.conns import peer_credentials
 from crossover.daemon.frames import FrameError, hello, read_frame, write_frame
+from crossover.daemon.logfile import LOG_FILE, log_to
 from crossover.daemon.mpichannel import MpiChannel, allgather_json
+from crossover.daemon.network import network_mca_flags
 from crossover.daemon.sockets import RUNNING_EXIT
 from crossover.daemon.wire import KEY_ENV, fingerprint, world_key
 from crossover.procstats import process_state
@@ -88,8 +90,10 @@ def relay_path(node: str, directory: str | os.PathLike | None = None) -> Path:
 
 
 def relay_mca_flags() -> list[str]:
-    """`RELAY_MCA` as mpirun's command-line flags."""
-    return [arg for name, value in RELAY_MCA.items() for arg in ("--mca", name, value)]
+    """`RELAY_MCA` as mpirun's command-line flags, with the network the relays keep to
+    (`crossover.daemon.network`)."""
+    return [*(arg for name, value in RELAY_MCA.items() for arg in ("--mca", name, value)),
+            *network_mca_flags()]
 
 
 def relay_mca_env() -> dict[str, str]:
@@ -336,7 +340,7 @@ class Relay:
         rdir = runtime_dir(self.directory, create=True)
         argv = service_argv(name, self.args)
         log.info("relay of node %s: no service listens there; starting one", name)
-        with open(rdir / "daemon.log", "a") as out:
+        with open(rdir / LOG_FILE, "a") as out:
             return subprocess.Popen(argv, env=service_env(), stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)
@@ -377,8 +381,8 @@ def run_relay(epoch: int, leader_node: str | None, nodes: list[str] | None,
     """`crossover daemon` under mpirun: this node's relay. Finalizes MPI only when its
     world stops (every member does then); otherwise it exits without: MPI_Finalize is a
     collective call that would wait for members that died."""
-    logging.basicConfig(level=logging.INFO, format="crossover-relay %(asctime)s %(message)s",
-                        stream=sys.stderr)
+    # the node's log, beside its service's (not through mpirun, which cannot bound it)
+    log_to(runtime_dir(directory, create=True) / LOG_FILE, E.log_bytes(), "crossover-relay")
     code = Relay(epoch, leader_node, nodes, args, directory).run()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from crossover import protocol as P
 from crossover.daemon.conns import Connections, RankConn
 from crossover.daemon.leading import LeaderThread
+from crossover.daemon.logfile import LOG_FILE
 from crossover.daemon.member import TO_LEADER, Member
 from crossover.daemon.ranks import Node, Ranks
 from crossover.daemon.relay import relay_path
@@ -134,7 +135,7 @@ class Daemon:
         self.member = Member(self.peers, name, clock, self._new_leader,
                              holdings=lambda: self.ranks.holdings(), argv=list(argv or []),
                              secret=secret,
-                             log_path=self.path.parent / "daemon.log" if relayed else None,
+                             log_path=self.path.parent / LOG_FILE if relayed else None,
                              beat_s=beat_s, dead_after_s=dead_after_s)
         self.ranks = Ranks(self.node, self.sched, self.table, self.conns, self.peers,
                            aligning=aligning, deciding=policy_.adaptive, clock=clock,

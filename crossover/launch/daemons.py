@@ -25,6 +25,7 @@ import psutil
 
 from crossover import environment as E
 from crossover.backoff import Backoff, wait_until
+from crossover.daemon.logfile import LOG_FILE
 from crossover.daemon.relay import relay_mca_flags
 from crossover.daemon.wire import KEY_ENV, KEY_FILE, make_key, world_key
 from crossover.probe import daemon_listens, daemon_status, grow_world, stop_world
@@ -213,7 +214,7 @@ def _check_hosts(nodes: dict, hosts: list[str], rdir: Path) -> None:
                 return
             missing, nodes = uncovered_hosts(seen, hosts), seen
             why = (f"their daemons did not join within {GROW_WAIT_S:g} s (see "
-                   f"{rdir / 'daemon.log'} on the leader's node)")
+                   f"{rdir / LOG_FILE} on the leader's node)")
         except ConnectionError as exc:
             why = f"the daemon here did not answer ({exc})"
     print(f"crossoverrun: the daemon world at {rdir} has no node for "
@@ -242,7 +243,7 @@ def start_daemon(rdir: Path, policy: str, hosts: list[str], idle_shutdown_s: flo
                "-H", ",".join(f"{h}:1" for h in everyone), "-np", str(len(everyone)), *args]
     else:
         cmd, env = args, None
-    log = open(rdir / "daemon.log", "a")  # noqa: SIM115 - handed to the daemon
+    log = open(rdir / LOG_FILE, "a")  # noqa: SIM115 - handed to the daemon
     try:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
@@ -258,14 +259,14 @@ def start_daemon(rdir: Path, policy: str, hosts: list[str], idle_shutdown_s: flo
     listens = wait_until(lambda: proc.poll() is not None or daemon_listens(rdir), 60,
                          Backoff(0.01, 0.2))
     if not listens or proc.poll() is not None:
-        tail = (rdir / "daemon.log").read_text(errors="replace").strip().splitlines()[-1:]
+        tail = (rdir / LOG_FILE).read_text(errors="replace").strip().splitlines()[-1:]
         raise UsageError(f"started a crossover daemon but it "
                          f"{'exited' if proc.poll() is not None else 'did not listen'} on "
                          f"{path} ({' '.join(tail) or 'no output'}); see "
-                         f"{rdir / 'daemon.log'}")
+                         f"{rdir / LOG_FILE}")
     if not quiet:
         print(f"crossoverrun: started a crossover daemon ({policy}; log "
-              f"{rdir / 'daemon.log'})", file=sys.stderr)
+              f"{rdir / LOG_FILE})", file=sys.stderr)
 
 
 # --- watching --------------------------------------------------------------------------
