@@ -78,12 +78,64 @@ def test_two_hosts_talk_over_the_shaped_link_and_leave_nothing():
     assert not any(h in HOSTS_FILE.read_text() for h in c.hosts)
 
 
+SERVE = """
+import socket, sys
+s = socket.create_server((sys.argv[1], 29601))
+s.settimeout(60)
+print("ready", flush=True)
+while True:
+    c, _ = s.accept()
+    c.sendall(b"hi")
+    c.close()
+"""
+
+REACH = """
+import socket, sys
+try:
+    print(socket.create_connection((sys.argv[1], 29601), timeout=1.5).recv(2).decode())
+except OSError:
+    print("no")
+"""
+
+
+@pytest.mark.skipif(not shutil.which("iptables"), reason="cuts and loss need iptables")
+def test_three_hosts_on_a_bridge_cut_one_way_or_both_and_heal():
+    with EmulatedCluster(mbit=1000, hosts=3) as c:
+        servers = [subprocess.Popen(c.exec_in(i, [sys.executable, "-c", SERVE, c.addrs[i]]),
+                                    stdout=subprocess.PIPE, text=True) for i in range(3)]
+        try:
+            assert [s.stdout.readline().strip() for s in servers] == ["ready"] * 3
+
+            def reached() -> set[tuple[int, int]]:
+                return {(a, b) for a in range(3) for b in range(3) if a != b and subprocess.run(
+                    c.exec_in(a, [sys.executable, "-c", REACH, c.addrs[b]]),
+                    capture_output=True, text=True, timeout=30).stdout.strip() == "hi"}
+            every = {(a, b) for a in range(3) for b in range(3) if a != b}
+            assert reached() == every
+            c.cut(0, 1)
+            assert reached() == every - {(0, 1), (1, 0)}
+            c.heal()
+            # one way: what 0 sends 2 is dropped, so no TCP connection forms either way
+            c.cut(0, 2, both=False)
+            assert reached() == every - {(0, 2), (2, 0)}
+            c.heal()
+            assert reached() == every
+            c.lose(1, 1.0)  # all of host 1's packets lost
+            assert reached() == every - {(0, 1), (1, 0), (1, 2), (2, 1)}
+        finally:
+            for s in servers:
+                s.kill()
+                s.wait(timeout=30)
+    assert c.leftovers() == []
+
+
 def test_stale_cleanup_spares_a_live_cluster_and_removes_a_dead_ones():
     """Only clusters whose owner died are stale: a second run must not break a first."""
     with EmulatedCluster(mbit=50) as live:
         gone = subprocess.Popen(["true"])
         gone.wait(timeout=30)
         subprocess.run(["ip", "netns", "add", "xobdeadh0"], check=True, timeout=30)
+        subprocess.run(["ip", "netns", "add", "xobdeadsw"], check=True, timeout=30)  # its bridge
         with HOSTS_FILE.open("a") as f:
             f.write(f"10.231.250.1 xobdeadh0 {MARKER} pid={gone.pid}\n")
         # what a rank killed on each host leaves: Open MPI's session directory
@@ -106,6 +158,7 @@ def test_stale_cleanup_spares_a_live_cluster_and_removes_a_dead_ones():
         names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
                                timeout=30).stdout
         assert "xobdeadh0" not in names and "xobdeadh0" not in HOSTS_FILE.read_text()
+        assert "xobdeadsw" not in names
     assert live.leftovers() == [] and not live_session.exists()
 
 

@@ -84,6 +84,7 @@ class RunningJob:
     high_fds: bool
     killed: bool = False
     stopped: list[int] = field(default_factory=list)  # pids under SIGSTOP
+    size: int = 2  # ranks: the solo run it is compared with has as many
 
     def ranks(self) -> list[psutil.Process]:
         try:
@@ -158,11 +159,16 @@ def start_job(n: int, rng: random.Random, env: dict, tmp: Path) -> RunningJob:
     return RunningJob(name, seed, steps, proc, time.monotonic(), weights, log, high)
 
 
-def solo_weights(seed: int, steps: int, tmp: Path, env: dict) -> bytes:
-    out = tmp / f"solo-{seed}-{steps}.pt"
+def solo_weights(seed: int, steps: int, tmp: Path, env: dict, size: int = 2,
+                 launch: Callable[[list[str]], list[str]] | None = None) -> bytes:
+    """The weights of the job trained without crossover, on `size` ranks under local
+    mpirun, or launched by `launch` as the job was (emulated hosts: a reduction over 3+
+    ranks sums in the order of its transport, so only the same launch compares)."""
+    out = tmp / f"solo-{seed}-{steps}-{size}.pt"
     if not out.exists():
-        subprocess.run(mpirun(2, sys.executable, str(SCRIPT), "--seed", str(seed), "--steps",
-                              str(steps), "--out", str(out)),
+        argv = [sys.executable, str(SCRIPT), "--seed", str(seed), "--steps", str(steps),
+                "--out", str(out)]
+        subprocess.run(launch(argv) if launch else mpirun(size, *argv),
                        env={**env, "CROSSOVER_ENABLE": "0", "CROSSOVER_TRACE": ""}, check=True,
                        timeout=300,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -250,16 +256,18 @@ def let_finish(jobs: list[RunningJob], job_timeout: float) -> list[str]:
     return hangs
 
 
-def compare_with_solo(finished: list[RunningJob], tmp: Path, env: dict,
-                      who: str) -> tuple[list[str], list[str]]:
-    """The finished jobs whose weights differ from a solo run, and those that failed."""
+def compare_with_solo(finished: list[RunningJob], tmp: Path, env: dict, who: str,
+                      launch: Callable[[list[str]], list[str]] | None = None,
+                      ) -> tuple[list[str], list[str]]:
+    """The finished jobs whose weights differ from a solo run (`solo_weights`), and those
+    that failed."""
     mismatches, failed = [], []
     for j in finished:
         if j.proc.returncode != 0 or not j.weights.exists():
             failed.append(j.name)
             print(f"{who}: FAILED {j.name} (exit {j.proc.returncode}); see {j.log}",
                   flush=True)
-        elif not same(j.weights, solo_weights(j.seed, j.steps, tmp, env)):
+        elif not same(j.weights, solo_weights(j.seed, j.steps, tmp, env, j.size, launch)):
             mismatches.append(j.name)
     return mismatches, failed
 

@@ -48,8 +48,8 @@ bench/results/robustness/chaos_world.json (the keys of chaos.json, plus `nodes`)
                     (from the fault to 15 s after its end) nor a stop of its own
     nodes_answering the fewest and the last count of nodes whose daemon answered
     world_whole_at_end  every node in the world, none lost, once the faults stopped
-    order_checks    how often every node's jobs were compared (at each fault and each
-                    heal): a job has one place, (start, name), on every node that has it
+    order_checks    how often every node's jobs were compared (all along, beside the
+                    faults): a job has one place, (start, name), on every node that has it
     order_disagreements  the jobs seen with different places on two nodes, or two jobs
                     with one place: must be 0
     generations     how many generations of the world formed
@@ -67,8 +67,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -128,6 +130,7 @@ class World:
         self.cut = False  # a host's link is down
         self.cut_due = False  # a cut waits for the running jobs' rendezvous to end
         self.order_checks, self.disagreements = 0, []
+        self.answering = nodes  # as of the last check
         #: (monotonic time, node, pid, RSS bytes, open fds) of services and relays
         self.resources: list[tuple[float, str, int, int, int]] = []
         deadline = time.monotonic() + 60
@@ -172,6 +175,7 @@ class World:
         samples the services' and relays' memory and open files."""
         with ThreadPoolExecutor(len(self.names)) as pool:
             own = dict(zip(self.names, pool.map(self._own, self.names), strict=True))
+        self.answering = sum(snap is not None for snap in own.values())
         places: dict[str, tuple[str, list]] = {}
         now = time.monotonic()
         for name, snap in own.items():
@@ -213,6 +217,37 @@ class World:
                        for s in nodes.values())
 
 
+def job_env(cluster: EmulatedCluster) -> dict[str, str]:
+    """A job's environment on the emulated hosts. Over 3+ ranks, Horovod's fused
+    allreduce sums each element in an order set by where it falls in the fusion buffer,
+    and what is fused in a cycle depends on timing, which faults change: the weights
+    would differ from the solo run's in the last bits. Each tensor reduced alone sums in
+    one order."""
+    return {**JOB_ENV, **({"HOROVOD_FUSION_THRESHOLD": "0"} if len(cluster.hosts) > 2
+                          else {})}
+
+
+class Repeat:
+    """Calls `action` again and again on a thread of its own until `stop`: the order
+    checks run beside the faults (each asks every node, which under a fault can take
+    seconds) instead of delaying the next one."""
+
+    def __init__(self, action: Callable[[], None], pause_s: float = 0.5) -> None:
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(action, pause_s),
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, action: Callable[[], None], pause_s: float) -> None:
+        while not self._done.is_set():
+            action()
+            self._done.wait(pause_s)
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(timeout=30)
+
+
 def start_job(n: int, rng: random.Random, world: World, env: dict, tmp: Path) -> RunningJob:
     seed, steps = rng.choice(SEEDS), rng.choice(LENGTHS)
     name = f"j{n}"
@@ -220,7 +255,7 @@ def start_job(n: int, rng: random.Random, world: World, env: dict, tmp: Path) ->
     script = [sys.executable, str(SCRIPT), "--seed", str(seed), "--steps", str(steps),
               "--out", str(weights)]
     if world.cluster is not None:  # a rank on each host
-        cmd, env = cluster_launch(world.cluster)(script), {**env, **JOB_ENV}
+        cmd, env = cluster_launch(world.cluster)(script), {**env, **job_env(world.cluster)}
     else:
         cmd = ["mpirun", "--oversubscribe", "--bind-to", "none"]
         for i, node in enumerate(rng.sample(world.names, 2)):
@@ -229,7 +264,9 @@ def start_job(n: int, rng: random.Random, world: World, env: dict, tmp: Path) ->
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env={**env, "CROSSOVER_JOB": name}, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
-    return RunningJob(name, seed, steps, proc, time.monotonic(), weights, log, False)
+    size = len(world.cluster.hosts) if world.cluster is not None else 2
+    return RunningJob(name, seed, steps, proc, time.monotonic(), weights, log, False,
+                      size=size)
 
 
 def inject(kind: str, world: World, jobs: list[RunningJob], rng: random.Random,
@@ -293,7 +330,6 @@ def inject(kind: str, world: World, jobs: list[RunningJob], rng: random.Random,
             undo()
             world.cut = False
             windows.append((at, time.time() + SETTLE_S))
-            world.check_orders()
         later.append((time.monotonic() + pause, heal))
         return f"{what} for {pause:.1f} s"
     nodes = world.status()
@@ -372,6 +408,7 @@ def run(args: argparse.Namespace, cluster: EmulatedCluster | None) -> int:
     windows: list[tuple[float, float]] = []  # daemon faults: (from, settled)
     stops: list[tuple[str, float, float]] = []  # rank stops: (job, from, to)
     hangs, n, answering = [], 0, []
+    checker = Repeat(world.check_orders)
     began = time.monotonic()
     end = began + args.minutes * 60
     next_fault = time.monotonic() + rng.expovariate(1 / args.fault_every)
@@ -394,9 +431,8 @@ def run(args: argparse.Namespace, cluster: EmulatedCluster | None) -> int:
                     list(faults_here), weights=list(faults_here.values()))[0]
                 what = inject(kind, world, jobs, rng, later, windows, stops)
                 if what is not None:
-                    world.check_orders()
                     faults[kind] += 1
-                    answering.append(len(world.status()))
+                    answering.append(world.answering)
                     print(f"chaos_world: fault {sum(faults.values())}: {what} "
                           f"({answering[-1]} nodes answer, {len(jobs)} jobs so far, "
                           f"{(end - time.monotonic()) / 60:.1f} min left)", flush=True)
@@ -415,17 +451,23 @@ def run(args: argparse.Namespace, cluster: EmulatedCluster | None) -> int:
         while not world.whole() and time.monotonic() < deadline:
             time.sleep(1.0)
         whole = world.whole()
+        checker.stop()
         world.check_orders()
-        answering.append(len(world.status()))
+        answering.append(world.answering)
         generations = daemon_log(tmp).count("forming generation")
     finally:
+        checker.stop()
         for j in jobs:
             if j.proc.poll() is None:
                 terminate_group(j.proc, grace_s=2)
         world.stop()
 
     finished = [j for j in jobs if j.name not in hangs]
-    mismatches, failed = compare_with_solo(finished, tmp, env, "chaos_world")
+    if cluster is not None:  # trained alone the way the job was launched
+        mismatches, failed = compare_with_solo(finished, tmp, {**env, **job_env(cluster)},
+                                               "chaos_world", cluster_launch(cluster))
+    else:
+        mismatches, failed = compare_with_solo(finished, tmp, env, "chaos_world")
     waits = []
     for path in sorted(traces.glob("*.rank*.json")):
         job = path.name.rsplit(".rank", 1)[0]
