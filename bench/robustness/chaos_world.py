@@ -534,11 +534,11 @@ def resource_drift(samples: list[tuple[float, str, int, int, int]], start: float
 
 
 def daemon_log(tmp: Path) -> str:
-    """The world's log: its first mpirun's output, and its services' (they log to the
-    runtime directory)."""
-    return "".join(p.read_text(errors="replace") for p in (tmp / "daemon.log",
-                                                         tmp / "run" / "daemon.log")
-                   if p.exists())
+    """The world's log: its first mpirun's output, and its services' and relays' (they
+    log to the runtime directory, whose log may have been rotated once)."""
+    return "".join(p.read_text(errors="replace") for p in (
+        tmp / "daemon.log", tmp / "run" / "daemon.log.1", tmp / "run" / "daemon.log")
+        if p.exists())
 
 
 if __name__ == "__main__":
