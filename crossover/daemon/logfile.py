@@ -17,6 +17,7 @@ mpirun and are few; they land wherever its file is then.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -55,16 +56,20 @@ class SharedLog:
         try:
             mine = os.fstat(2)
             if mine.st_size >= self.max_bytes:
-                with open(self._lock_path, "a") as lock:
+                lock = os.open(self._lock_path, os.O_WRONLY | os.O_CREAT, 0o600)
+                try:
                     fcntl.flock(lock, fcntl.LOCK_EX)
                     current = os.stat(self.path)
                     # another process may have rotated it while this one waited
                     if current.st_ino == mine.st_ino and current.st_size >= self.max_bytes:
                         os.replace(self.path, self.path.with_name(self.path.name + OLDER))
+                finally:
+                    os.close(lock)  # and with it the lock
             if os.stat(self.path).st_ino != mine.st_ino:
                 self._open()
         except FileNotFoundError:  # renamed and not yet made again: make it
-            self._open()
+            with contextlib.suppress(OSError):
+                self._open()
         except OSError:  # a log that cannot be checked must not stop the daemon
             pass
 
