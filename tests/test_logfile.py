@@ -4,6 +4,7 @@ lines."""
 
 from __future__ import annotations
 
+import fcntl
 import subprocess
 import sys
 import textwrap
@@ -45,6 +46,25 @@ def test_writers_of_one_log_keep_it_bounded_and_the_latest_lines(tmp_path):
     assert text.rstrip().endswith("last of late")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["daemon.log", "daemon.log.1",
                                                          "daemon.log.lock"]
+
+
+def test_a_writer_never_waits_for_a_rotation_another_process_holds(tmp_path):
+    """A daemon stopped (SIGSTOP) while it rotates holds the lock: the others log on,
+    past the limit, and rotate once the lock is free."""
+    log, limit = tmp_path / "daemon.log", 4096
+    lock = open(tmp_path / "daemon.log.lock", "w")  # noqa: SIM115 - held across the run
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        done = subprocess.run([sys.executable, "-c", WRITER, str(log), str(limit), "w",
+                               "200"], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert log.stat().st_size > 4 * limit and not log.with_name("daemon.log.1").exists()
+    finally:
+        lock.close()
+    done = subprocess.run([sys.executable, "-c", WRITER, str(log), str(limit), "v", "3"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert log.with_name("daemon.log.1").exists() and log.stat().st_size < limit
 
 
 ADOPT = textwrap.dedent("""

@@ -6,7 +6,7 @@ generation), and several processes append to the one file, so no single process 
 its rotation. Each process instead points its stdout and stderr (fd 1 and 2: logging,
 tracebacks, and what C code prints) at the file and, before each log record, looks at
 it: past `CROSSOVER_LOG_BYTES` the first process to notice renames it to `daemon.log.1`
-(replacing the older one) under a lock, and every process that still writes to a
+(replacing the older one) under a lock it never waits for, and every process that still writes to a
 renamed file moves to the new one at its next record. The log and its one older
 generation stay within about twice the limit; a process that wrote its last record
 into a renamed file holds that file until it ends (it writes nothing more there).
@@ -58,7 +58,9 @@ class SharedLog:
             if mine.st_size >= self.max_bytes:
                 lock = os.open(self._lock_path, os.O_WRONLY | os.O_CREAT, 0o600)
                 try:
-                    fcntl.flock(lock, fcntl.LOCK_EX)
+                    # never wait: a holder may be a daemon stopped mid-rotation (SIGSTOP),
+                    # and logging must not stop this one; it rotates at a later line
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     current = os.stat(self.path)
                     # another process may have rotated it while this one waited
                     if current.st_ino == mine.st_ino and current.st_size >= self.max_bytes:
@@ -70,7 +72,7 @@ class SharedLog:
         except FileNotFoundError:  # renamed and not yet made again: make it
             with contextlib.suppress(OSError):
                 self._open()
-        except OSError:  # a log that cannot be checked must not stop the daemon
+        except OSError:  # the lock is busy, or a log that cannot be checked: go on
             pass
 
 
