@@ -70,18 +70,16 @@ def _weight(value: str) -> float:
     return w
 
 
-def _count(value: str) -> int:
-    # a regex, not int(): int() also takes '+2', '2_0' and other digit scripts
-    if not re.fullmatch(r"\s*[0-9]+\s*", value):
+def _count(value: str, low: int = 0, high: int = 2**63 - 1) -> int:
+    # a regex, not int(): int() also takes '+2', '2_0' and other digit scripts; at most
+    # a signed 64-bit count, which is what the daemon takes
+    if not re.fullmatch(r"\s*[0-9]+\s*", value) or not low <= int(value) <= high:
         raise ValueError(value)
     return int(value)
 
 
-def _start_ns(value: str) -> int:
-    start = _count(value)
-    if start >= 2**63:  # the daemon takes a signed 64-bit count
-        raise ValueError(value)
-    return start
+def _log_bytes(value: str) -> int:
+    return _count(value, low=4096)  # fewer would rotate at every few lines
 
 
 def _node(value: str) -> str:
@@ -101,13 +99,6 @@ def _job(value: str) -> str:
 
 def _path(value: str) -> str:
     return value
-
-
-def _log_bytes(value: str) -> int:
-    size = _count(value)
-    if size < 4096:  # fewer would rotate at every few lines
-        raise ValueError(value)
-    return size
 
 
 def _network(value: str) -> str:
@@ -176,7 +167,7 @@ VARS: dict[str, Var] = {v.name: v for v in [
     _var(JOB, _job, None, "<script>-<pid of rank 0>",
          "give 1-200 printable characters without '/'",
          about="the job's name, the same on all its ranks; unique among running jobs"),
-    _var(JOB_START, _start_ns, 0, "0, or agreed with the name",
+    _var(JOB_START, _count, 0, "0, or agreed with the name",
          "give the job's start in ns since the epoch, a whole number >= 0",
          about="when the job started, the same on all its ranks: with its name, its place "
                "in the order every node serves jobs in (0: by name alone, before the "
