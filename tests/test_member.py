@@ -135,6 +135,25 @@ def test_a_member_no_generation_takes_back_leads_and_forms_one(monkeypatch):
     assert [(g.nodes, g.epoch, g.leader) for g in started] == [(["n0", "n1"], 5, "n1")]
 
 
+def test_a_member_that_leads_unbidden_brings_back_the_nodes_its_leader_lost(monkeypatch):
+    """Found by the storm on three emulated hosts: n0 leads and has lost n2; n1's relay
+    dies and no generation takes it back, so n1 leads on its own. It must bring n2 back
+    as a successor would: left out, nothing ever took n2 into this world again."""
+    recorded_generations(monkeypatch)
+    clock, link = Clock(), Link()
+    link.rank, link.size, link.leader = 1, 3, 0
+    m = member("n1", clock, link)
+    m.attached(3, 1, ["n0", "n1", "n2"], 0)
+    m.route(0, ("members", [0, 1], ["n2"]))
+    link.attached = False
+    m.route(1, ("detached", 3))
+    clock.t = member_mod.ORPHANED_S + 0.5
+    m.tick()
+    assert m.leader is not None
+    assert sorted(m._respawn) == ["n2"]
+    assert [obj for _, obj in link.sent if obj[0] == "members"][-1][2] == ["n2"]
+
+
 def test_a_successor_that_steps_down_keeps_forming_its_newer_generation(monkeypatch):
     """n0's relay died (its service lives): n1 found n0 silent, succeeded it (epoch 2)
     and started generation 3 to bring n0 back. Then n0's own generation 2 reached n1:

@@ -289,6 +289,7 @@ class Member:
         world.lead(self.peers.rank, world.epoch + 1)
         self.peers.leader = self.peers.rank
         self.leader = self._new_leader(self.peers)
+        self._bring_back_the_lost()
         self._lead()  # `_form` then forms a generation over the members alive
 
     def next_deadline(self) -> float | None:
@@ -374,11 +375,7 @@ class Member:
                         self.peers.rank, self.name, world.epoch, len(world.alive))
             self._step_down()
             self.leader = self._new_leader(self.peers)
-            # the old leader's node, any lost before it, and the nodes it was yet to
-            # bring back (it said which)
-            for node in {self.names[r] for r in world.lost if r in self.names} | set(
-                    self.lost_nodes):
-                self._respawn_later(node)
+            self._bring_back_the_lost()
             self._lead()
         if changes.follow is not None:
             self.peers.leader = changes.follow
@@ -410,6 +407,14 @@ class Member:
                         "daemon %d still hears: it stays a member and serves on; its "
                         "jobs' modes wait for the link", self.peers.rank, self.name,
                         self.names.get(world.leader, "?"), changes.objected)
+
+    def _bring_back_the_lost(self) -> None:
+        """A new leader (a successor, or a member no generation took back): the nodes
+        lost before it led and those its leader had yet to bring back (it said which)
+        are due again; left out, nothing would ever take them back into this world."""
+        lost = {self.names[r] for r in self.world.lost if r in self.names}
+        for node in sorted((lost | set(self.lost_nodes)) - {self.name}):
+            self._respawn_later(node)
 
     def _respawn_later(self, node: str) -> None:
         tries = self._tries.get(node, 0)
