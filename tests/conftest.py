@@ -49,6 +49,36 @@ def pytest_sessionstart(session: pytest.Session) -> None:
                     "run `make env` (or `make test`) here first", returncode=4)
 
 
+#: daemon.log lines a failed test's report shows: the world's events, not each rank's
+LOG_TAIL_LINES = 60
+CHATTER = re.compile(r" job \S+ rank \d+ (on|left) node ")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A failed test that ran a daemon world shows the tail of that world's daemon.log
+    in its report: CI keeps the report, not the test's temporary directory."""
+    report = yield
+    if report.failed:
+        for log in sorted(_daemon_logs(item.funcargs.values())):
+            lines = [ln for ln in log.read_text(errors="replace").splitlines()
+                     if not CHATTER.search(ln)]
+            report.sections.append((f"{log} (last {LOG_TAIL_LINES} lines, no ranks)",
+                                    "\n".join(ln[:300] for ln in lines[-LOG_TAIL_LINES:])))
+    return report
+
+
+def _daemon_logs(values) -> set[Path]:
+    found = set()
+    for value in values:
+        if isinstance(value, tuple):
+            found |= _daemon_logs(value)
+        runtime = getattr(value, "runtime", None)
+        if isinstance(runtime, Path) and (runtime / "daemon.log").is_file():
+            found.add(runtime / "daemon.log")
+    return found
+
+
 def mpirun(np: int, *cmd: str) -> list[str]:
     return ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(np), *cmd]
 

@@ -226,6 +226,24 @@ def test_a_dead_leader_is_succeeded_once_and_the_successor_is_followed():
     assert net.views() == {(2, "n1")}
 
 
+@pytest.mark.parametrize("stall_s", [2.75, 3.0, 3.5, 4.0, 4.5])
+def test_a_member_that_finds_the_dead_leader_silent_late_lets_the_successor_lead(stall_s):
+    """Node 2's loop stalls as the leader dies, so it finds the leader silent seconds
+    after node 1, its successor, asked (and objects at first). Awaiting node 1's claim,
+    node 2 beats to it; that beat must not send node 2 back to the dead leader with a
+    fresh allowance, which made it object to every prevote for as long as the leader
+    stayed dead (seen on a loaded machine: a stopped leader never succeeded)."""
+    net = Net(4)
+    net.run(10.0)
+    net.dead.add(0)
+    net.stopped.add(2)
+    net.run(10.0 + stall_s)
+    net.stopped.clear()
+    net.run(40.0)
+    assert net.leading == {1} and net.changes == 1
+    assert net.views() == {(2, "n1")}
+
+
 def test_a_stopped_leader_that_resumes_steps_down_once():
     net = Net(3)
     net.run(10.0)

@@ -30,6 +30,11 @@ pytestmark = pytest.mark.skipif(
 SOLO = RankInfo(rank=0, size=1, local_rank=0, local_size=1)
 #: how long each fault lasts: several times the 5 s after which a silent peer is lost
 FAULT_S = 25.0
+#: a lossy link's share of packets dropped each way. TCP resends a lost segment after
+#: 0.2, 0.4, 0.8, 1.6, 3.2 s: a peer falls silent for 5 s only when one segment (or its
+#: acknowledgement) is lost 5 times running: about 1 segment in 4,000 at 10 %, 1 in 30
+#: at 30 % (measured: the leader changed in 1 run of 3 at 30 %; the storm goes there)
+LOSS = 0.1
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +108,7 @@ def test_loss_on_a_hosts_link_changes_nothing(world):
     cluster, w = world
     wait_for(w.whole, 60, "the world whole before the loss")
     before = leaders(w)
-    cluster.lose(1, 0.3)
+    cluster.lose(1, LOSS)
     try:
         views = []
         end = time.monotonic() + FAULT_S
@@ -112,6 +117,6 @@ def test_loss_on_a_hosts_link_changes_nothing(world):
             time.sleep(1.0)
     finally:
         cluster.heal()
-    # 30 % of packets lost both ways: TCP retransmits, no peer falls silent for 5 s
+    # TCP resends what was lost, and no peer falls silent for 5 s
     assert all(v == before for v in views), views
     assert w.whole()

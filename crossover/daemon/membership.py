@@ -18,6 +18,9 @@ the leader to every member, every `beat_s`; any message counts as a beat. The ru
   `lead` to every live member, and each answers with the jobs it holds. After an
   objection it asks again `ask_s` later, while the leader stays silent. If the
   successor is silent too, the next in line follows after another `dead_after_s`.
+  A member that found the leader silent awaits the successor's claim and beats to it;
+  a successor that found the leader silent too leaves it waiting (sent back to the
+  silent leader, it would hear it "again" and object to every prevote).
 - **Epochs settle disputes.** Only the leader a member follows is obeyed; a leader that
   hears of a higher epoch (a stopped leader resumed after its succession) steps down and
   follows the newer one. Beats carry the sender's epoch and leader: a leader's beat of a
@@ -246,6 +249,15 @@ class Membership:
             self._fresh(r, now)
         out.beat_to = sorted(self.alive - {self.rank})
         self._next_beat = now + self.beat_s
+
+    def awaited(self, epoch: int, leader: int) -> bool:
+        """A peer's beat names this daemon its leader at this epoch, and this daemon
+        found its own leader silent too: the peer awaits this daemon's claim. Told to
+        follow the silent leader again, the peer would give it a fresh allowance and
+        object to this daemon's prevote, again and again while that leader stayed
+        silent (a member that found it silent seconds late did, on a loaded machine)."""
+        return leader == self.rank and epoch == self.epoch and not self.leads \
+            and self.leader not in self.alive
 
     def objects(self, candidate: int, epoch: int) -> bool:
         """Whether this daemon objects to `candidate` succeeding the leader of `epoch`:
