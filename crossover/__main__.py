@@ -32,6 +32,13 @@ def _seconds(minimum: float = 0.0, exclusive: bool = True) -> Callable[[str], fl
     return parse
 
 
+def _port(text: str) -> int:
+    """An argparse type: a TCP port number."""
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise argparse.ArgumentTypeError(f"give a port number from 1 to 65535, got {text!r}")
+    return int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every subcommand and flag of `crossover` (docs/configuration.md is made from it)."""
     parser = argparse.ArgumentParser(prog="crossover", description=__doc__)
@@ -84,6 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "fake or emulated node)")
     d.add_argument("--hello-timeout", type=_seconds(), default=10.0, metavar="S",
                    help="drop a connection that sends no hello within S seconds (default 10)")
+    d.add_argument("--metrics-port", type=_port, default=None, metavar="PORT",
+                   help="serve Prometheus metrics on http://ADDRESS:PORT/metrics (default "
+                        "$CROSSOVER_METRICS_PORT, else off; needs prometheus-client: pip "
+                        "install 'crossover[metrics]'; fake node N of a test world uses "
+                        "PORT+N)")
+    d.add_argument("--metrics-address", default=None, metavar="ADDRESS",
+                   help="the address the metrics port listens on (default "
+                        "$CROSSOVER_METRICS_ADDRESS, else 127.0.0.1; 0.0.0.0 for every "
+                        "interface)")
     # how the parts of a world start each other (`crossover.daemon.relay`), not for users
     d.add_argument("--service", action="store_true", help=argparse.SUPPRESS)
     d.add_argument("--generation", type=int, default=0, help=argparse.SUPPRESS)
@@ -190,11 +206,29 @@ def _stop(args: argparse.Namespace) -> int:
 def _daemon(args: argparse.Namespace) -> int:
     from crossover.daemon import Daemon
     from crossover.daemon.logfile import LOG_FILE, adopt
+    from crossover.daemon.metrics import MetricsError
     from crossover.daemon.sockets import RUNNING_EXIT, DaemonRunning
     from crossover.transport import runtime_dir
 
     if args.node is not None:
         os.environ[E.NODE] = args.node  # read as CROSSOVER_NODE is, by node_identity
+    try:  # the flags, else CROSSOVER_METRICS_PORT and _ADDRESS
+        from_env = E.metrics_at()
+    except ValueError as exc:
+        print(f"crossover daemon: {exc}", file=sys.stderr)
+        return 2
+    metrics = None if args.metrics_port is None and from_env is None else (
+        args.metrics_address if args.metrics_address is not None else
+        from_env[0] if from_env else "127.0.0.1",
+        args.metrics_port if args.metrics_port is not None else from_env[1])
+    if metrics is not None:
+        from crossover.daemon.metrics import MetricsError, prometheus_client
+
+        try:  # said here once, not by every node's service its relay starts
+            prometheus_client()
+        except MetricsError as exc:
+            print(f"crossover daemon: {exc}", file=sys.stderr)
+            return 2
     if not args.service and ("OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ):
         # under mpirun: this node's relay, which starts the node's service if need be
         from crossover.daemon.relay import run_relay
@@ -217,7 +251,13 @@ def _daemon(args: argparse.Namespace) -> int:
                         mode_hold_s=args.mode_hold, mode_probe_local=args.mode_probe_local,
                         align_phases=args.align_phases, core_shares=args.core_shares,
                         hello_timeout_s=args.hello_timeout,
-                        relayed=args.service, argv=sys.argv[1:])
+                        relayed=args.service,
+                        # the generations it forms start every node's service with these
+                        # (the environment does not reach other hosts)
+                        argv=[*sys.argv[1:], *([] if metrics is None else [
+                            "--metrics-address", metrics[0],
+                            "--metrics-port", str(metrics[1])])],
+                        metrics=metrics)
     except (ValueError, PermissionError) as exc:  # a bad setting, or runtime directory
         print(f"crossover daemon: {exc}", file=sys.stderr)
         return 2
@@ -226,6 +266,9 @@ def _daemon(args: argparse.Namespace) -> int:
     except DaemonRunning as exc:  # one daemon per node and directory
         print(f"crossover daemon: {exc}", file=sys.stderr)
         return RUNNING_EXIT
+    except MetricsError as exc:  # its port taken, say
+        print(f"crossover daemon: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -43,6 +43,8 @@ NODE = "CROSSOVER_NODE"
 FAKE_NODES = "CROSSOVER_FAKE_NODES"
 WORLD_KEY = "CROSSOVER_WORLD_KEY"
 LOG_BYTES = "CROSSOVER_LOG_BYTES"
+METRICS_PORT = "CROSSOVER_METRICS_PORT"
+METRICS_ADDRESS = "CROSSOVER_METRICS_ADDRESS"
 RELAY_NETWORK = "CROSSOVER_RELAY_NETWORK"
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -80,6 +82,16 @@ def _count(value: str, low: int = 0, high: int = 2**63 - 1) -> int:
 
 def _log_bytes(value: str) -> int:
     return _count(value, low=4096)  # fewer would rotate at every few lines
+
+
+def _port(value: str) -> int:
+    return _count(value, low=1, high=65535)
+
+
+def _address(value: str) -> str:
+    if not value or not all(c.isalnum() or c in ".:-" for c in value):
+        raise ValueError(value)
+    return value
 
 
 def _node(value: str) -> str:
@@ -209,6 +221,14 @@ VARS: dict[str, Var] = {v.name: v for v in [
          about="the size past which the runtime directory's daemon.log is renamed "
                "daemon.log.1 (the older one goes): the daemons' log stays within about "
                "twice this"),
+    _var(METRICS_PORT, _port, None, "no metrics", "give a port number from 1 to 65535",
+         sides=("daemon",), strict=True,
+         about="the daemons serve Prometheus metrics on this port (as `crossover daemon "
+               "--metrics-port`; crossoverrun passes it to the daemons it starts on every "
+               "host)"),
+    _var(METRICS_ADDRESS, _address, "127.0.0.1", "127.0.0.1",
+         "give an IP address or host name", sides=("daemon",), strict=True,
+         about="the address the metrics port listens on (0.0.0.0: every interface)"),
     _var(RELAY_NETWORK, _network, None, "the network of the node name's address",
          "give an interface name (eth0), an IPv4 network (10.1.0.0/16) or any",
          sides=("daemon",),
@@ -347,6 +367,13 @@ def world_key() -> bytes | None:
 def log_bytes() -> int:
     """CROSSOVER_LOG_BYTES: the daemons' log's rotation size."""
     return int(get(LOG_BYTES))
+
+
+def metrics_at() -> tuple[str, int] | None:
+    """(CROSSOVER_METRICS_ADDRESS, CROSSOVER_METRICS_PORT), or None without a port.
+    ValueError if either is malformed."""
+    port = get(METRICS_PORT)
+    return None if port is None else (get(METRICS_ADDRESS), int(port))
 
 
 def relay_network() -> str | None:

@@ -37,6 +37,14 @@ if [ ${#need[@]} -gt 0 ]; then
   apt-get update -qq
   apt-get install -y -qq "${need[@]}" >/dev/null
 fi
+# a real Prometheus scrapes the metrics endpoint in tests/test_metrics.py (root only; not
+# its recommended node exporter)
+if [ "$(id -u)" = 0 ] && ! command -v prometheus >/dev/null 2>&1; then
+  log "apt-get install prometheus"
+  export DEBIAN_FRONTEND=noninteractive
+  { apt-get install -y -qq --no-install-recommends prometheus ||
+    { apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus; }; } >/dev/null
+fi
 
 # --- 2. the environment, keyed by what it is built from ----------------------------
 req="$repo/requirements"

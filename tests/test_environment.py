@@ -109,6 +109,14 @@ TABLE = [
     (E.LOG_BYTES, "65536", 65536),
     (E.LOG_BYTES, "100", Bad("CROSSOVER_LOG_BYTES='100': give a size in bytes, a whole "
                              f"number >= 4096 (default {16 << 20})")),
+    (E.METRICS_PORT, "", None),
+    (E.METRICS_PORT, "9464", 9464),
+    (E.METRICS_PORT, "0", Bad("CROSSOVER_METRICS_PORT='0': give a port number from 1 to "
+                              "65535 (default no metrics)")),
+    (E.METRICS_ADDRESS, "", "127.0.0.1"),
+    (E.METRICS_ADDRESS, "0.0.0.0", "0.0.0.0"),
+    (E.METRICS_ADDRESS, "a b", Bad("CROSSOVER_METRICS_ADDRESS='a b': give an IP address "
+                                   "or host name (default 127.0.0.1)")),
     (E.RELAY_NETWORK, "", None),
     (E.RELAY_NETWORK, "eth0", "eth0"),
     (E.RELAY_NETWORK, "10.1.0.0/16", "10.1.0.0/16"),

@@ -106,8 +106,7 @@ class Member:
         self._apply(self.world.heard(source))
         if source == self.world.leader:
             self._cut_off = False
-        stale = kind == "beat" and not self.world.leads and source != self.world.leader \
-            and not self.world.awaited(msg[1], msg[2])
+        stale = kind == "beat" and not self.world.leads and source != self.world.leader
         if stale or (kind in FROM_LEADER and source != self.world.leader) or (
                 kind in TO_LEADER and self.leader is None):
             # an old leader resumed after its succession, a member that follows one, or

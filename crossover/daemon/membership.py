@@ -18,9 +18,9 @@ the leader to every member, every `beat_s`; any message counts as a beat. The ru
   `lead` to every live member, and each answers with the jobs it holds. After an
   objection it asks again `ask_s` later, while the leader stays silent. If the
   successor is silent too, the next in line follows after another `dead_after_s`.
-  A member that found the leader silent awaits the successor's claim and beats to it;
-  a successor that found the leader silent too leaves it waiting (sent back to the
-  silent leader, it would hear it "again" and object to every prevote).
+  An objection counts only what the member heard from the leader itself: told by a
+  peer to follow a leader it had found silent, a member gives that leader a new
+  allowance, but must not object for it (it did, to every prevote, while no one led).
 - **Epochs settle disputes.** Only the leader a member follows is obeyed; a leader that
   hears of a higher epoch (a stopped leader resumed after its succession) steps down and
   follows the newer one. Beats carry the sender's epoch and leader: a leader's beat of a
@@ -101,7 +101,8 @@ class Membership:
         self.leader, self.epoch = leader, epoch
         now = clock()
         self.alive: set[int] = set(range(size))  # as the leader last said, or found
-        self._heard: dict[int, float] = dict.fromkeys(range(size), now)
+        self._heard: dict[int, float] = dict.fromkeys(range(size), now)  # allowances
+        self._spoke: dict[int, float] = dict.fromkeys(range(size), now)  # its own messages
         self._next_beat = now
         self._ticked = now
         self._forgiven: set[int] = set()  # peers whose silence a stall already shortened
@@ -129,7 +130,9 @@ class Membership:
         out = Changes()
         if not 0 <= source < self.size:
             return out  # not of this world (a test's stand-in peer)
-        self._fresh(source, self.clock())
+        now = self.clock()
+        self._fresh(source, now)
+        self._spoke[source] = now
         if source == self._silent_leader:
             # the leader found silent speaks again, and no one claimed a newer epoch
             # since (a claim clears it): follow it again, no succession
@@ -154,8 +157,11 @@ class Membership:
 
     def lead(self, source: int, epoch: int) -> Changes:
         """`source` says it leads from `epoch` on."""
-        if (epoch, -source) <= (self.epoch, -self.leader) and source != self.leader:
-            return Changes()  # an older claim: the answer (`epoch`) sets it right
+        if epoch < self.epoch or (
+                (epoch, -source) <= (self.epoch, -self.leader) and source != self.leader):
+            # an older claim (even from the successor this daemon awaits: an epoch never
+            # goes back): the answer (`epoch`) sets it right
+            return Changes()
         return self._follow(source, epoch)
 
     def _follow(self, source: int, epoch: int) -> Changes:
@@ -250,15 +256,6 @@ class Membership:
         out.beat_to = sorted(self.alive - {self.rank})
         self._next_beat = now + self.beat_s
 
-    def awaited(self, epoch: int, leader: int) -> bool:
-        """A peer's beat names this daemon its leader at this epoch, and this daemon
-        found its own leader silent too: the peer awaits this daemon's claim. Told to
-        follow the silent leader again, the peer would give it a fresh allowance and
-        object to this daemon's prevote, again and again while that leader stayed
-        silent (a member that found it silent seconds late did, on a loaded machine)."""
-        return leader == self.rank and epoch == self.epoch and not self.leads \
-            and self.leader not in self.alive
-
     def objects(self, candidate: int, epoch: int) -> bool:
         """Whether this daemon objects to `candidate` succeeding the leader of `epoch`:
         it knows a newer epoch, or leads that one, or heard its leader of that epoch
@@ -270,7 +267,7 @@ class Membership:
             return True
         if self.leader == candidate:
             return False  # it is this daemon's successor too
-        heard = self._heard.get(self.leader)
+        heard = self._spoke.get(self.leader)
         return self.leader in self.alive and heard is not None and \
             self.clock() - heard <= self.dead_after_s
 

@@ -87,6 +87,15 @@ class Ranks:
             out.setdefault(job, []).append(conn.hello.pid)
         return out
 
+    def pids_by_place(self) -> dict[tuple[str, str], list[int]]:
+        """Each job's pids here, per device: {(job, device): pids}."""
+        out: dict[tuple[str, str], list[int]] = {}
+        for key, conn in self.by_key.items():
+            device = self.sched.device_of(*key)
+            if device is not None:
+                out.setdefault((key[0], device), []).append(conn.hello.pid)
+        return out
+
     def pids_on(self, device: str) -> list[int]:
         return sorted(conn.hello.pid for key, conn in self.by_key.items()
                       if self.sched.device_of(*key) == device)

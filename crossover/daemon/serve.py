@@ -29,9 +29,17 @@ from collections.abc import Callable
 
 from crossover import protocol as P
 from crossover.daemon.conns import Connections, RankConn
+from crossover.daemon.generation import is_fake
 from crossover.daemon.leading import LeaderThread
 from crossover.daemon.logfile import LOG_FILE
 from crossover.daemon.member import TO_LEADER, Member
+from crossover.daemon.metrics import (
+    MetricsEndpoint,
+    MetricsError,
+    NodeFigures,
+    resident_bytes,
+    user_name,
+)
 from crossover.daemon.ranks import Node, Ranks
 from crossover.daemon.relay import relay_path
 from crossover.daemon.sockets import NodeSockets
@@ -99,6 +107,7 @@ class Daemon:
         beat_s: float = 1.0,
         dead_after_s: float = 5.0,
         argv: list[str] | None = None,
+        metrics: tuple[str, int] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         name, cores = node_identity()
@@ -146,6 +155,9 @@ class Daemon:
         self._stop = False
         self._started = time.monotonic()
         self._usage = RankUsage()
+        self._metrics_at = metrics
+        self._user = user_name(os.geteuid())
+        self.metrics: MetricsEndpoint | None = None
 
     @property
     def leader(self) -> LeaderThread | None:
@@ -174,6 +186,15 @@ class Daemon:
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.stop())
+        if self._metrics_at is not None:
+            address, port = self._metrics_at
+            if is_fake(self.node.name):  # fake nodes share this host's ports
+                port += int(self.node.name[len("fake"):])
+            try:
+                self.metrics = MetricsEndpoint(address, port, self._wakeup)
+            except MetricsError:
+                self._close(listener, relays)
+                raise
         log.info("daemon %s/%s for node %s on %s: policy %s, devices %s",
                  self.peers.rank, self.peers.size, self.node.name, self.path,
                  self.sched.policy.name,
@@ -207,20 +228,27 @@ class Daemon:
                     self.leader.busy_here = self.ranks.busy
                     self.leader.raise_error()
                 self._finish_status_waits()
+                if self.metrics is not None:
+                    self.metrics.answer(self._figures)
                 self._realign()
                 self.table.publish_plans()
                 self.ranks.update_company()
         finally:
-            self._sel.close()
-            listener.close()
-            if relays is not None:
-                relays.close()
-            self.sockets.close()
-            self.table.close()
-            self.peers.close()
-            if self.leader is not None:
-                self.leader.close()
+            self._close(listener, relays)
             log.info("daemon for node %s stopped", self.node.name)
+
+    def _close(self, listener, relays) -> None:
+        self._sel.close()
+        listener.close()
+        if relays is not None:
+            relays.close()
+        self.sockets.close()
+        self.table.close()
+        self.peers.close()
+        if self.leader is not None:
+            self.leader.close()
+        if self.metrics is not None:
+            self.metrics.close()
 
     def stop(self) -> None:
         """Ask the serve loop to exit (safe from a signal handler or another thread)."""
@@ -366,6 +394,16 @@ class Daemon:
         snap["fast_path"] = self.table.fast_grants()
         snap["table"] = self.table.pending()
         return snap
+
+    def _figures(self) -> NodeFigures:
+        """What a metrics scrape shows of this node."""
+        decision = self.leader.snapshot() if self.leader is not None else None
+        return NodeFigures(
+            node=self.node.name, user=self._user, world=self.member.snapshot(),
+            mode=self.sched.mode.value, accounts=self.sched.accounts(),
+            memory={place: resident_bytes(pids)
+                    for place, pids in self.ranks.pids_by_place().items()},
+            groups=decision)
 
     def _start_status(self, conn: RankConn) -> None:
         self._status_token += 1

@@ -228,6 +228,12 @@ def start_daemon(rdir: Path, policy: str, hosts: list[str], idle_shutdown_s: flo
     detached, so it outlives the job, and exits after `idle_shutdown_s` with no job."""
     args = [sys.executable, "-m", "crossover", "daemon", "--policy", policy,
             "--idle-shutdown", str(idle_shutdown_s), "--runtime-dir", str(rdir)]
+    try:  # as flags: the environment does not reach the other hosts' daemons
+        metrics = E.metrics_at()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if metrics is not None:
+        args += ["--metrics-address", metrics[0], "--metrics-port", str(metrics[1])]
     remote = sorted({h for h in hosts if not is_local(h)})
     if remote:
         # this machine once, however many of its names the job gave

@@ -299,7 +299,10 @@ class SlotScheduler(ModeSwitching, SchedulerViews):
         return (*self.policy.key(r.turn, r.order, r.weight), r.rank)
 
     def _set(self, r: RankEntry, state: RankState) -> None:
-        r.state, r.since = state, self.clock()
+        now = self.clock()
+        if r.state == HOLDING:
+            r.held_s += now - r.since
+        r.state, r.since = state, now
 
     def _next_in_line(self, dev: DeviceEntry) -> RankEntry | None:
         # A rank anchored at a switch is not waited for: until it asks, nobody knows how
@@ -314,6 +317,7 @@ class SlotScheduler(ModeSwitching, SchedulerViews):
         if dev.holder != r.job and self.exclusive:
             dev.holder, dev.hold_start, dev.served = r.job, now, set()
         dev.served.add(r.rank)
+        dev.grants += 1
         r.waited_s += now - r.since
         dev.vtime = max(dev.vtime, self.policy.virtual_time(r.turn, r.weight))
         r.turn += 1

@@ -64,6 +64,7 @@ class RankEntry:
     deadline: float | None = None  # lease end while holding
     joined: float = 0.0
     waited_s: float = 0.0  # accumulated time in WAITING
+    held_s: float = 0.0  # accumulated time in HOLDING (the present hold left out)
     pos: int = 0  # requests so far, points passed holding included: where the rank is in
     # its job's request sequence (the same on every rank of the job at the same point)
     # Its job's turn offset from a switch to antiphase, set from the job's points as the
@@ -86,6 +87,7 @@ class DeviceEntry:
     vtime: float = 0.0  # virtual time of the latest grant: where newcomers start
     hold_start: float = 0.0
     held_s: dict[str, float] = field(default_factory=dict)  # job -> accumulated hold time
+    grants: int = 0  # slots granted on it so far (a holder's renewal is not one)
     blocked_since: float | None = None  # free, with waiters, waiting for an active rank
     # The next hand-over to another job waits this long (`SlotScheduler.delay_handover`),
     # and until when the device, free, is closed because of it

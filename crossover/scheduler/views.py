@@ -90,5 +90,20 @@ class SchedulerViews:
         return {"policy": self.policy.name, "mode": self.mode.value, "devices": devices,
                 "jobs": jobs}
 
+    def accounts(self) -> dict[str, dict]:
+        """Per device, its grants so far and, per job with a rank on it, the seconds its
+        ranks held it and waited for it (summed over its ranks there; the present hold
+        or wait included). A job that left is no longer counted (for metrics)."""
+        now = self.clock()
+        out = {}
+        for name, dev in sorted(self._devices.items()):
+            jobs: dict[str, dict[str, float]] = {}
+            for r in dev.ranks.values():
+                acc = jobs.setdefault(r.job, {"held_s": 0.0, "waited_s": 0.0})
+                acc["held_s"] += r.held_s + (now - r.since if r.state == HOLDING else 0.0)
+                acc["waited_s"] += r.waited_s + (now - r.since if r.state == WAITING else 0.0)
+            out[name] = {"grants": dev.grants, "jobs": jobs}
+        return out
+
     def _dormant(self, r: RankEntry, now: float) -> bool:
         return r.state == IDLE and now - r.since >= self.patience_s

@@ -1,0 +1,275 @@
+"""The node service's Prometheus endpoint: who holds which device, how long, and what
+the world looks like from this node.
+
+Off unless `crossover daemon --metrics-port` names a port; then it is the service's one
+network socket, bound to `--metrics-address` (127.0.0.1 unless set). Each node's service
+serves its own node: Prometheus scrapes every node (`docs/configuration.md`).
+
+The serve loop owns the scheduler and the world, and nothing else may read them while
+it runs: a scrape, on the HTTP server's thread, asks the loop (`wakeup`) and waits up
+to SCRAPE_WAIT_S for the text it renders between two events (a 503 past that). So a
+figure is exact at the moment of the scrape, and a scrape never stalls a grant.
+
+Names follow Prometheus's conventions: base units, `_total` counters, `_info` metadata,
+no rank label. A training job is `job_name`: Prometheus sets `job` itself, to the scrape
+job, and would rename ours. A job's series are there while it has a rank on the node and go with it,
+so their number stays bounded by the jobs present.
+"""
+
+from __future__ import annotations
+
+import http.server
+import logging
+import pwd
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import psutil
+
+from crossover import __version__
+
+log = logging.getLogger("crossover.daemon")
+
+#: how long a scrape waits for the serve loop to render the text
+SCRAPE_WAIT_S = 2.0
+#: the classic text format, which `generate_latest` writes and every Prometheus reads
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+#: the modes a node's devices are served in (`crossover.protocol.Mode`)
+MODES = ("antiphase", "concurrent")
+
+
+class MetricsError(RuntimeError):
+    """The metrics endpoint cannot be served (its library missing, its port taken)."""
+
+
+def prometheus_client():
+    """The optional `prometheus-client` library, or an error that says how to get it."""
+    try:
+        import prometheus_client as client
+        import prometheus_client.core  # noqa: F401 - the metric families, as `client.core`
+    except ImportError as exc:
+        raise MetricsError("--metrics-port needs the prometheus-client library: "
+                           "pip install 'crossover[metrics]' (or prometheus-client)") from exc
+    return client
+
+
+@dataclass
+class NodeFigures:
+    """What one node's service knows, as the serve loop read it for one scrape.
+
+    Attributes:
+        node: the node's name.
+        user: the user the service runs as (every job on it is that user's).
+        world: `Member.snapshot()` (leader, epoch, generation, members, lost).
+        mode: the mode the node's devices are served in.
+        accounts: `SlotScheduler.accounts()`: per device its grants and each job's held
+            and waited seconds.
+        memory: {(job, device): resident bytes of the job's ranks on that device}.
+        groups: the leader's mode decisions, {group: {"mode": ...}} (the leader only).
+        hpc_jobs: {job: the batch system's job id} where a rank said one.
+    """
+
+    node: str
+    user: str
+    world: dict
+    mode: str
+    accounts: dict[str, dict]
+    memory: dict[tuple[str, str], int] = field(default_factory=dict)
+    groups: dict[str, dict] | None = None
+    hpc_jobs: dict[str, str] = field(default_factory=dict)
+
+
+def families(f: NodeFigures) -> list:
+    """The metric families of one scrape (pure: the text is `render`'s)."""
+    core = prometheus_client().core
+    node = ["node"]
+    out = []
+
+    def gauge(name: str, doc: str, value: float) -> None:
+        g = core.GaugeMetricFamily(name, doc, labels=node)
+        g.add_metric([f.node], value)
+        out.append(g)
+
+    build = core.InfoMetricFamily("crossover_build", "The service's version and node.",
+                                  labels=node)
+    build.add_metric([f.node], {"version": __version__})
+    out.append(build)
+    world = f.world
+    gauge("crossover_world_nodes", "Nodes in the world as this node sees it (alive).",
+          world.get("members", 1))
+    gauge("crossover_is_leader", "1 where this node's service leads the world.",
+          1.0 if world.get("leader_node") == f.node else 0.0)
+    gauge("crossover_generation", "The world's generation this node's relay is of.",
+          world.get("generation", 0))
+    gauge("crossover_epoch", "The leader's epoch as this node follows it.",
+          world.get("epoch", 0))
+    gauge("crossover_lost_nodes", "Nodes this node's leader counts as lost.",
+          len(world.get("lost", [])))
+    mode = core.StateSetMetricFamily("crossover_mode", "The mode this node's devices "
+                                     "are served in.", labels=node)
+    mode.add_metric([f.node], {m: m == f.mode for m in MODES})
+    out.append(mode)
+    if f.groups is not None:
+        groups = core.StateSetMetricFamily(
+            "crossover_group_mode", "Each group of jobs' mode, as the leader decided it.",
+            labels=["group"])
+        for group, decision in sorted(f.groups.items()):
+            groups.add_metric([str(group)], {m: m == decision.get("mode") for m in MODES})
+        out.append(groups)
+    grants = core.CounterMetricFamily("crossover_grants", "Slots granted on a device.",
+                                      labels=["node", "device"])
+    info = core.InfoMetricFamily("crossover_job", "A job with a rank on a device.",
+                                 labels=["job_name", "user", "device", "hpc_job"])
+    held = core.CounterMetricFamily(
+        "crossover_device_hold_seconds", "Seconds a job's ranks held a device (summed "
+        "over its ranks on it).", labels=["job_name", "device"])
+    waited = core.CounterMetricFamily(
+        "crossover_slot_wait_seconds", "Seconds a job's ranks waited for a device.",
+        labels=["job_name", "device"])
+    memory = core.GaugeMetricFamily(
+        "crossover_job_memory_bytes", "Resident memory of a job's ranks on a device.",
+        labels=["job_name", "device"])
+    for device, acc in sorted(f.accounts.items()):
+        grants.add_metric([f.node, device], acc["grants"])
+        for job, spent in sorted(acc["jobs"].items()):
+            info.add_metric([job, f.user, device, f.hpc_jobs.get(job, "")], {})
+            held.add_metric([job, device], spent["held_s"])
+            waited.add_metric([job, device], spent["waited_s"])
+            if (job, device) in f.memory:
+                memory.add_metric([job, device], f.memory[(job, device)])
+    return [*out, grants, info, held, waited, memory]
+
+
+def render(f: NodeFigures) -> bytes:
+    """The text exposition of one scrape."""
+    client = prometheus_client()
+
+    class Once:
+        def collect(self) -> Iterable:
+            return families(f)
+
+    registry = client.CollectorRegistry(auto_describe=False)
+    registry.register(Once())
+    return client.generate_latest(registry)
+
+
+def user_name(uid: int) -> str:
+    """The login name of `uid` (its number where it has none)."""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def resident_bytes(pids: Iterable[int]) -> int:
+    """The resident set of the processes still there."""
+    total = 0
+    for pid in pids:
+        try:
+            total += psutil.Process(pid).memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+class HighWater:
+    """Counters that never go back between scrapes. A hold in progress counts up to the
+    scrape, but a release the native fast path made is applied later, at its own time
+    (`table`): the hold then ends before the moment an earlier scrape counted to."""
+
+    def __init__(self) -> None:
+        self._shown: dict[tuple[str, str, str], float] = {}
+
+    def never_back(self, accounts: dict[str, dict]) -> dict[str, dict]:
+        shown = {}
+        for device, acc in accounts.items():
+            for job, spent in acc["jobs"].items():
+                for what, value in spent.items():
+                    key = (device, job, what)
+                    spent[what] = shown[key] = max(value, self._shown.get(key, 0.0))
+        self._shown = shown  # a job gone from a device is forgotten with its series
+        return accounts
+
+
+class _Scrape:
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.text: bytes | None = None
+
+
+class MetricsEndpoint:
+    """The HTTP server on its thread, and the scrapes that wait for the serve loop.
+
+    Args:
+        address, port: where to listen.
+        wakeup: wakes the serve loop (safe from another thread).
+    """
+
+    def __init__(self, address: str, port: int, wakeup: Callable[[], None]) -> None:
+        prometheus_client()  # fail now, with the fix, not at the first scrape
+        self._wakeup = wakeup
+        self._counters = HighWater()
+        self._lock = threading.Lock()
+        self._pending: list[_Scrape] = []
+        endpoint = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                if self.path.split("?")[0] != "/metrics":
+                    self.send_error(404, "only /metrics is served here")
+                    return
+                text = endpoint.scrape()
+                if text is None:
+                    self.send_error(503, "the service did not answer in time")
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", CONTENT_TYPE)
+                self.send_header("Content-Length", str(len(text)))
+                self.end_headers()
+                self.wfile.write(text)
+
+            def log_message(self, *_) -> None:
+                pass  # a scrape every few seconds is no news
+
+        try:
+            self._server = http.server.ThreadingHTTPServer((address, port), Handler)
+        except OSError as exc:
+            raise MetricsError(f"cannot serve metrics on {address}:{port} ({exc.strerror}):"
+                               " choose another --metrics-port or --metrics-address") \
+                from exc
+        self._server.daemon_threads = True
+        self.address = self._server.server_address[:2]
+        self._thread = threading.Thread(target=self._server.serve_forever,
+                                        name="crossover-metrics", daemon=True)
+        self._thread.start()
+        log.info("metrics on http://%s:%d/metrics", *self.address)
+
+    def scrape(self) -> bytes | None:
+        """The text for one scrape (HTTP thread); None if the loop did not answer."""
+        scrape = _Scrape()
+        with self._lock:
+            self._pending.append(scrape)
+        self._wakeup()
+        return scrape.text if scrape.done.wait(SCRAPE_WAIT_S) else None
+
+    def answer(self, figures: Callable[[], NodeFigures]) -> None:
+        """Render the scrapes waiting (serve loop): one rendering serves them all."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        if not pending:
+            return
+        try:
+            f = figures()
+            f.accounts = self._counters.never_back(f.accounts)
+            text: bytes | None = render(f)
+        except Exception:  # noqa: BLE001 - a scrape must never end the service
+            log.exception("rendering the metrics failed")
+            text = None
+        for scrape in pending:
+            scrape.text = text
+            scrape.done.set()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
