@@ -39,6 +39,15 @@ def _port(text: str) -> int:
     return int(text)
 
 
+def _address(text: str) -> str:
+    """An argparse type: an IPv4 address or host name."""
+    try:
+        return E.VARS[E.METRICS_ADDRESS].parse(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"give an IPv4 address or host name, got "
+                                         f"{text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every subcommand and flag of `crossover` (docs/configuration.md is made from it)."""
     parser = argparse.ArgumentParser(prog="crossover", description=__doc__)
@@ -96,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "$CROSSOVER_METRICS_PORT, else off; needs prometheus-client: pip "
                         "install 'crossover[metrics]'; fake node N of a test world uses "
                         "PORT+N)")
-    d.add_argument("--metrics-address", default=None, metavar="ADDRESS",
+    d.add_argument("--metrics-address", type=_address, default=None, metavar="ADDRESS",
                    help="the address the metrics port listens on (default "
                         "$CROSSOVER_METRICS_ADDRESS, else 127.0.0.1; 0.0.0.0 for every "
                         "interface)")
@@ -203,6 +212,38 @@ def _stop(args: argparse.Namespace) -> int:
     return 0
 
 
+def _metrics_setting(args: argparse.Namespace) -> tuple[str, int] | None:
+    """(address, port) of the metrics endpoint, or None: each from its flag, else its
+    variable (read only then), else the address's default. ValueError names a bad one;
+    MetricsError says prometheus-client is missing."""
+    port = args.metrics_port if args.metrics_port is not None else E.get(E.METRICS_PORT)
+    address = args.metrics_address if args.metrics_address is not None else \
+        E.get(E.METRICS_ADDRESS)
+    if port is None:
+        if args.metrics_address is not None:
+            raise ValueError("--metrics-address needs --metrics-port (or "
+                             "CROSSOVER_METRICS_PORT)")
+        return None
+    from crossover.daemon.metrics import prometheus_client
+
+    prometheus_client()  # said here once, not by every node's service its relay starts
+    return address, int(port)
+
+
+def _with_metrics(argv: list[str], metrics: tuple[str, int] | None) -> list[str]:
+    """`argv` with the metrics flags it settled on, once."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--metrics-port", "--metrics-address"):
+            skip = True
+        elif not arg.startswith(("--metrics-port=", "--metrics-address=")):
+            kept.append(arg)
+    return kept if metrics is None else [*kept, "--metrics-address", metrics[0],
+                                         "--metrics-port", str(metrics[1])]
+
+
 def _daemon(args: argparse.Namespace) -> int:
     from crossover.daemon import Daemon
     from crossover.daemon.logfile import LOG_FILE, adopt
@@ -212,29 +253,20 @@ def _daemon(args: argparse.Namespace) -> int:
 
     if args.node is not None:
         os.environ[E.NODE] = args.node  # read as CROSSOVER_NODE is, by node_identity
-    try:  # the flags, else CROSSOVER_METRICS_PORT and _ADDRESS
-        from_env = E.metrics_at()
-    except ValueError as exc:
+    try:
+        metrics = _metrics_setting(args)
+    except (ValueError, MetricsError) as exc:
         print(f"crossover daemon: {exc}", file=sys.stderr)
         return 2
-    metrics = None if args.metrics_port is None and from_env is None else (
-        args.metrics_address if args.metrics_address is not None else
-        from_env[0] if from_env else "127.0.0.1",
-        args.metrics_port if args.metrics_port is not None else from_env[1])
-    if metrics is not None:
-        from crossover.daemon.metrics import MetricsError, prometheus_client
-
-        try:  # said here once, not by every node's service its relay starts
-            prometheus_client()
-        except MetricsError as exc:
-            print(f"crossover daemon: {exc}", file=sys.stderr)
-            return 2
+    # the relays and the generations start every node's service with these arguments
+    # (the environment does not reach other hosts)
+    argv = _with_metrics(sys.argv[1:], metrics)
     if not args.service and ("OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ):
         # under mpirun: this node's relay, which starts the node's service if need be
         from crossover.daemon.relay import run_relay
 
         return run_relay(args.generation, args.leader,
-                         args.nodes.split(",") if args.nodes else None, sys.argv[1:],
+                         args.nodes.split(",") if args.nodes else None, argv,
                          args.runtime_dir)
     try:
         adopted = adopt(runtime_dir(args.runtime_dir, create=False) / LOG_FILE,
@@ -251,13 +283,7 @@ def _daemon(args: argparse.Namespace) -> int:
                         mode_hold_s=args.mode_hold, mode_probe_local=args.mode_probe_local,
                         align_phases=args.align_phases, core_shares=args.core_shares,
                         hello_timeout_s=args.hello_timeout,
-                        relayed=args.service,
-                        # the generations it forms start every node's service with these
-                        # (the environment does not reach other hosts)
-                        argv=[*sys.argv[1:], *([] if metrics is None else [
-                            "--metrics-address", metrics[0],
-                            "--metrics-port", str(metrics[1])])],
-                        metrics=metrics)
+                        relayed=args.service, argv=argv, metrics=metrics)
     except (ValueError, PermissionError) as exc:  # a bad setting, or runtime directory
         print(f"crossover daemon: {exc}", file=sys.stderr)
         return 2

@@ -89,7 +89,8 @@ def _port(value: str) -> int:
 
 
 def _address(value: str) -> str:
-    if not value or not all(c.isalnum() or c in ".:-" for c in value):
+    """An IPv4 address or a host name (the metrics server is IPv4)."""
+    if not value or not all(c.isalnum() or c in ".-" for c in value):
         raise ValueError(value)
     return value
 
@@ -227,7 +228,7 @@ VARS: dict[str, Var] = {v.name: v for v in [
                "--metrics-port`; crossoverrun passes it to the daemons it starts on every "
                "host)"),
     _var(METRICS_ADDRESS, _address, "127.0.0.1", "127.0.0.1",
-         "give an IP address or host name", sides=("daemon",), strict=True,
+         "give an IPv4 address or host name", sides=("daemon",), strict=True,
          about="the address the metrics port listens on (0.0.0.0: every interface)"),
     _var(RELAY_NETWORK, _network, None, "the network of the node name's address",
          "give an interface name (eth0), an IPv4 network (10.1.0.0/16) or any",

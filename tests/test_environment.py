@@ -115,8 +115,8 @@ TABLE = [
                               "65535 (default no metrics)")),
     (E.METRICS_ADDRESS, "", "127.0.0.1"),
     (E.METRICS_ADDRESS, "0.0.0.0", "0.0.0.0"),
-    (E.METRICS_ADDRESS, "a b", Bad("CROSSOVER_METRICS_ADDRESS='a b': give an IP address "
-                                   "or host name (default 127.0.0.1)")),
+    (E.METRICS_ADDRESS, "a b", Bad("CROSSOVER_METRICS_ADDRESS='a b': give an IPv4 "
+                                   "address or host name (default 127.0.0.1)")),
     (E.RELAY_NETWORK, "", None),
     (E.RELAY_NETWORK, "eth0", "eth0"),
     (E.RELAY_NETWORK, "10.1.0.0/16", "10.1.0.0/16"),

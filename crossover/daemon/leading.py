@@ -81,10 +81,10 @@ class LeaderThread:
         if self.leader.aligner is not None:
             self._call(self.leader.aligner.reset)
 
-    def snapshot(self) -> dict | None:
+    def snapshot(self, wait_s: float = SNAPSHOT_WAIT_S) -> dict | None:
         """The mode decisions, for status; the last one taken if the leader is busy
-        longer than SNAPSHOT_WAIT_S (status must not wait on the leader either)."""
-        if self._lock.acquire(timeout=SNAPSHOT_WAIT_S):
+        longer than `wait_s` (status must not wait on the leader either)."""
+        if self._lock.acquire(timeout=wait_s):
             try:
                 self._last_snapshot = self.leader.snapshot()
             finally:

@@ -7,8 +7,10 @@ serves its own node: Prometheus scrapes every node (`docs/configuration.md`).
 
 The serve loop owns the scheduler and the world, and nothing else may read them while
 it runs: a scrape, on the HTTP server's thread, asks the loop (`wakeup`) and waits up
-to SCRAPE_WAIT_S for the text it renders between two events (a 503 past that). So a
-figure is exact at the moment of the scrape, and a scrape never stalls a grant.
+to SCRAPE_WAIT_S for a copy of its figures, taken between two events (a 503 past that);
+the scrape's thread then reads the ranks' memory and renders the text. A few scrapes at
+a time are served, each connection for at most REQUEST_S: a port reached by others
+cannot tie up the service's threads or descriptors.
 
 Names follow Prometheus's conventions: base units, `_total` counters, `_info` metadata,
 no rank label. A training job is `job_name`: Prometheus sets `job` itself, to the scrape
@@ -18,6 +20,7 @@ so their number stays bounded by the jobs present.
 
 from __future__ import annotations
 
+import dataclasses
 import http.server
 import logging
 import pwd
@@ -28,15 +31,17 @@ from dataclasses import dataclass, field
 import psutil
 
 from crossover import __version__
+from crossover.protocol import Mode
 
 log = logging.getLogger("crossover.daemon")
 
-#: how long a scrape waits for the serve loop to render the text
+#: how long a scrape waits for the serve loop's figures
 SCRAPE_WAIT_S = 2.0
+#: scrapes served at once (more get a 503), and how long one connection may take
+SCRAPES_AT_ONCE, REQUEST_S = 4, 5.0
 #: the classic text format, which `generate_latest` writes and every Prometheus reads
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-#: the modes a node's devices are served in (`crossover.protocol.Mode`)
-MODES = ("antiphase", "concurrent")
+MODES = [m.value for m in Mode]
 
 
 class MetricsError(RuntimeError):
@@ -61,23 +66,33 @@ class NodeFigures:
     Attributes:
         node: the node's name.
         user: the user the service runs as (every job on it is that user's).
-        world: `Member.snapshot()` (leader, epoch, generation, members, lost).
+        leads: whether this node's service leads the world.
+        world: `Member.snapshot()` (epoch, generation, members, lost).
         mode: the mode the node's devices are served in.
         accounts: `SlotScheduler.accounts()`: per device its grants and each job's held
             and waited seconds.
-        memory: {(job, device): resident bytes of the job's ranks on that device}.
+        memory: {(job, device): resident bytes of the job's ranks on that device}
+            (`with_memory` fills it from `pids`, off the serve loop).
+        pids: {(job, device): the pids of the job's ranks on that device}.
         groups: the leader's mode decisions, {group: {"mode": ...}} (the leader only).
-        hpc_jobs: {job: the batch system's job id} where a rank said one.
     """
 
     node: str
     user: str
+    leads: bool
     world: dict
     mode: str
     accounts: dict[str, dict]
     memory: dict[tuple[str, str], int] = field(default_factory=dict)
+    pids: dict[tuple[str, str], list[int]] = field(default_factory=dict)
     groups: dict[str, dict] | None = None
-    hpc_jobs: dict[str, str] = field(default_factory=dict)
+
+    def with_memory(self) -> NodeFigures:
+        """These figures with the memory of the ranks in `pids` read now."""
+        if not self.pids:
+            return self
+        return dataclasses.replace(self, memory={place: resident_bytes(pids)
+                                                 for place, pids in self.pids.items()})
 
 
 def families(f: NodeFigures) -> list:
@@ -99,7 +114,7 @@ def families(f: NodeFigures) -> list:
     gauge("crossover_world_nodes", "Nodes in the world as this node sees it (alive).",
           world.get("members", 1))
     gauge("crossover_is_leader", "1 where this node's service leads the world.",
-          1.0 if world.get("leader_node") == f.node else 0.0)
+          1.0 if f.leads else 0.0)
     gauge("crossover_generation", "The world's generation this node's relay is of.",
           world.get("generation", 0))
     gauge("crossover_epoch", "The leader's epoch as this node follows it.",
@@ -117,15 +132,17 @@ def families(f: NodeFigures) -> list:
         for group, decision in sorted(f.groups.items()):
             groups.add_metric([str(group)], {m: m == decision.get("mode") for m in MODES})
         out.append(groups)
-    grants = core.CounterMetricFamily("crossover_grants", "Slots granted on a device.",
+    grants = core.CounterMetricFamily("crossover_grants", "Ranks granted a device (a "
+                                      "job's ranks on it count one each).",
                                       labels=["node", "device"])
     info = core.InfoMetricFamily("crossover_job", "A job with a rank on a device.",
                                  labels=["job_name", "user", "device", "hpc_job"])
     held = core.CounterMetricFamily(
-        "crossover_device_hold_seconds", "Seconds a job's ranks held a device (summed "
-        "over its ranks on it).", labels=["job_name", "device"])
+        "crossover_device_hold_seconds", "Seconds a job held a device (while any of its "
+        "ranks on it did).", labels=["job_name", "device"])
     waited = core.CounterMetricFamily(
-        "crossover_slot_wait_seconds", "Seconds a job's ranks waited for a device.",
+        "crossover_slot_wait_seconds", "Seconds a job waited for a device (while any of "
+        "its ranks on it did).",
         labels=["job_name", "device"])
     memory = core.GaugeMetricFamily(
         "crossover_job_memory_bytes", "Resident memory of a job's ranks on a device.",
@@ -133,7 +150,7 @@ def families(f: NodeFigures) -> list:
     for device, acc in sorted(f.accounts.items()):
         grants.add_metric([f.node, device], acc["grants"])
         for job, spent in sorted(acc["jobs"].items()):
-            info.add_metric([job, f.user, device, f.hpc_jobs.get(job, "")], {})
+            info.add_metric([job, f.user, device, ""], {})  # no batch system's id yet
             held.add_metric([job, device], spent["held_s"])
             waited.add_metric([job, device], spent["waited_s"])
             if (job, device) in f.memory:
@@ -179,15 +196,16 @@ class HighWater:
     (`table`): the hold then ends before the moment an earlier scrape counted to."""
 
     def __init__(self) -> None:
-        self._shown: dict[tuple[str, str, str], float] = {}
+        self._shown: dict[tuple, float] = {}
 
     def never_back(self, accounts: dict[str, dict]) -> dict[str, dict]:
         shown = {}
         for device, acc in accounts.items():
             for job, spent in acc["jobs"].items():
-                for what, value in spent.items():
-                    key = (device, job, what)
-                    spent[what] = shown[key] = max(value, self._shown.get(key, 0.0))
+                for what in ("held_s", "waited_s"):
+                    # the job's arrival on the device tells a run of it from the next
+                    key = (device, job, spent.get("since"), what)
+                    spent[what] = shown[key] = max(spent[what], self._shown.get(key, 0.0))
         self._shown = shown  # a job gone from a device is forgotten with its series
         return accounts
 
@@ -195,7 +213,7 @@ class HighWater:
 class _Scrape:
     def __init__(self) -> None:
         self.done = threading.Event()
-        self.text: bytes | None = None
+        self.figures: NodeFigures | None = None
 
 
 class MetricsEndpoint:
@@ -208,18 +226,30 @@ class MetricsEndpoint:
 
     def __init__(self, address: str, port: int, wakeup: Callable[[], None]) -> None:
         prometheus_client()  # fail now, with the fix, not at the first scrape
+        if not 0 <= port <= 65535:
+            raise MetricsError(f"cannot serve metrics on port {port}: give --metrics-port "
+                               "from 1 to 65535 (fake node N adds N to it)")
         self._wakeup = wakeup
+        self._slots = threading.BoundedSemaphore(SCRAPES_AT_ONCE)
         self._counters = HighWater()
         self._lock = threading.Lock()
         self._pending: list[_Scrape] = []
         endpoint = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
+            timeout = REQUEST_S  # a connection that says nothing is closed
+
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
                 if self.path.split("?")[0] != "/metrics":
                     self.send_error(404, "only /metrics is served here")
                     return
-                text = endpoint.scrape()
+                if not endpoint._slots.acquire(blocking=False):
+                    self.send_error(503, f"{SCRAPES_AT_ONCE} scrapes are being served")
+                    return
+                try:
+                    text = endpoint.scrape()
+                finally:
+                    endpoint._slots.release()
                 if text is None:
                     self.send_error(503, "the service did not answer in time")
                     return
@@ -251,23 +281,33 @@ class MetricsEndpoint:
         with self._lock:
             self._pending.append(scrape)
         self._wakeup()
-        return scrape.text if scrape.done.wait(SCRAPE_WAIT_S) else None
-
-    def answer(self, figures: Callable[[], NodeFigures]) -> None:
-        """Render the scrapes waiting (serve loop): one rendering serves them all."""
-        with self._lock:
-            pending, self._pending = self._pending, []
-        if not pending:
-            return
+        if not scrape.done.wait(SCRAPE_WAIT_S):
+            with self._lock:
+                if scrape in self._pending:
+                    self._pending.remove(scrape)
+            return None
+        if scrape.figures is None:
+            return None
         try:
-            f = figures()
-            f.accounts = self._counters.never_back(f.accounts)
-            text: bytes | None = render(f)
+            return render(scrape.figures.with_memory())
         except Exception:  # noqa: BLE001 - a scrape must never end the service
             log.exception("rendering the metrics failed")
-            text = None
+            return None
+
+    def answer(self, figures: Callable[[], NodeFigures]) -> None:
+        """Copy the figures for the scrapes waiting (serve loop): one copy serves all."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+            if not pending:
+                return
+            try:
+                f: NodeFigures | None = figures()
+                f.accounts = self._counters.never_back(f.accounts)
+            except Exception:  # noqa: BLE001 - a scrape must never end the service
+                log.exception("reading the metrics failed")
+                f = None
         for scrape in pending:
-            scrape.text = text
+            scrape.figures = f
             scrape.done.set()
 
     def close(self) -> None:

@@ -33,13 +33,7 @@ from crossover.daemon.generation import is_fake
 from crossover.daemon.leading import LeaderThread
 from crossover.daemon.logfile import LOG_FILE
 from crossover.daemon.member import TO_LEADER, Member
-from crossover.daemon.metrics import (
-    MetricsEndpoint,
-    MetricsError,
-    NodeFigures,
-    resident_bytes,
-    user_name,
-)
+from crossover.daemon.metrics import MetricsEndpoint, MetricsError, NodeFigures, user_name
 from crossover.daemon.ranks import Node, Ranks
 from crossover.daemon.relay import relay_path
 from crossover.daemon.sockets import NodeSockets
@@ -192,9 +186,13 @@ class Daemon:
                 port += int(self.node.name[len("fake"):])
             try:
                 self.metrics = MetricsEndpoint(address, port, self._wakeup)
-            except MetricsError:
-                self._close(listener, relays)
-                raise
+            except MetricsError as exc:
+                if not self.peers.relayed:  # run by hand: say so, and stop
+                    self._close(listener, relays)
+                    raise
+                # a node of a world (its port taken by another user's service, say)
+                # still coordinates its jobs
+                log.error("node %s: %s; serving without metrics", self.node.name, exc)
         log.info("daemon %s/%s for node %s on %s: policy %s, devices %s",
                  self.peers.rank, self.peers.size, self.node.name, self.path,
                  self.sched.policy.name,
@@ -228,10 +226,10 @@ class Daemon:
                     self.leader.busy_here = self.ranks.busy
                     self.leader.raise_error()
                 self._finish_status_waits()
-                if self.metrics is not None:
-                    self.metrics.answer(self._figures)
                 self._realign()
                 self.table.publish_plans()
+                if self.metrics is not None:  # after the table's events are applied
+                    self.metrics.answer(self._figures)
                 self.ranks.update_company()
         finally:
             self._close(listener, relays)
@@ -396,14 +394,12 @@ class Daemon:
         return snap
 
     def _figures(self) -> NodeFigures:
-        """What a metrics scrape shows of this node."""
-        decision = self.leader.snapshot() if self.leader is not None else None
+        """What a metrics scrape shows of this node (copied: it renders elsewhere)."""
+        groups = self.leader.snapshot(wait_s=0.0) if self.leader is not None else None
         return NodeFigures(
-            node=self.node.name, user=self._user, world=self.member.snapshot(),
-            mode=self.sched.mode.value, accounts=self.sched.accounts(),
-            memory={place: resident_bytes(pids)
-                    for place, pids in self.ranks.pids_by_place().items()},
-            groups=decision)
+            node=self.node.name, user=self._user, leads=self.leader is not None,
+            world=self.member.snapshot(), mode=self.sched.mode.value,
+            accounts=self.sched.accounts(), pids=self.ranks.pids_by_place(), groups=groups)
 
     def _start_status(self, conn: RankConn) -> None:
         self._status_token += 1

@@ -52,6 +52,7 @@ from crossover.scheduler.state import (
     RankState,
     SchedulerError,
     SlotGrant,
+    Spent,
 )
 from crossover.scheduler.switch import ModeSwitching
 from crossover.scheduler.views import SchedulerViews
@@ -115,7 +116,9 @@ class SlotScheduler(ModeSwitching, SchedulerViews):
             else self.policy.turn_at(dev.vtime, weight)
         self._where[(job, rank)] = device
         now = self.clock()
-        dev.ranks[(job, rank)] = RankEntry(job, rank, order, weight, turn, NEW, now, joined=now)
+        dev.ranks[(job, rank)] = RankEntry(job, rank, order, weight, turn, NEW, now, joined=now,
+                                           device=device)
+        dev.spent.setdefault(job, Spent(since=now))
 
     def unregister(self, job: str, rank: int) -> list[SlotGrant]:
         """Remove a rank (it finished, crashed or lost its connection); frees its slot."""
@@ -123,7 +126,14 @@ class SlotScheduler(ModeSwitching, SchedulerViews):
         if device is None:
             return []
         dev = self._devices[device]
-        self._drop_holding(device, dev.ranks.pop((job, rank)))
+        r = dev.ranks.pop((job, rank))
+        self._drop_holding(device, r)
+        spent = dev.spent.get(job)
+        if any(j == job for j, _ in dev.ranks):
+            if spent is not None:
+                spent.change(r.state, None, self.clock())
+        else:
+            dev.spent.pop(job, None)  # its last rank here: its time here goes with it
         if not any(j == job for j, _ in self._where):
             del self._jobs[job]
         if not dev.ranks:
@@ -300,8 +310,9 @@ class SlotScheduler(ModeSwitching, SchedulerViews):
 
     def _set(self, r: RankEntry, state: RankState) -> None:
         now = self.clock()
-        if r.state == HOLDING:
-            r.held_s += now - r.since
+        spent = self._devices[r.device].spent.get(r.job)  # none in a preview's trial
+        if spent is not None:
+            spent.change(r.state, state, now)
         r.state, r.since = state, now
 
     def _next_in_line(self, dev: DeviceEntry) -> RankEntry | None:

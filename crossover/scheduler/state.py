@@ -64,7 +64,6 @@ class RankEntry:
     deadline: float | None = None  # lease end while holding
     joined: float = 0.0
     waited_s: float = 0.0  # accumulated time in WAITING
-    held_s: float = 0.0  # accumulated time in HOLDING (the present hold left out)
     pos: int = 0  # requests so far, points passed holding included: where the rank is in
     # its job's request sequence (the same on every rank of the job at the same point)
     # Its job's turn offset from a switch to antiphase, set from the job's points as the
@@ -75,6 +74,45 @@ class RankEntry:
     # It holds since before the latest switch to antiphase (granted concurrently) and has
     # not released since: its hold excludes other jobs only for a while (`expire`)
     kept_over: bool = False
+    device: str = ""  # the device it is registered on
+
+
+@dataclass
+class Spent:
+    """One job's time on one device, holding it and waiting for it: the time at least
+    one of its ranks there did (wall-clock, not summed over ranks), for metrics."""
+
+    since: float  # its first rank here registered then: a job run again is a new one
+    held_s: float = 0.0  # the present hold left out
+    waited_s: float = 0.0
+    holding: int = 0  # its ranks holding now
+    waiting: int = 0
+    hold_from: float = 0.0
+    wait_from: float = 0.0
+
+    def change(self, old: RankState | None, new: RankState | None, now: float) -> None:
+        """One of its ranks goes from `old` to `new` (None: it registers or leaves)."""
+        if old == HOLDING:
+            self.holding -= 1
+            if not self.holding:
+                self.held_s += now - self.hold_from
+        elif old == WAITING:
+            self.waiting -= 1
+            if not self.waiting:
+                self.waited_s += now - self.wait_from
+        if new == HOLDING:
+            self.holding += 1
+            if self.holding == 1:
+                self.hold_from = now
+        elif new == WAITING:
+            self.waiting += 1
+            if self.waiting == 1:
+                self.wait_from = now
+
+    def at(self, now: float) -> tuple[float, float]:
+        """(held, waited) seconds up to `now`, the present hold and wait included."""
+        return (self.held_s + (now - self.hold_from if self.holding else 0.0),
+                self.waited_s + (now - self.wait_from if self.waiting else 0.0))
 
 
 @dataclass
@@ -87,7 +125,8 @@ class DeviceEntry:
     vtime: float = 0.0  # virtual time of the latest grant: where newcomers start
     hold_start: float = 0.0
     held_s: dict[str, float] = field(default_factory=dict)  # job -> accumulated hold time
-    grants: int = 0  # slots granted on it so far (a holder's renewal is not one)
+    grants: int = 0  # ranks granted it so far (a holder's renewal is not a grant)
+    spent: dict[str, Spent] = field(default_factory=dict)  # job -> its time on it
     blocked_since: float | None = None  # free, with waiters, waiting for an active rank
     # The next hand-over to another job waits this long (`SlotScheduler.delay_handover`),
     # and until when the device, free, is closed because of it

@@ -91,17 +91,17 @@ class SchedulerViews:
                 "jobs": jobs}
 
     def accounts(self) -> dict[str, dict]:
-        """Per device, its grants so far and, per job with a rank on it, the seconds its
-        ranks held it and waited for it (summed over its ranks there; the present hold
-        or wait included). A job that left is no longer counted (for metrics)."""
+        """Per device, the ranks granted it so far and, per job with a rank on it, the
+        seconds it held it and waited for it (while any of its ranks there did; the
+        present hold or wait included) and since when it is there. A job's time on a
+        device goes when its last rank there leaves (for metrics)."""
         now = self.clock()
         out = {}
         for name, dev in sorted(self._devices.items()):
-            jobs: dict[str, dict[str, float]] = {}
-            for r in dev.ranks.values():
-                acc = jobs.setdefault(r.job, {"held_s": 0.0, "waited_s": 0.0})
-                acc["held_s"] += r.held_s + (now - r.since if r.state == HOLDING else 0.0)
-                acc["waited_s"] += r.waited_s + (now - r.since if r.state == WAITING else 0.0)
+            jobs = {}
+            for job, spent in sorted(dev.spent.items()):
+                held, waited = spent.at(now)
+                jobs[job] = {"held_s": held, "waited_s": waited, "since": spent.since}
             out[name] = {"grants": dev.grants, "jobs": jobs}
         return out
 
