@@ -62,6 +62,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import statistics
 import subprocess
@@ -88,6 +89,7 @@ from bench.robustness.chaos import (
     compare_with_solo,
     let_finish,
 )
+from crossover.daemon.logfile import LOG_FILE
 from crossover.daemon.relay import relay_mca_env, relay_mca_flags
 from crossover.launch.local import mpi_env, terminate_group
 from crossover.probe import daemon_status, stop_world
@@ -99,7 +101,7 @@ FAULTS = {"member_kill": 0.15, "leader_kill": 0.1, "member_stop": 0.15,
           "link_cut": 0.1, "pair_cut": 0.1, "oneway_cut": 0.05, "loss": 0.1}
 #: the faults of the network, one at a time (emulated hosts only); pair cuts need 3 hosts
 NETWORK = {"link_cut": 2, "pair_cut": 3, "oneway_cut": 3, "loss": 2}
-#: a job's launch and rendezvous are over this long after its start (no link cut before)
+#: no network fault in a job's first seconds, nor before its ranks asked for a slot
 RENDEZVOUS_S = 8.0
 #: a daemon fault disturbs slot waits from its start to this long after its end
 SETTLE_S = 15.0
@@ -269,6 +271,25 @@ def start_job(n: int, rng: random.Random, world: World, env: dict, tmp: Path) ->
                       size=size)
 
 
+def past_rendezvous(job: RunningJob, runtime: Path) -> bool:
+    """Every rank of `job` has asked its node's daemon for a slot: Horovod's start (the
+    rendezvous in Gloo's store, over the network) is over. Until then a network fault
+    would fail the job without crossover too. At least RENDEZVOUS_S after its launch."""
+    if time.monotonic() - job.started < RENDEZVOUS_S:
+        return False
+    if job.name not in _RENDEZVOUS_DONE:
+        said = "".join(p.read_text(errors="replace") for p in
+                       (runtime / f"{LOG_FILE}.1", runtime / LOG_FILE) if p.exists())
+        ranks = set(re.findall(rf"job {re.escape(job.name)} rank (\d+) on node ", said))
+        if len(ranks) < job.size:
+            return False
+        _RENDEZVOUS_DONE.add(job.name)
+    return True
+
+
+_RENDEZVOUS_DONE: set[str] = set()
+
+
 def inject(kind: str, world: World, jobs: list[RunningJob], rng: random.Random,
            later: list, windows: list, stops: list) -> str | None:
     """Strike once; returns what happened (None: no target now)."""
@@ -298,7 +319,7 @@ def inject(kind: str, world: World, jobs: list[RunningJob], rng: random.Random,
         # starts.
         if world.cut:
             return None
-        world.cut_due = any(time.monotonic() - j.started < RENDEZVOUS_S
+        world.cut_due = any(not past_rendezvous(j, world.runtime)
                             for j in jobs if j.proc.poll() is None)
         if world.cut_due:
             return None
