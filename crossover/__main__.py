@@ -33,10 +33,12 @@ def _seconds(minimum: float = 0.0, exclusive: bool = True) -> Callable[[str], fl
 
 
 def _port(text: str) -> int:
-    """An argparse type: a TCP port number."""
-    if not text.isdigit() or not 0 < int(text) < 65536:
-        raise argparse.ArgumentTypeError(f"give a port number from 1 to 65535, got {text!r}")
-    return int(text)
+    """An argparse type: a TCP port number (parsed as CROSSOVER_METRICS_PORT is)."""
+    try:
+        return E.VARS[E.METRICS_PORT].parse(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"give a port number from 1 to 65535, got "
+                                         f"{text!r}") from None
 
 
 def _address(text: str) -> str:
