@@ -105,6 +105,8 @@ NETWORK = {"link_cut": 2, "pair_cut": 3, "oneway_cut": 3, "loss": 2}
 RENDEZVOUS_S = 8.0
 #: a daemon fault disturbs slot waits from its start to this long after its end
 SETTLE_S = 15.0
+#: how long the jobs' Gloo waits for a peer (Horovod's HOROVOD_GLOO_TIMEOUT_SECONDS)
+GLOO_TIMEOUT_S = 120
 
 
 class World:
@@ -224,9 +226,15 @@ def job_env(cluster: EmulatedCluster) -> dict[str, str]:
     allreduce sums each element in an order set by where it falls in the fusion buffer,
     and what is fused in a cycle depends on timing, which faults change: the weights
     would differ from the solo run's in the last bits. Each tensor reduced alone sums in
-    one order."""
-    return {**JOB_ENV, **({"HOROVOD_FUSION_THRESHOLD": "0"} if len(cluster.hosts) > 2
-                          else {})}
+    one order.
+
+    Gloo's default timeout (30 s) is shorter than a cut of up to 12 s plus TCP's
+    retransmission backoff (0.2 s doubling: the segment after a 12 s cut may go out
+    25 s after the first try), so a job of plain Horovod dies under such a cut with or
+    without crossover; the storm's jobs wait GLOO_TIMEOUT_S, as a job on a flaky
+    network would be told to."""
+    return {**JOB_ENV, "HOROVOD_GLOO_TIMEOUT_SECONDS": str(GLOO_TIMEOUT_S),
+            **({"HOROVOD_FUSION_THRESHOLD": "0"} if len(cluster.hosts) > 2 else {})}
 
 
 class Repeat:
