@@ -9,10 +9,14 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import crossover
 from crossover import environment as E
 from crossover.scheduler import POLICIES
+
+if TYPE_CHECKING:
+    from crossover.daemon.users import Users
 
 #: `crossover status` redraws at most this often.
 MIN_INTERVAL_S = 0.1
@@ -111,6 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the address the metrics port listens on (default "
                         "$CROSSOVER_METRICS_ADDRESS, else 127.0.0.1; 0.0.0.0 for every "
                         "interface)")
+    d.add_argument("--system", action="store_true",
+                   help="serve every user of this node (a node service run by root or a "
+                        "dedicated user, e.g. from systemd): listen in $CROSSOVER_SYSTEM_DIR "
+                        "(default /run/crossover), where every user's ranks find it; each "
+                        "job is its owner's, and only this user and root may stop it")
+    d.add_argument("--allow-group", default=None, metavar="GROUP",
+                   help="with --system: serve only the members of GROUP (default: every "
+                        "user of the node)")
     # how the parts of a world start each other (`crossover.daemon.relay`), not for users
     d.add_argument("--service", action="store_true", help=argparse.SUPPRESS)
     d.add_argument("--generation", type=int, default=0, help=argparse.SUPPRESS)
@@ -214,6 +226,21 @@ def _stop(args: argparse.Namespace) -> int:
     return 0
 
 
+def _users(args: argparse.Namespace) -> Users:
+    """Who may use the daemon. ValueError (`UsersError`) names a setting that does not
+    fit: a group that does not exist, --allow-group without --system, or --system with
+    what it cannot have yet."""
+    from crossover.daemon.users import Users
+
+    if args.system and args.runtime_dir is not None:
+        raise ValueError("--system listens in $CROSSOVER_SYSTEM_DIR, where every user's "
+                         "ranks look for it: set that instead of --runtime-dir")
+    if args.system and ("OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ):
+        raise ValueError("--system serves this node alone: run it on each node (e.g. from "
+                         "systemd), not under mpirun")
+    return Users(shared=args.system, group=args.allow_group)
+
+
 def _metrics_setting(args: argparse.Namespace) -> tuple[str, int] | None:
     """(address, port) of the metrics endpoint, or None: each from its flag, else its
     variable (read only then), else the address's default. ValueError names a bad one;
@@ -251,15 +278,18 @@ def _daemon(args: argparse.Namespace) -> int:
     from crossover.daemon.logfile import LOG_FILE, adopt
     from crossover.daemon.metrics import MetricsError
     from crossover.daemon.sockets import RUNNING_EXIT, DaemonRunning
-    from crossover.transport import runtime_dir
+    from crossover.transport import runtime_dir, system_dir
 
     if args.node is not None:
         os.environ[E.NODE] = args.node  # read as CROSSOVER_NODE is, by node_identity
     try:
+        users = _users(args)
         metrics = _metrics_setting(args)
     except (ValueError, MetricsError) as exc:
         print(f"crossover daemon: {exc}", file=sys.stderr)
         return 2
+    if users.shared:
+        args.runtime_dir = str(system_dir())
     # the relays and the generations start every node's service with these arguments
     # (the environment does not reach other hosts)
     argv = _with_metrics(sys.argv[1:], metrics)
@@ -285,7 +315,7 @@ def _daemon(args: argparse.Namespace) -> int:
                         mode_hold_s=args.mode_hold, mode_probe_local=args.mode_probe_local,
                         align_phases=args.align_phases, core_shares=args.core_shares,
                         hello_timeout_s=args.hello_timeout,
-                        relayed=args.service, argv=argv, metrics=metrics)
+                        relayed=args.service, argv=argv, metrics=metrics, users=users)
     except (ValueError, PermissionError) as exc:  # a bad setting, or runtime directory
         print(f"crossover daemon: {exc}", file=sys.stderr)
         return 2

@@ -33,6 +33,7 @@ ENABLE = "CROSSOVER_ENABLE"
 JOB = "CROSSOVER_JOB"
 JOB_START = "CROSSOVER_JOB_START"
 RUNTIME_DIR = "CROSSOVER_RUNTIME_DIR"
+SYSTEM_DIR = "CROSSOVER_SYSTEM_DIR"
 PRIORITY = "CROSSOVER_PRIORITY"
 TRACE = "CROSSOVER_TRACE"
 PIN_CPU = "CROSSOVER_PIN_CPU"
@@ -188,7 +189,13 @@ VARS: dict[str, Var] = {v.name: v for v in [
                "node set it"),
     _var(RUNTIME_DIR, _path, None, "$XDG_RUNTIME_DIR/crossover, else /tmp/crossover-<uid>",
          "give a directory", sides=("job", "daemon"),
-         about="the directory of the daemons' sockets and slot table (yours, mode 0700)"),
+         about="the directory of your own daemons' sockets and slot table (yours, mode "
+               "0700); set, it wins over a node service for every user"),
+    _var(SYSTEM_DIR, _path, "/run/crossover", "/run/crossover", "give a directory",
+         sides=("job", "daemon"),
+         about="where the node service for every user (`crossover daemon --system`) "
+               "listens; a rank uses it when it serves there and CROSSOVER_RUNTIME_DIR "
+               "is unset"),
     _var(PRIORITY, _weight, 1.0, "1", "give a number > 0",
          about="the job's weight under the priority policy"),
     _var(TRACE, _path, None, "no trace", "give a directory",

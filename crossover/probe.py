@@ -8,6 +8,7 @@ import socket
 
 from crossover import environment as E
 from crossover import protocol as P
+from crossover.client.link import not_admitted
 from crossover.transport import recv_msg, send_msg, socket_path
 
 
@@ -51,11 +52,15 @@ def _ask(msg: P.Message, runtime_dir: str | os.PathLike | None, node: str | None
         sock.connect(str(path))
         send_msg(sock, msg)
         report = recv_msg(sock)
+    except PermissionError as exc:  # a node service that does not admit this user
+        raise ConnectionError(not_admitted(path, exc)) from None
     except (OSError, P.ProtocolError) as exc:
         raise ConnectionError(f"no crossover daemon answers on {path} ({exc}); start one "
                               f"with `crossover daemon` or use --crossover-daemon auto") from None
     finally:
         sock.close()
+    if isinstance(report, P.Error):  # not this user's to ask
+        raise ConnectionError(f"the crossover daemon on {path} refused: {report.message}")
     if not isinstance(report, P.StatusReport):
         raise ConnectionError(f"daemon on {path} answered {report.kind}, not a status report")
     return report.nodes

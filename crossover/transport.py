@@ -1,8 +1,10 @@
 """How messages travel: length-prefixed frames on a node-local Unix socket, and an MPI
 channel between the daemon processes of different nodes.
 
-The Unix socket lives in a directory only its owner can open (0700), so only the same
-user's jobs reach the daemon.
+A user's own daemon's Unix socket lives in a directory only its owner can open (0700),
+so only the same user's jobs reach it; a node service for every user lives in a
+directory only root could have made, and checks each connection's user itself
+(`crossover.daemon.users`).
 """
 
 from __future__ import annotations
@@ -30,24 +32,68 @@ def default_runtime_dir() -> Path:
     return Path(xdg) / "crossover" if xdg else Path(f"/tmp/crossover-{os.getuid()}")
 
 
-def runtime_dir(path: str | os.PathLike | None = None, create: bool = True) -> Path:
-    """The private directory that holds the daemons' sockets; created 0700 if missing.
+def system_dir() -> Path:
+    """Where a node service for every user lives (`crossover daemon --system`):
+    $CROSSOVER_SYSTEM_DIR, else /run/crossover (systemd's RuntimeDirectory=crossover)."""
+    return Path(E.get(E.SYSTEM_DIR))
 
-    The directory itself is checked without following a symbolic link: any local user
-    may create a path in /tmp before us, and a link there would point our sockets and
-    slot table wherever its owner likes. Once it is ours and 0700, nobody else can add,
-    rename or replace an entry in it, so the names inside resolve to what we made.
+
+def system_service_dir() -> Path | None:
+    """The system service's directory when one serves this machine (a ranks' socket
+    is published there, in a directory only root could have made), else None."""
+    d = system_dir()
+    try:
+        if not any(d.glob("node-*.sock")):
+            return None
+    except OSError:  # missing, or not ours to list
+        return None
+    return d if shared_dir_problem(d) is None else None
+
+
+def shared_dir_problem(d: Path) -> str | None:
+    """Why `d` cannot hold a node service for several users, or None. It must be a
+    directory (not a link) that only its owner may change, in a parent that only root
+    may change: then root made it, or gave it to the service's user, and nobody else
+    can put a socket of their own under a name that ranks trust."""
+    try:
+        st, parent = os.lstat(d), os.stat(d.parent)
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror})"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is a symbolic link" if stat.S_ISLNK(st.st_mode) else "is not a directory"
+    if stat.S_IMODE(st.st_mode) & 0o022:
+        return f"may be changed by users other than its owner (mode {oct(st.st_mode & 0o777)})"
+    if parent.st_uid != 0 or stat.S_IMODE(parent.st_mode) & 0o022:
+        return (f"is in {d.parent}, which users other than root may change (uid "
+                f"{parent.st_uid}, mode {oct(parent.st_mode & 0o777)})")
+    return None
+
+
+def runtime_dir(path: str | os.PathLike | None = None, create: bool = True) -> Path:
+    """The directory that holds the daemons' sockets; created if missing.
+
+    A user's own daemon's directory is private (0700, theirs). The directory itself is
+    checked without following a symbolic link: any local user may create a path in /tmp
+    before us, and a link there would point our sockets and slot table wherever its
+    owner likes. Once it is ours and 0700, nobody else can add, rename or replace an
+    entry in it, so the names inside resolve to what we made. The system service's
+    directory (`system_dir`) is checked as `shared_dir_problem` says instead.
 
     Args:
-        path: an explicit directory; default $CROSSOVER_RUNTIME_DIR, else
-            `default_runtime_dir()`.
+        path: an explicit directory; default $CROSSOVER_RUNTIME_DIR, else the system
+            service's where one serves this machine, else `default_runtime_dir()`.
         create: make it if missing (the daemon); clients only look.
 
     Raises:
         PermissionError: the path is a symbolic link or not a directory, belongs to
             another user, or others can open it; the message names the fix.
     """
-    d = Path(path or E.runtime_dir_setting() or default_runtime_dir())
+    explicit = path or E.runtime_dir_setting()
+    if explicit is None and (shared := system_service_dir()) is not None:
+        return shared
+    d = Path(explicit or default_runtime_dir())
+    if d == system_dir():
+        return _system_runtime_dir(d, create)
     fix = "remove it, or set CROSSOVER_RUNTIME_DIR to a directory of your own"
     if create:
         d.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -75,6 +121,23 @@ def runtime_dir(path: str | os.PathLike | None = None, create: bool = True) -> P
             f"0700 (it has uid {st.st_uid}, mode {oct(stat.S_IMODE(st.st_mode))}): another "
             f"user may have made it first; {fix}"
         )
+    return d
+
+
+def _system_runtime_dir(d: Path, create: bool) -> Path:
+    """The system service's directory (made 0755 by the service where missing)."""
+    if create:
+        try:
+            d.mkdir(mode=0o755)
+        except FileExistsError:
+            pass
+    elif not os.path.lexists(d):
+        return d
+    problem = shared_dir_problem(d)
+    if problem is not None:
+        raise PermissionError(f"crossover system directory {d} {problem}: remove it and "
+                              f"let the service make it (systemd: RuntimeDirectory="
+                              f"crossover), or set CROSSOVER_SYSTEM_DIR")
     return d
 
 

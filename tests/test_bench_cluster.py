@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pwd
 import re
 import shutil
 import signal
@@ -486,3 +487,57 @@ def test_a_member_whose_relay_and_leader_are_gone_leads_and_the_world_comes_back
             assert nodes[h1]["daemon"]["pid"] == before[h1]["daemon"]["pid"]
         finally:
             _stop_world(daemons, runtime, h1)
+
+
+@pytest.mark.timeout(600)
+def test_crossover_torchrun_across_hosts_uses_each_hosts_node_service(tmp_path):
+    """With the node service for every user running on each host (`crossover daemon
+    --system`, as systemd starts it), crossover-torchrun across nodes needs no world
+    started by hand: each host's service serves its ranks, the job has one name on both
+    (--crossover-job here; --rdzv-id or SLURM_JOB_ID where there is one), and two DDP
+    jobs take turns on both hosts and train what they train alone."""
+    system = tmp_path / "sys" / "crossover"
+    system.parent.mkdir(mode=0o755)
+    traces = tmp_path / "traces"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("CROSSOVER_RUNTIME_DIR", "XDG_RUNTIME_DIR")}
+    env.update(OMP_NUM_THREADS="1", CROSSOVER_SYSTEM_DIR=str(system))
+
+    def launch(cluster: EmulatedCluster, seed: int, flags: list[str],
+               extra: dict | None = None) -> subprocess.Popen:
+        cmd = cluster.torchrun([sys.executable, TUTORIAL, "--seed", str(seed), "--steps",
+                                "1500"], launcher=[*CROSSOVER_TORCHRUN, *flags])
+        return subprocess.Popen(cmd, env={**env, **(extra or {})}, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    with EmulatedCluster(mbit=1000) as cluster:
+        solo = {seed: _checksum(launch(cluster, seed, []), reference=True) for seed in (1, 2)}
+        log = open(tmp_path / "services.log", "w")  # noqa: SIM115 - closed below
+        services = [subprocess.Popen(cluster.exec_in(i, [
+            sys.executable, "-m", "crossover", "daemon", "--system", "--policy", "crossover"]),
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            for i in range(len(cluster.hosts))]
+        try:
+            deadline = time.monotonic() + 60
+            while len(list(system.glob("node-*.sock"))) < len(cluster.hosts):
+                assert time.monotonic() < deadline and all(s.poll() is None for s in services), \
+                    (tmp_path / "services.log").read_text()
+                time.sleep(0.1)
+            procs = [launch(cluster, seed, ["--crossover", "--crossover-job", name],
+                            {"CROSSOVER_TRACE": str(traces)})
+                     for name, seed in (("one", 1), ("two", 2))]
+            together = [_checksum(p) for p in procs]
+        finally:
+            for s in services:
+                os.killpg(s.pid, signal.SIGTERM)
+            for s in services:
+                s.wait(timeout=30)
+            log.close()
+    assert together == [solo[1], solo[2]]
+    said = (tmp_path / "services.log").read_text()
+    user = pwd.getpwuid(os.getuid()).pw_name
+    for host in cluster.hosts:  # each job on each host's service, as its owner's
+        for name in ("one", "two"):
+            assert re.search(rf"job {user}/{name} rank \d on node {host} ", said), said[-3000:]
+    events = trace.merge(sorted(traces.glob("*.json")), tmp_path / "merged.json")
+    assert_shared_in_turns(events, {"one", "two"}, devices=2)  # each host's device

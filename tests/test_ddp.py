@@ -424,3 +424,20 @@ def test_a_dropped_model_is_collected_before_the_interpreter_is_torn_down(tmp_pa
                          timeout=120, env=env, cwd=REPO)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "freed while finalizing False" in res.stdout, res.stdout + res.stderr[-2000:]
+
+
+@pytest.mark.parametrize("argv, env, name", [
+    (["--rdzv-id", "exp/42", "train.py"], {}, "train-exp_42"),
+    (["--nnodes", "2", "train.py"], {"SLURM_JOB_ID": "7731", "SLURM_STEP_ID": "0"},
+     "train-7731.0"),
+    (["--rdzv-id", "r1", "my.train.py"], {"SLURM_JOB_ID": "7731"}, "my_train-r1"),
+    (["train.py"], {}, f"train-{os.getpid()}"),
+])
+def test_a_torchrun_job_has_one_name_on_every_node(monkeypatch, argv, env, name):
+    from crossover.launch.torchrun import job_name, torchrun_args
+
+    for var in ("SLURM_JOB_ID", "SLURM_STEP_ID", "PET_RDZV_ID"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    assert job_name(torchrun_args(argv)) == name

@@ -60,6 +60,8 @@ TABLE = [
                                   f"agreed with the name)")),
     (E.RUNTIME_DIR, "", None),
     (E.RUNTIME_DIR, "/tmp/cx run", "/tmp/cx run"),
+    (E.SYSTEM_DIR, "", "/run/crossover"),
+    (E.SYSTEM_DIR, "/srv/cx", "/srv/cx"),
     (E.PRIORITY, "", 1.0),
     (E.PRIORITY, "3", 3.0),
     (E.PRIORITY, " 0.25", 0.25),
@@ -131,7 +133,7 @@ TABLE = [
 def test_the_table_covers_every_variable_and_each_is_described():
     assert {name for name, _, _ in TABLE} == set(E.VARS)
     assert {name for name, _, want in TABLE if isinstance(want, Bad)} == set(E.VARS) - {
-        E.RUNTIME_DIR, E.TRACE}  # any string is a directory name
+        E.RUNTIME_DIR, E.SYSTEM_DIR, E.TRACE}  # any string is a directory name
     # each says what it does: docs/configuration.md is made from these (tests/test_docs.py)
     assert all(var.about for var in E.VARS.values())
 

@@ -395,6 +395,11 @@ def test_crossover_stop_on_one_node_stops_every_nodes_daemon(cluster: Cluster):
     import psutil
 
     with cluster.daemon(nodes=3):
+        # whoever started the world by hand is told it outlives their mpirun, and how to
+        # stop it
+        said = (cluster.tmp / "daemon.log").read_text()
+        assert said.count("serve on when this mpirun ends") == 1, said[-3000:]
+        assert f"crossover stop --runtime-dir {cluster.runtime}" in said
         pids = [snap["daemon"]["pid"] for snap in status(cluster, "fake1").values()]
         out = subprocess.run([PY, "-m", "crossover", "stop"], capture_output=True,
                              text=True, timeout=60, cwd=REPO,

@@ -13,6 +13,9 @@ mismatch and a duplicate rank stop a job: both are set-up errors that never heal
 
 from __future__ import annotations
 
+import grp
+import os
+import pwd
 import socket
 import sys
 import time
@@ -61,6 +64,23 @@ def refusal(error: P.Error, job: str) -> RuntimeError:
     if error.code == P.ErrorCode.DUPLICATE:
         return CrossoverDuplicateError(text)
     return DaemonRefused(text)
+
+
+def not_admitted(path: Path, exc: OSError) -> str:
+    """Why this user cannot connect to the daemon at `path`, and what to do."""
+    try:
+        st = path.stat()
+        group = grp.getgrgid(st.st_gid).gr_name if st.st_mode & 0o070 else None
+    except (OSError, KeyError):
+        group = None
+    try:
+        user = pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        user = f"uid {os.getuid()}"
+    only = f" (it admits group {group} only)" if group is not None else ""
+    return (f"the crossover daemon at {path} does not admit user {user}"
+            f"{only}: {exc.strerror}; ask its operator to admit you, or run your own "
+            f"daemon (set CROSSOVER_RUNTIME_DIR to a directory of yours)")
 
 
 class _Attempt:

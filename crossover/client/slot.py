@@ -19,6 +19,7 @@ from crossover.client.link import (
     CrossoverVersionError,
     DaemonLink,
     DaemonRefused,
+    not_admitted,
 )
 from crossover.client.pinning import Pinning
 from crossover.client.reporting import StepReporter
@@ -123,6 +124,8 @@ class SlotClient(DaemonLink):
             raise
         except DaemonRefused as exc:  # it would refuse the same hello again: no healing
             self._fail_open(str(exc), heal=False)
+        except PermissionError as exc:  # a node service that does not admit this user
+            self._fail_open(not_admitted(self.path, exc), heal=False)
         except Exception as exc:  # noqa: BLE001 - a client never crashes its job
             self._fail_open(f"cannot reach the crossover daemon at {self.path} ({exc})")
 

@@ -10,7 +10,6 @@ message and one for each close.
 from __future__ import annotations
 
 import logging
-import os
 import selectors
 import socket
 import struct
@@ -18,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from crossover import protocol as P
+from crossover.daemon.users import Users
 from crossover.scheduler import SchedulerError
 from crossover.transport import FrameBuffer, send_msg
 
@@ -41,6 +41,8 @@ class RankConn:
     #: (other jobs on its device, mode, its job's cores), as last told
     told: tuple[int, str, list[int]] | None = None
     device: str | None = None  # where the scheduler placed the rank
+    uid: int | None = None  # the user of its process, from the kernel (SO_PEERCRED)
+    pid: int | None = None
 
     @property
     def open(self) -> bool:
@@ -79,13 +81,15 @@ class Connections:
         handle: called for each message read, as `handle(conn, msg)`; what it raises is
             answered (see `guard`), never passed on.
         closed: called once for each connection closed, as `closed(conn, why)`.
+        users: who may connect (default: the daemon's own user).
     """
 
     def __init__(self, sel: selectors.BaseSelector, clock: Callable[[], float],
                  hello_timeout_s: float, max_conns: int,
                  handle: Callable[[RankConn, P.Message], None],
-                 closed: Callable[[RankConn, str], None]) -> None:
+                 closed: Callable[[RankConn, str], None], users: Users | None = None) -> None:
         self.sel, self.clock = sel, clock
+        self.users = users or Users()
         self.hello_timeout_s, self.max_conns = hello_timeout_s, max_conns
         self._handle, self._closed = handle, closed
         self._refused_at = -1e9  # when a connection over max_conns was last logged
@@ -101,12 +105,18 @@ class Connections:
         except OSError:  # gone already, or out of descriptors: the listener stays
             return
         uid, pid = peer_credentials(sock)
-        if uid is not None and uid != os.geteuid():
-            # The 0700 runtime directory keeps other users out; should it have been
-            # opened up, this keeps them out all the same (and says who tried).
+        if uid is not None and not self.users.admits(uid):
+            # The socket's mode (and a user's own daemon's 0700 directory) keeps other
+            # users out; should it have been opened up, this keeps them out all the same
+            # (and says who tried).
+            why = self.users.refusal(uid)
+            log.warning("refused a connection from uid %d (process %s): %s", uid, pid, why)
+            try:
+                sock.settimeout(0.1)
+                send_msg(sock, P.Error(why, P.ErrorCode.REFUSED.value))
+            except OSError:
+                pass
             sock.close()
-            log.warning("refused a connection from uid %d (process %s): only this "
-                        "daemon's user (uid %d) may use it", uid, pid, os.geteuid())
             return
         if len(self.sel.get_map()) >= self.max_conns:
             sock.close()
@@ -118,7 +128,8 @@ class Connections:
         # Non-blocking: replies are tiny, so a send that would block means the client
         # stopped reading; it is dropped rather than allowed to stall every other job.
         sock.setblocking(False)
-        self.sel.register(sock, selectors.EVENT_READ, RankConn(sock, self.clock()))
+        self.sel.register(sock, selectors.EVENT_READ,
+                          RankConn(sock, self.clock(), uid=uid, pid=pid))
 
     def drop_silent(self, asking: set[int]) -> None:
         """Close connections that said nothing useful within hello_timeout_s, but those

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import http.server
 import logging
-import pwd
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from dataclasses import dataclass, field
 import psutil
 
 from crossover import __version__
+from crossover.daemon.users import owner_of
 from crossover.protocol import Mode
 
 log = logging.getLogger("crossover.daemon")
@@ -65,7 +65,8 @@ class NodeFigures:
 
     Attributes:
         node: the node's name.
-        user: the user the service runs as (every job on it is that user's).
+        user: the user the service runs as (the owner of every job on a daemon of one
+            user; a service for several users names each job's owner in its key).
         leads: whether this node's service leads the world.
         world: `Member.snapshot()` (epoch, generation, members, lost).
         mode: the mode the node's devices are served in.
@@ -150,7 +151,8 @@ def families(f: NodeFigures) -> list:
     for device, acc in sorted(f.accounts.items()):
         grants.add_metric([f.node, device], acc["grants"])
         for job, spent in sorted(acc["jobs"].items()):
-            info.add_metric([job, f.user, device, ""], {})  # no batch system's id yet
+            # on a service for several users the job's key names its owner
+            info.add_metric([job, owner_of(job) or f.user, device, ""], {})  # no batch id yet
             held.add_metric([job, device], spent["held_s"])
             waited.add_metric([job, device], spent["waited_s"])
             if (job, device) in f.memory:
@@ -169,14 +171,6 @@ def render(f: NodeFigures) -> bytes:
     registry = client.CollectorRegistry(auto_describe=False)
     registry.register(Once())
     return client.generate_latest(registry)
-
-
-def user_name(uid: int) -> str:
-    """The login name of `uid` (its number where it has none)."""
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return str(uid)
 
 
 def resident_bytes(pids: Iterable[int]) -> int:

@@ -55,12 +55,16 @@ class Ranks:
         deciding: the mode is decided from step rates (ranks report their steps).
         clock: monotonic clock.
         core_shares: give each concurrent CPU job on this host its own cores (`_shares`).
+        table_for: whether a rank's connection may be offered the slot table (the native
+            fast path); the others are granted over their sockets.
     """
 
     def __init__(self, node: Node, sched: SlotScheduler, table: TableSync,
                  conns: Connections, peers: Uplink, aligning: bool, deciding: bool,
-                 clock: Callable[[], float], core_shares: bool = True) -> None:
+                 clock: Callable[[], float], core_shares: bool = True,
+                 table_for: Callable[[RankConn], bool] = lambda conn: True) -> None:
         self.node, self.sched, self.table, self.conns = node, sched, table, conns
+        self.table_for = table_for
         self.core_shares = core_shares
         self.peers, self.aligning, self.deciding, self.clock = peers, aligning, deciding, clock
         self.by_key: dict[tuple[str, int], RankConn] = {}
@@ -236,7 +240,7 @@ class Ranks:
             # its first steps under the initial antiphase.
             self.steps[hello.job] = 0
             self.peers.send_leader(("progress", hello.job, 0, True, 0, 0.0, 0.0))
-        place = self.table.reserve(conn.key, device)
+        place = self.table.reserve(conn.key, device) if self.table_for(conn) else None
         table, slot, index = (self.table.path, *place) if place else ("", -1, -1)
         log.info("job %s rank %d on node %s -> %s (started %d)",
                  hello.job, hello.rank, self.node.name, device, hello.start_ns)

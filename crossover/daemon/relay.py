@@ -381,8 +381,16 @@ def run_relay(epoch: int, leader_node: str | None, nodes: list[str] | None,
     """`crossover daemon` under mpirun: this node's relay. Finalizes MPI only when its
     world stops (every member does then); otherwise it exits without: MPI_Finalize is a
     collective call that would wait for members that died."""
+    rdir = runtime_dir(directory, create=True)
+    if epoch == 0 and os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK")) == "0":
+        # (said through the mpirun that a user may have started by hand: whoever ends it
+        # must know that the world does not end with it)
+        print(f"crossover daemon: the node services of this world serve on when this "
+              f"mpirun ends (a node's loss is that node's alone): stop them all with "
+              f"`crossover stop --runtime-dir {rdir}`; their log is {rdir / LOG_FILE}",
+              file=sys.stderr, flush=True)
     # the node's log, beside its service's (not through mpirun, which cannot bound it)
-    log_to(runtime_dir(directory, create=True) / LOG_FILE, E.log_bytes(), "crossover-relay")
+    log_to(rdir / LOG_FILE, E.log_bytes(), "crossover-relay")
     code = Relay(epoch, leader_node, nodes, args, directory).run()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -19,6 +19,7 @@ re-alignment), and what a node does with the other daemons' messages.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import resource
@@ -33,12 +34,14 @@ from crossover.daemon.generation import is_fake
 from crossover.daemon.leading import LeaderThread
 from crossover.daemon.logfile import LOG_FILE
 from crossover.daemon.member import TO_LEADER, Member
-from crossover.daemon.metrics import MetricsEndpoint, MetricsError, NodeFigures, user_name
+from crossover.daemon.metrics import MetricsEndpoint, MetricsError, NodeFigures
+from crossover.daemon.notify import notify
 from crossover.daemon.ranks import Node, Ranks
 from crossover.daemon.relay import relay_path
 from crossover.daemon.sockets import NodeSockets
 from crossover.daemon.table import TableSync
 from crossover.daemon.uplink import Uplink
+from crossover.daemon.users import Users, user_name
 from crossover.daemon.wire import world_key
 from crossover.daemon.world import Leader, node_identity
 from crossover.procstats import RankUsage, daemon_figures, process_state
@@ -77,6 +80,9 @@ class Daemon:
             successor takes over; see `membership`).
         argv: this daemon's arguments after `python -m crossover`: the leader starts the
             services of new or lost nodes with them (`generation`).
+        metrics: (address, port) of the Prometheus endpoint (None: none).
+        users: who may use this daemon (default: its own user; `Users(shared=True)`:
+            a node service for every user, or a group's).
         clock: monotonic clock, injectable for tests.
 
     Raises:
@@ -102,15 +108,17 @@ class Daemon:
         dead_after_s: float = 5.0,
         argv: list[str] | None = None,
         metrics: tuple[str, int] | None = None,
+        users: Users | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self.users = users = users or Users()
         name, cores = node_identity()
         self.node = Node(name, cores, max(1, min(cpu_devices or len(cores), len(cores))))
         self.clock = clock
         self.sched = SlotScheduler(make_policy(policy), clock, lease_s, patience_s)
         self.path = socket_path(name, runtime_dir, create=True)
         self.sockets = NodeSockets(self.path, relay_path(name, self.path.parent)
-                                   if relayed else None)
+                                   if relayed else None, users.socket_mode, users.gid)
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = os.pipe()
         # Both ends non-blocking: a full pipe already holds a wake-up, and a blocked
@@ -124,7 +132,7 @@ class Daemon:
         aligning = align_phases and policy_.exclusive
         self.conns = Connections(self._sel, clock, hello_timeout_s, max_conns,
                                  handle=self._handle, closed=lambda c, why: self.ranks.closed(
-                                     c, why))
+                                     c, why), users=users)
         self.table = TableSync(self.sched, deliver=lambda g: self.ranks.deliver(g),
                                pids_on=lambda device: self.ranks.pids_on(device))
         # The leader decides for all: the mode from what it measures (policy auto), the
@@ -142,7 +150,10 @@ class Daemon:
                              beat_s=beat_s, dead_after_s=dead_after_s)
         self.ranks = Ranks(self.node, self.sched, self.table, self.conns, self.peers,
                            aligning=aligning, deciding=policy_.adaptive, clock=clock,
-                           core_shares=core_shares)
+                           core_shares=core_shares,
+                           # the slot table is the service user's file (0600): other
+                           # users' ranks are granted over their sockets
+                           table_for=lambda conn: conn.uid in (None, users.service_uid))
         self.handovers_delayed = 0  # on this node, by the leader's corrections
         self._status_waits: dict[int, tuple[RankConn, dict, float]] = {}
         self._status_token = 0
@@ -150,8 +161,9 @@ class Daemon:
         self._started = time.monotonic()
         self._usage = RankUsage()
         self._metrics_at = metrics
-        self._user = user_name(os.geteuid())
+        self._user = user_name(users.service_uid)
         self.metrics: MetricsEndpoint | None = None
+        self._said_ready = False
 
     @property
     def leader(self) -> LeaderThread | None:
@@ -178,6 +190,7 @@ class Daemon:
         if relays is not None:
             self._sel.register(relays, selectors.EVENT_READ, "relay")
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._ready()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.stop())
         if self._metrics_at is not None:
@@ -210,6 +223,7 @@ class Daemon:
                         hello = self.peers.accept(relays)
                         if hello is not None:
                             self.sockets.publish()
+                            self._ready()
                             self.member.attached(*hello)
                     elif key.data == "wake":
                         self._drain_wakeups()
@@ -232,8 +246,15 @@ class Daemon:
                     self.metrics.answer(self._figures)
                 self.ranks.update_company()
         finally:
+            notify(STOPPING=1)
             self._close(listener, relays)
             log.info("daemon for node %s stopped", self.node.name)
+
+    def _ready(self) -> None:
+        """Once ranks can find this daemon, tell systemd (a `Type=notify` service)."""
+        if self.sockets.published and not self._said_ready:
+            self._said_ready = True
+            notify(READY=1, STATUS=f"serving node {self.node.name} on {self.path}")
 
     def _close(self, listener, relays) -> None:
         self._sel.close()
@@ -278,6 +299,17 @@ class Daemon:
             pass
 
     def _handle(self, conn: RankConn, msg: P.Message) -> None:
+        if isinstance(msg, (P.Grow, P.StopWorld)) and conn.uid is not None \
+                and not self.users.manages(conn.uid):
+            why = (f"user {user_name(conn.uid)} may not {msg.kind.replace('_', ' ')} the "
+                   f"crossover service of user {self._user} on node {self.node.name}: "
+                   f"its operator does (e.g. systemctl stop crossover)")
+            log.warning("refused %s of process %s: %s", msg.kind, conn.pid, why)
+            self.conns.reply(conn, P.Error(why, P.ErrorCode.REFUSED.value))
+            return
+        if isinstance(msg, P.Hello) and self.users.shared and conn.uid is not None:
+            # the job is its owner's: a user can name no other user's job
+            msg = dataclasses.replace(msg, job=self.users.job_key(conn.uid, msg.job))
         if isinstance(msg, P.Status):
             self._start_status(conn)
         elif isinstance(msg, P.Grow):

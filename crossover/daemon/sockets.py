@@ -40,10 +40,14 @@ class NodeSockets:
     Args:
         path: the ranks' socket (`transport.socket_path`).
         relay: the relays' socket, for a world's node service; None for a daemon alone.
+        mode: the ranks' socket's mode (`Users.socket_mode`; relays' is always 0600).
+        gid: the ranks' socket's group (`Users.gid`), or None to leave it.
     """
 
-    def __init__(self, path: Path, relay: Path | None) -> None:
+    def __init__(self, path: Path, relay: Path | None, mode: int = 0o600,
+                 gid: int | None = None) -> None:
         self.path, self.relay = path, relay
+        self.mode, self.gid = mode, gid
         self._started = time.monotonic()
         self._lock = None
 
@@ -53,7 +57,12 @@ class NodeSockets:
         Raises:
             DaemonRunning: another daemon holds this node's lock.
         """
-        self._lock = open(self.path.with_suffix(".lock"), "w")  # noqa: SIM115
+        # 0600: a user who could open the lock could also hold it, and keep the
+        # service from starting
+        lock = self.path.with_suffix(".lock")
+        self._lock = os.fdopen(os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600),
+                               "w")
+        os.fchmod(self._lock.fileno(), 0o600)  # made by an older version, say
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -63,7 +72,8 @@ class NodeSockets:
                 f"(`crossover stop`), or give this one another --runtime-dir"
             ) from None
         self.path.unlink(missing_ok=True)
-        ranks = _listener(self.path.with_suffix(".new"), socket.SOMAXCONN)
+        ranks = _listener(self.path.with_suffix(".new"), socket.SOMAXCONN, self.mode,
+                          self.gid)
         relays = None
         if self.relay is not None:
             relays = _listener(self.relay.with_suffix(".relay-new"), 16)
@@ -98,12 +108,17 @@ class NodeSockets:
             self.relay.unlink(missing_ok=True)
 
 
-def _listener(path: Path, backlog: int) -> socket.socket:
-    """A non-blocking Unix listener at `path`, which only its user may connect to."""
+def _listener(path: Path, backlog: int, mode: int = 0o600,
+              gid: int | None = None) -> socket.socket:
+    """A non-blocking Unix listener at `path` of `mode` (and group `gid`): who may
+    connect (its user only, by default). It is made under a name no rank looks for and
+    renamed once its mode is set."""
     path.unlink(missing_ok=True)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.bind(str(path))
-    os.chmod(path, 0o600)
+    if gid is not None:
+        os.chown(path, -1, gid)
+    os.chmod(path, mode)
     sock.listen(backlog)  # ranks that start together connect at once
     sock.setblocking(False)
     return sock

@@ -29,7 +29,7 @@ from crossover.daemon.logfile import LOG_FILE
 from crossover.daemon.relay import relay_mca_flags
 from crossover.daemon.wire import KEY_ENV, KEY_FILE, make_key, world_key
 from crossover.probe import daemon_listens, daemon_status, grow_world, stop_world
-from crossover.transport import runtime_dir, socket_path
+from crossover.transport import runtime_dir, socket_path, system_dir, system_service_dir
 
 #: How often crossoverrun checks that the daemon it started is still there.
 WATCH_S = 2.0
@@ -136,6 +136,8 @@ def ensure_daemon(address: str, policy: str | None, hosts: list[str],
         _check_policy(nodes, policy, rdir)
         _check_hosts(nodes, hosts, rdir)
         return rdir
+    if not E.runtime_dir_setting() and (shared := system_service_dir()) is not None:
+        return _use_system_service(shared, policy, quiet)
     rdir = runtime_dir(create=True)
     # Serialise check-and-start: jobs launched together must share one daemon.
     with open(rdir / "launch.lock", "w") as lock:
@@ -151,6 +153,21 @@ def ensure_daemon(address: str, policy: str | None, hosts: list[str],
             _check_hosts(nodes, hosts, rdir)
         else:
             start_daemon(rdir, policy or "auto", hosts, idle_shutdown_s, quiet)
+    return rdir
+
+
+def _use_system_service(rdir: Path, policy: str | None, quiet: bool) -> Path:
+    """The node service the system runs for every user: the job uses it as it is (its
+    operator starts and restarts it; each host's serves that host's ranks)."""
+    try:
+        nodes = daemon_status(rdir, timeout_s=2.0)
+    except ConnectionError as exc:
+        print(f"crossoverrun: the crossover node service does not answer ({exc}); the "
+              f"job trains uncoordinated until it is back", file=sys.stderr)
+        return rdir
+    _check_policy(nodes, policy, rdir)
+    if not quiet:
+        print(f"crossoverrun: using the crossover node service at {rdir}", file=sys.stderr)
     return rdir
 
 
@@ -282,6 +299,8 @@ def watch_daemon(stop: threading.Event, policy: str | None, hosts: list[str],
     one (under the launch lock, so jobs that watch together start one daemon). The
     jobs' ranks reconnect to it by themselves (see `crossover.client`)."""
     rdir = runtime_dir(create=True)
+    if rdir == system_dir():
+        return  # the system's node service: systemd (or a prolog) restarts it
     while not stop.wait(WATCH_S):
         if daemon_listens(rdir):
             continue
@@ -342,6 +361,10 @@ def stop_daemons(directory: str | None, force: bool = False, timeout_s: float = 
             not found here, or it did not exit within `timeout_s`.
     """
     rdir = runtime_dir(directory, create=False)
+    if rdir == system_dir() and os.getuid() not in (0, rdir.stat().st_uid):
+        raise UsageError(f"the crossover node service at {rdir} is the system's: its "
+                         f"operator stops it (systemctl stop crossover); to stop a daemon "
+                         f"of your own, give --runtime-dir or set CROSSOVER_RUNTIME_DIR")
     try:
         nodes = daemon_status(rdir)
     except ConnectionError as exc:

@@ -23,6 +23,7 @@ from crossover.daemon.relay import relay_mca_flags
 from crossover.launch import cli
 from crossover.launch.daemons import UsageError, daemon_watch, ensure_daemon
 from crossover.launch.running import merge_traces, run_runner_child
+from crossover.transport import system_service_dir
 
 PROG = "crossover-torchrun"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -69,6 +70,23 @@ def _single_node(parsed: argparse.Namespace) -> bool:
     return parsed.standalone or str(parsed.nnodes) in ("1", "1:1")
 
 
+def job_name(parsed: argparse.Namespace) -> str:
+    """The job's name where --crossover-job gives none: one on every node of the job,
+    from torchrun's --rdzv-id, else Slurm's job (and step) id, else the script and this
+    launcher's pid (one node's alone: a job across nodes then needs --crossover-job)."""
+    stem = Path(parsed.training_script).stem.replace(".", "_")
+    slurm = os.environ.get("SLURM_JOB_ID")
+    step = os.environ.get("SLURM_STEP_ID")
+    if parsed.rdzv_id and parsed.rdzv_id != "none":
+        shared = parsed.rdzv_id
+    elif slurm:
+        shared = slurm + (f".{step}" if step else "")
+    else:
+        shared = str(os.getpid())
+    # (a name holds no '/': its traces are files named after it)
+    return f"{stem}-{shared}".replace("/", "_")[:200]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `crossover-torchrun`; returns torchrun's exit status."""
     argv = sys.argv[1:] if argv is None else argv
@@ -90,14 +108,16 @@ def main(argv: list[str] | None = None) -> int:
         parsed = torchrun_args(rest)
         if not args.crossover or parsed is None:  # torchrun runs, or says what is wrong
             return run_runner_child([*TORCHRUN, *rest])
-        if not _single_node(parsed) and args.crossover_daemon == "auto":
+        if not _single_node(parsed) and args.crossover_daemon == "auto" and (
+                E.runtime_dir_setting() or system_service_dir() is None):
             raise UsageError(f"--nnodes {parsed.nnodes}: --crossover-daemon auto starts a "
-                             f"daemon for this host only; start one daemon world over the "
-                             f"nodes (mpirun {' '.join(relay_mca_flags())} -H ... crossover "
-                             f"daemon) and give its runtime "
-                             f"directory to --crossover-daemon on every node")
-        job = args.crossover_job or \
-            f"{Path(parsed.training_script).stem.replace('.', '_')}-{os.getpid()}"
+                             f"daemon for this host only; run the node service on every "
+                             f"node (crossover daemon --system: docs/deploy.md), or start "
+                             f"one daemon world over the nodes (mpirun "
+                             f"{' '.join(relay_mca_flags())} -H ... crossover daemon) and "
+                             f"give its runtime directory to --crossover-daemon on every "
+                             f"node")
+        job = args.crossover_job or job_name(parsed)
         hosts = ["localhost"]
         rdir = ensure_daemon(args.crossover_daemon, args.crossover_policy, hosts,
                              args.crossover_idle_shutdown)
