@@ -158,3 +158,18 @@ def test_notify_without_systemd_or_listener_sends_nothing(monkeypatch, tmp_path)
     assert not notify(READY=1)
     monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "nobody-listens"))
     assert not notify(READY=1)  # logged, not raised: the service serves on
+
+
+def test_stop_and_grow_are_the_managers_and_a_hello_is_its_owners():
+    from crossover import protocol as P
+
+    shared = Users(shared=True, service_uid=SERVICE)
+    for msg in (P.StopWorld(), P.Grow(["n2"])):
+        assert shared.refuses(SERVICE, msg, "n1") is None
+        assert shared.refuses(ROOT, msg, "n1") is None
+        assert "its operator does" in shared.refuses(ALICE, msg, "n1")
+    assert shared.refuses(ALICE, P.Status(), "n1") is None
+    hello = P.Hello("train", 0, 1, 0, 1, 42)
+    assert shared.owned(os.getuid(), hello).job == f"{user_name(os.getuid())}/train"
+    assert Users().owned(os.getuid(), hello) is hello  # a user's own daemon: as sent
+    assert shared.owned(os.getuid(), P.Status()) == P.Status()

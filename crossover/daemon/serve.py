@@ -19,7 +19,6 @@ re-alignment), and what a node does with the other daemons' messages.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import resource
@@ -299,17 +298,12 @@ class Daemon:
             pass
 
     def _handle(self, conn: RankConn, msg: P.Message) -> None:
-        if isinstance(msg, (P.Grow, P.StopWorld)) and conn.uid is not None \
-                and not self.users.manages(conn.uid):
-            why = (f"user {user_name(conn.uid)} may not {msg.kind.replace('_', ' ')} the "
-                   f"crossover service of user {self._user} on node {self.node.name}: "
-                   f"its operator does (e.g. systemctl stop crossover)")
+        why = self.users.refuses(conn.uid, msg, self.node.name)
+        if why is not None:
             log.warning("refused %s of process %s: %s", msg.kind, conn.pid, why)
             self.conns.reply(conn, P.Error(why, P.ErrorCode.REFUSED.value))
             return
-        if isinstance(msg, P.Hello) and self.users.shared and conn.uid is not None:
-            # the job is its owner's: a user can name no other user's job
-            msg = dataclasses.replace(msg, job=self.users.job_key(conn.uid, msg.job))
+        msg = self.users.owned(conn.uid, msg)
         if isinstance(msg, P.Status):
             self._start_status(conn)
         elif isinstance(msg, P.Grow):

@@ -16,11 +16,14 @@ service's own user and root.
 
 from __future__ import annotations
 
+import dataclasses
 import grp
 import os
 import pwd
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from crossover import protocol as P
 
 #: between a job's owner and its name in the job's key on a service for several users:
 #: a user name never holds it, so the owner is what precedes the first one
@@ -123,6 +126,21 @@ class Users:
         """The job's name in this daemon: its owner's name and its own on a service for
         several users (two users' jobs of one name are two jobs), else as given."""
         return f"{user_name(uid)}{OWNER_SEP}{job}" if self.shared else job
+
+    def refuses(self, uid: int | None, msg: P.Message, node: str) -> str | None:
+        """Why `uid` may not send `msg` to this daemon (stop or grow its world), or None."""
+        if uid is None or not isinstance(msg, (P.StopWorld, P.Grow)) or self.manages(uid):
+            return None
+        verb = "stop" if isinstance(msg, P.StopWorld) else "grow"
+        return (f"user {user_name(uid)} may not {verb} the crossover service of user "
+                f"{user_name(self.service_uid)} on node {node}: its operator does (e.g. "
+                f"systemctl stop crossover)")
+
+    def owned(self, uid: int | None, msg: P.Message) -> P.Message:
+        """`msg` as this daemon takes it from `uid`: a hello names its owner's job."""
+        if isinstance(msg, P.Hello) and self.shared and uid is not None:
+            return dataclasses.replace(msg, job=self.job_key(uid, msg.job))
+        return msg
 
     def refusal(self, uid: int) -> str:
         """Why `uid` may not connect, and what to do."""
