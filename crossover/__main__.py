@@ -16,7 +16,7 @@ from crossover import environment as E
 from crossover.scheduler import POLICIES
 
 if TYPE_CHECKING:
-    from crossover.daemon.users import Users
+    from crossover.daemon.node.users import Users
 
 #: `crossover status` redraws at most this often.
 MIN_INTERVAL_S = 0.1
@@ -230,7 +230,7 @@ def _users(args: argparse.Namespace) -> Users:
     """Who may use the daemon. ValueError (`UsersError`) names a setting that does not
     fit: a group that does not exist, --allow-group without --system, or --system with
     what it cannot have yet."""
-    from crossover.daemon.users import Users
+    from crossover.daemon.node.users import Users
 
     if args.system and args.runtime_dir is not None:
         raise ValueError("--system listens in $CROSSOVER_SYSTEM_DIR, where every user's "
@@ -253,7 +253,7 @@ def _metrics_setting(args: argparse.Namespace) -> tuple[str, int] | None:
             raise ValueError("--metrics-address needs --metrics-port (or "
                              "CROSSOVER_METRICS_PORT)")
         return None
-    from crossover.daemon.metrics import prometheus_client
+    from crossover.daemon.node.metrics import prometheus_client
 
     prometheus_client()  # said here once, not by every node's service its relay starts
     return address, int(port)
@@ -276,8 +276,8 @@ def _with_metrics(argv: list[str], metrics: tuple[str, int] | None) -> list[str]
 def _daemon(args: argparse.Namespace) -> int:
     from crossover.daemon import Daemon
     from crossover.daemon.logfile import LOG_FILE, adopt
-    from crossover.daemon.metrics import MetricsError
-    from crossover.daemon.sockets import RUNNING_EXIT, DaemonRunning
+    from crossover.daemon.node.metrics import MetricsError
+    from crossover.daemon.node.sockets import RUNNING_EXIT, DaemonRunning
     from crossover.transport import runtime_dir, system_dir
 
     if args.node is not None:
@@ -295,7 +295,7 @@ def _daemon(args: argparse.Namespace) -> int:
     argv = _with_metrics(sys.argv[1:], metrics)
     if not args.service and ("OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ):
         # under mpirun: this node's relay, which starts the node's service if need be
-        from crossover.daemon.relay import run_relay
+        from crossover.daemon.relay.process import run_relay
 
         return run_relay(args.generation, args.leader,
                          args.nodes.split(",") if args.nodes else None, argv,

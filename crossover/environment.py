@@ -368,7 +368,7 @@ def node_setting() -> str | None:
 
 def world_key() -> bytes | None:
     """CROSSOVER_WORLD_KEY: the world's key handed over, or None (the runtime
-    directory's; `crossover.daemon.wire.world_key`). ValueError if it is not a key."""
+    directory's; `crossover.daemon.world.wire.world_key`). ValueError if it is not a key."""
     return get(WORLD_KEY)
 
 

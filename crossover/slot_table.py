@@ -1,6 +1,6 @@
 """The node's slot table (the native fast path): what the daemon's side and a rank's
 side share. The design is in native/table.hpp; the daemon's side is
-`crossover.daemon.table`, a rank's `crossover.client.fastpath`.
+`crossover.daemon.node.table`, a rank's `crossover.client.fastpath`.
 
 The daemon decides, the table executes (docs/design.md). A rank appends its
 requests and releases to its device's ring in the table; when the daemon's published

@@ -4,7 +4,7 @@ channel between the daemon processes of different nodes.
 A user's own daemon's Unix socket lives in a directory only its owner can open (0700),
 so only the same user's jobs reach it; a node service for every user lives in a
 directory only root could have made, and checks each connection's user itself
-(`crossover.daemon.users`).
+(`crossover.daemon.node.users`).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from crossover import trace
-from crossover.daemon.relay import relay_mca_flags
+from crossover.daemon.relay.launch import relay_mca_flags
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable

@@ -459,7 +459,7 @@ def test_a_member_whose_relay_and_leader_are_gone_leads_and_the_world_comes_back
     """Host 1's relay is killed, then host 0's whole node (the leader) before it formed
     a new generation: host 1's service is left with no relay and no leader. Within
     ORPHANED_S it leads and forms a generation that starts a service on host 0."""
-    from crossover.daemon.member import ORPHANED_S
+    from crossover.daemon.world.member import ORPHANED_S
     from crossover.probe import daemon_status
 
     runtime = tmp_path / "run"

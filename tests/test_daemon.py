@@ -316,7 +316,7 @@ def test_policy_off_shows_overlaps(cluster: Cluster):
 
 def test_crossover_node_names_the_daemon_and_its_clients(tmp_path, monkeypatch):
     """CROSSOVER_NODE overrides hostname and fake nodes on both sides (emulated hosts)."""
-    from crossover.daemon.world import node_identity
+    from crossover.daemon.node.ranks import node_identity
     from crossover.environment import node_name
 
     monkeypatch.setenv("CROSSOVER_NODE", "hostB")

@@ -16,7 +16,7 @@ import pytest
 
 from crossover import protocol as P
 from crossover.client import RankInfo, SlotClient
-from crossover.daemon.relay import relay_mca_flags
+from crossover.daemon.relay.launch import relay_mca_flags
 from crossover.protocol import Phase
 from crossover.transport import recv_msg, runtime_dir
 from tests.conftest import PY, REPO, Cluster, mpirun, wait_for

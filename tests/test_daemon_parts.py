@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from crossover.daemon.table import FENCE_S, TableSync
-from crossover.daemon.world import Leader
+from crossover.daemon.node.table import FENCE_S, TableSync
+from crossover.daemon.world.leader import Leader
 from crossover.scheduler.phase import PhaseAligner
 from tests.test_scheduler import FakeClock, build
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from crossover import _native, slot_table
 from crossover.client.fastpath import RING_FRAME, RankPath
-from crossover.daemon.table import TablePlane
+from crossover.daemon.node.table import TablePlane
 from crossover.protocol import Mode, Phase
 from crossover.scheduler import SlotScheduler, make_policy
 from crossover.scheduler.preview import PlanCache, preview

@@ -1,4 +1,4 @@
-"""The leader's decisions on their own thread (`crossover.daemon.leading`): handled in
+"""The leader's decisions on their own thread (`crossover.daemon.world.leader_thread`): handled in
 the order posted, ticked at their deadlines, failures handed to the serve loop, and a
 leader stuck on one job's join holds none of its node's grants."""
 
@@ -12,8 +12,8 @@ import time
 import pytest
 
 from crossover.client import RankInfo, SlotClient
-from crossover.daemon.leading import LeaderThread
-from crossover.daemon.world import Leader
+from crossover.daemon.world.leader import Leader
+from crossover.daemon.world.leader_thread import LeaderThread
 from crossover.protocol import Phase
 from tests.conftest import wait_for
 from tests.test_daemon_parts import Channel

@@ -3,10 +3,10 @@ relay's link (pure logic: what is sent is recorded, nothing is delivered)."""
 
 from __future__ import annotations
 
-from crossover.daemon import generation
-from crossover.daemon import member as member_mod
-from crossover.daemon.member import Member
-from crossover.daemon.world import Leader
+from crossover.daemon.world import generation
+from crossover.daemon.world import member as member_mod
+from crossover.daemon.world.leader import Leader
+from crossover.daemon.world.member import Member
 
 
 class Clock:

@@ -1,11 +1,11 @@
-"""The daemons' membership rules (`crossover.daemon.membership`), pure, on a fake clock:
+"""The daemons' membership rules (`crossover.daemon.world.membership`), pure, on a fake clock:
 beats, a lost member, a leader's succession, epochs, a member's return."""
 
 from __future__ import annotations
 
 import pytest
 
-from crossover.daemon.membership import Changes, Membership
+from crossover.daemon.world.membership import Changes, Membership
 
 
 class Clock:

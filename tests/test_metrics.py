@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from crossover import trace
-from crossover.daemon import metrics as M
+from crossover.daemon.node import metrics as M
 from crossover.protocol import Phase
 from tests.conftest import PY, Cluster, Proc, wait_for
 from tests.test_scheduler import build

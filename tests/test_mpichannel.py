@@ -15,8 +15,8 @@ pytestmark = pytest.mark.mpi
 SCRIPT = r"""
 import hashlib, json, sys, threading
 from mpi4py import MPI
-from crossover.daemon import mpichannel
-from crossover.daemon.mpichannel import MpiChannel, allgather_json
+from crossover.daemon.relay import mpichannel
+from crossover.daemon.relay.mpichannel import MpiChannel, allgather_json
 
 comm = MPI.COMM_WORLD
 comm.Set_errhandler(MPI.ERRORS_RETURN)

@@ -13,19 +13,19 @@ import time
 import psutil
 import pytest
 
-from crossover.daemon.frames import hello, read_frame, write_frame
-from crossover.daemon.generation import generation_command
-from crossover.daemon.network import network_mca_flags, own_network, relay_network
-from crossover.daemon.relay import (
+from crossover.daemon.node.sockets import NodeSockets
+from crossover.daemon.relay.frames import hello, read_frame, write_frame
+from crossover.daemon.relay.launch import (
     daemon_flags,
     missing_relay_mca,
     relay_mca_flags,
     service_argv,
     service_env,
 )
-from crossover.daemon.sockets import NodeSockets
-from crossover.daemon.uplink import Uplink
-from crossover.daemon.wire import encode, unseal
+from crossover.daemon.relay.network import network_mca_flags, own_network, relay_network
+from crossover.daemon.relay.uplink import Uplink
+from crossover.daemon.world.generation import generation_command
+from crossover.daemon.world.wire import encode, unseal
 
 KEY = bytes(range(32))
 
@@ -201,7 +201,7 @@ def test_a_relay_that_reads_nothing_is_dropped_and_never_holds_the_service(tmp_p
                                                                            monkeypatch):
     """A relay that stops reading (stopped, wedged): once the socket is full, the
     writer's send times out, the node is detached, and a newer relay is taken at once."""
-    import crossover.daemon.uplink as uplink
+    import crossover.daemon.relay.uplink as uplink
 
     monkeypatch.setattr(uplink, "SEND_TIMEOUT_S", 1)
     node = Node(tmp_path)

@@ -66,7 +66,8 @@ def test_a_relay_waits_for_a_service_that_another_relay_is_starting(tmp_path, mo
     import threading
     import time
 
-    from crossover.daemon.relay import Relay, relay_path
+    from crossover.daemon.relay.launch import relay_path
+    from crossover.daemon.relay.process import Relay
 
     runtime = tmp_path / "run"
     runtime.mkdir(mode=0o700)

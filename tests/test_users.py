@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from crossover.daemon.notify import notify
-from crossover.daemon.users import Users, UsersError, owner_of, user_name
+from crossover.daemon.node.notify import notify
+from crossover.daemon.node.users import Users, UsersError, owner_of, user_name
 from crossover.transport import runtime_dir, shared_dir_problem, system_service_dir
 
 SERVICE, ALICE, BOB, ROOT = 990, 1001, 1002, 0

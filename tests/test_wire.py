@@ -1,4 +1,4 @@
-"""Messages between node services (`crossover.daemon.wire`): every kind goes through as
+"""Messages between node services (`crossover.daemon.world.wire`): every kind goes through as
 data, and what is forged, unsigned, replayed, malformed, too long or stale is refused or
 dropped, with the reason (pure, no processes)."""
 
@@ -10,8 +10,8 @@ import os
 
 import pytest
 
-from crossover.daemon import wire
-from crossover.daemon.wire import MAGIC, BadMessage, Reader, encode, world_key
+from crossover.daemon.world import wire
+from crossover.daemon.world.wire import MAGIC, BadMessage, Reader, encode, world_key
 
 KEY = bytes(range(32))
 NAMES = ["n0", "n1", "n2"]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from crossover import trace
-from crossover.daemon.generation import GENERATION_TIMEOUT_S
+from crossover.daemon.world.generation import GENERATION_TIMEOUT_S
 from crossover.probe import daemon_status
 from tests.conftest import PY, REPO, Cluster, Proc, assert_ran_together, same_weights, wait_for
 

@@ -12,10 +12,10 @@ import random
 
 import pytest
 
-from crossover.daemon import member as member_mod
-from crossover.daemon.member import TO_LEADER, Member
-from crossover.daemon.membership import Membership
-from crossover.daemon.world import Leader
+from crossover.daemon.world import member as member_mod
+from crossover.daemon.world.leader import Leader
+from crossover.daemon.world.member import TO_LEADER, Member
+from crossover.daemon.world.membership import Membership
 from tests.test_member import Link
 
 STEP_S = 0.25  # the serve loop's tick

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bench.harness.cluster import EmulatedCluster
 from bench.harness.common import REPO, module_argv
-from crossover.daemon.relay import relay_mca_env
+from crossover.daemon.relay.launch import relay_mca_env
 from crossover.launch.local import Job, mpirun, run_together, terminate_group
 from crossover.probe import stop_world
 

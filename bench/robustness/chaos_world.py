@@ -90,7 +90,7 @@ from bench.robustness.chaos import (
     let_finish,
 )
 from crossover.daemon.logfile import LOG_FILE
-from crossover.daemon.relay import relay_mca_env, relay_mca_flags
+from crossover.daemon.relay.launch import relay_mca_env, relay_mca_flags
 from crossover.launch.local import mpi_env, terminate_group
 from crossover.probe import daemon_status, stop_world
 

@@ -1,4 +1,4 @@
-"""The leader at cluster scale, simulated: the real leader (`crossover.daemon.world.
+"""The leader at cluster scale, simulated: the real leader (`crossover.daemon.world.leader.
 Leader`) with its real grouping and mode decisions, fed the messages a world of N nodes
 would send it, on a fake clock; what it sends is counted, not delivered.
 
@@ -27,7 +27,7 @@ import time
 from collections import Counter
 
 from bench.harness.common import area_results, write_result
-from crossover.daemon.world import Leader
+from crossover.daemon.world.leader import Leader
 from crossover.scheduler import ModeController
 
 RESULTS = area_results("robustness")

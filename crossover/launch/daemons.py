@@ -26,8 +26,8 @@ import psutil
 from crossover import environment as E
 from crossover.backoff import Backoff, wait_until
 from crossover.daemon.logfile import LOG_FILE
-from crossover.daemon.relay import relay_mca_flags
-from crossover.daemon.wire import KEY_ENV, KEY_FILE, make_key, world_key
+from crossover.daemon.relay.launch import relay_mca_flags
+from crossover.daemon.world.wire import KEY_ENV, KEY_FILE, make_key, world_key
 from crossover.probe import daemon_listens, daemon_status, grow_world, stop_world
 from crossover.transport import runtime_dir, socket_path, system_dir, system_service_dir
 
@@ -255,7 +255,7 @@ def start_daemon(rdir: Path, policy: str, hosts: list[str], idle_shutdown_s: flo
     if remote:
         # this machine once, however many of its names the job gave
         everyone = remote + (["localhost"] if len(remote) < len(set(hosts)) else [])
-        # one daemon's death does not end the others (`crossover.daemon.membership`
+        # one daemon's death does not end the others (`crossover.daemon.world.membership`
         # finds it and the world serves on)
         # a new world, a new key (made here, in the 0700 runtime directory): it goes to
         # every relay in the environment, never on a command line; their services sign

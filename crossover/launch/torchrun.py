@@ -19,7 +19,7 @@ from pathlib import Path
 
 import crossover
 from crossover import environment as E
-from crossover.daemon.relay import relay_mca_flags
+from crossover.daemon.relay.launch import relay_mca_flags
 from crossover.launch import cli
 from crossover.launch.daemons import UsageError, daemon_watch, ensure_daemon
 from crossover.launch.running import merge_traces, run_runner_child

@@ -3,7 +3,7 @@
 Sockets are non-blocking and frames bounded (MAX_REQUEST), so one client that stops
 reading or sends garbage is dropped without stalling the others; a connection that says
 nothing within the hello timeout is closed. What a message means, and what a closed
-connection frees, is the daemon's (`serve`): it hands `Connections` a handler for each
+connection frees, is the daemon's (`service`): it hands `Connections` a handler for each
 message and one for each close.
 """
 
@@ -12,12 +12,12 @@ from __future__ import annotations
 import logging
 import selectors
 import socket
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from crossover import protocol as P
-from crossover.daemon.users import Users
+from crossover.daemon.credentials import peer_credentials
+from crossover.daemon.node.users import Users
 from crossover.scheduler import SchedulerError
 from crossover.transport import FrameBuffer, send_msg
 
@@ -58,16 +58,6 @@ class RankConn:
         in this host's memory, on the cores that compute."""
         h = self.hello
         return h is not None and h.gpu is None and h.local_size == h.size
-
-
-def peer_credentials(sock: socket.socket) -> tuple[int | None, int | None]:
-    """The user id and process id of a Unix socket's other end (Linux), else Nones."""
-    try:
-        pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET,
-                                                          socket.SO_PEERCRED, 12))
-    except (OSError, AttributeError):
-        return None, None
-    return uid, pid
 
 
 class Connections:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from crossover.backoff import Backoff
-from crossover.daemon.wire import MAX_BYTES
+from crossover.daemon.world.wire import MAX_BYTES
 
 #: A message past MAX_BYTES is still received whole (a receive into a shorter buffer
 #: crashed Open MPI 4.1's matched receive) and dropped, up to this size; a longer one is
@@ -38,7 +38,7 @@ class MpiChannel:
     nothing. Idle, the polls cost the cores the jobs compute on: each thread took 0.7 %
     of a core at a 20 ms cap, 0.25 % at 50 ms.
 
-    A peer may die, stop or be cut off at any time (`crossover.daemon.membership` finds
+    A peer may die, stop or be cut off at any time (`crossover.daemon.world.membership` finds
     out which): sends are nonblocking, and MPI errors are returned, not fatal, so they
     cost that message only.
 

@@ -10,7 +10,7 @@ What this does not do: Open MPI 4.1 binds its listening sockets to every address
 whatever these settings say (measured with `ss -ltn` beside a relay); they choose which
 addresses it advertises and connects to. What reaches a relay's port from elsewhere
 cannot pose as a member (every message is signed with the world's key,
-`crossover.daemon.wire`); keeping it from reaching the port at all is the firewall's job.
+`crossover.daemon.world.wire`); keeping it from reaching the port at all is the firewall's job.
 """
 
 from __future__ import annotations

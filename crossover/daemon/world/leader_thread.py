@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from crossover.daemon.world import Leader
+from crossover.daemon.world.leader import Leader
 
 log = logging.getLogger("crossover.daemon")
 

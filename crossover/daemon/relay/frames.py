@@ -20,7 +20,7 @@ import socket
 import struct
 from typing import Any
 
-from crossover.daemon.wire import MAX_BYTES
+from crossover.daemon.world.wire import MAX_BYTES
 from crossover.transport import recv_exact
 
 _LENS = struct.Struct("!II")

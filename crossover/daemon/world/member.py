@@ -11,7 +11,7 @@ counts), stop after `RESPAWN_TRIES` (status names it down until a job asks for i
 a generation that tries it again gives way to one without it as soon as another node
 needs one, so a dead host never holds the others back. A relay's hello switches this
 node to its generation (`attached`); with no relay (`detached`) the node serves on and
-its membership waits for one. The node's own service (`serve`, `ranks`) sees only a
+its membership waits for one. The node's own service (`service`, `ranks`) sees only a
 leader to send to and, on the leader, a `Leader` that decides.
 """
 
@@ -22,13 +22,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from crossover.daemon.generation import Generation
-from crossover.daemon.membership import Changes, Membership
-from crossover.daemon.uplink import Uplink
-from crossover.daemon.world import Leader
+from crossover.daemon.relay.uplink import Uplink
+from crossover.daemon.world.generation import Generation
+from crossover.daemon.world.leader import Leader
+from crossover.daemon.world.membership import Changes, Membership
 
 if TYPE_CHECKING:
-    from crossover.daemon.leading import LeaderThread
+    from crossover.daemon.world.leader_thread import LeaderThread
 
 log = logging.getLogger("crossover.daemon")
 

@@ -1,8 +1,8 @@
 """The daemons' world, one process per node in one MPI world: the leader decides each group
 of jobs' mode, every daemon applies it, and status and shutdown go to all. The jobs'
 order is no one's decision: every rank of a job carries its place (`ranks`). This module
-holds the leader's part (`Leader`) and who a daemon is (`node_identity`); what a node
-does with the leader's messages is the daemon's (`serve`).
+holds the leader's part (`Leader`); what a node does with the leader's messages is the
+node service's (`crossover.daemon.node.service`).
 
 Messages between daemons are small tuples, through each node's relay (`uplink`):
     ("join", job) / ("leave", job)        to the leader: a job's first / last rank here
@@ -34,29 +34,15 @@ Who leads, and who is lost, is `membership`'s; the leader may be any rank.
 from __future__ import annotations
 
 import logging
-import os
-import re
 from collections.abc import Callable
 
-from crossover import environment as E
-from crossover.daemon.uplink import Uplink
+from crossover.daemon.relay.uplink import Uplink
 from crossover.scheduler import ModeController, ModeSwitch
 from crossover.scheduler.groups import Groups
 from crossover.scheduler.phase import PhaseAligner
 from crossover.scheduler.predict import Profile
 
 log = logging.getLogger("crossover.daemon")
-
-
-def node_identity() -> tuple[str, list[int]]:
-    """This node service's name (given on its command line, else as `E.node_name`) and
-    the CPU cores its devices are made of: fake node r gets every N-th core."""
-    cores = sorted(os.sched_getaffinity(0))
-    fake, name = E.fake_nodes(), E.node_name()
-    if not (fake and re.fullmatch(r"fake\d+", name)):
-        return name, cores
-    r = int(name[4:])
-    return name, cores[r % len(cores) :: fake] or cores
 
 
 class Leader:

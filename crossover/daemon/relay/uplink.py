@@ -31,9 +31,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from crossover.daemon.conns import peer_credentials
-from crossover.daemon.frames import FrameError, parse_hello, read_frame, write_frame
-from crossover.daemon.wire import BadMessage, Reader, encode
+from crossover.daemon.credentials import peer_credentials
+from crossover.daemon.relay.frames import FrameError, parse_hello, read_frame, write_frame
+from crossover.daemon.world.wire import BadMessage, Reader, encode
 
 log = logging.getLogger("crossover.daemon")
 

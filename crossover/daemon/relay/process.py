@@ -1,6 +1,6 @@
 """A node's membership in the daemons' MPI world: the relay.
 
-Each node runs two processes. The node's service (`serve`) holds everything that must
+Each node runs two processes. The node's service (`node.service`) holds everything that must
 outlive a fault (its ranks' connections, the slot scheduler, the jobs' order and mode,
 and, on the leader's node, the leader's decisions) and does no MPI at all. The relay is
 the node's MPI process: it forwards the service's messages to the other nodes' relays
@@ -37,17 +37,21 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 from crossover import environment as E
 from crossover.backoff import Backoff, wait_until
-from crossover.daemon.conns import peer_credentials
-from crossover.daemon.frames import FrameError, hello, read_frame, write_frame
+from crossover.daemon.credentials import peer_credentials
 from crossover.daemon.logfile import LOG_FILE, log_to
-from crossover.daemon.mpichannel import MpiChannel, allgather_json
-from crossover.daemon.network import network_mca_flags
-from crossover.daemon.sockets import RUNNING_EXIT
-from crossover.daemon.wire import KEY_ENV, fingerprint, world_key
+from crossover.daemon.node.sockets import RUNNING_EXIT
+from crossover.daemon.relay.frames import FrameError, hello, read_frame, write_frame
+from crossover.daemon.relay.launch import (
+    missing_relay_mca,
+    relay_path,
+    service_argv,
+    service_env,
+)
+from crossover.daemon.relay.mpichannel import MpiChannel, allgather_json
+from crossover.daemon.world.wire import KEY_ENV, fingerprint, world_key
 from crossover.procstats import process_state
 from crossover.transport import connect, runtime_dir
 
@@ -68,77 +72,7 @@ SERVICE_GONE_S = 5.0
 FINALIZE_S = 10.0
 #: how long a relay of a stopping world waits for its last messages to other nodes to go
 FLUSH_S = 2.0
-#: the launcher's variables of one MPI process, which a nested mpirun must not inherit
-_LAUNCH_PREFIXES = ("PMIX_", "OMPI_COMM_", "OMPI_MCA_orte_", "OMPI_MCA_ess",
-                    "OMPI_MCA_pmix", "OMPI_MCA_shmem_", "OMPI_FILE_", "OMPI_FIRST_",
-                    "OMPI_APP_", "OMPI_NUM_APP", "OMPI_UNIVERSE", "OMPI_COMMAND",
-                    "OMPI_MCA_initial_wdir", "OMPI_MCA_mpi_oversubscribe")
-#: Open MPI's settings for every mpirun of relays. Recovery: a relay's end ends that
-#: relay only, not its world. Exit without sync: a relay may end without MPI_Finalize
-#: (one whose peers died would wait in it for ever), and Open MPI 4 sometimes reports a
-#: process that did finalize as "exiting improperly" (its finalize and its exit race in
-#: mpirun); either way mpirun must not fail a world whose relays all ended well.
-RELAY_MCA = {"orte_enable_recovery": "1", "orte_allowed_exit_without_sync": "1"}
-#: the flags that say which node or generation a daemon process is of
-_OWN = ("--node", "--generation", "--leader", "--nodes")
 _FAKE = re.compile(r"fake\d+")
-
-
-def relay_path(node: str, directory: str | os.PathLike | None = None) -> Path:
-    """Where node `node`'s service listens for its relay."""
-    return runtime_dir(directory, create=False) / f"node-{node}.relay"
-
-
-def relay_mca_flags() -> list[str]:
-    """`RELAY_MCA` as mpirun's command-line flags, with the network the relays keep to
-    (`crossover.daemon.network`)."""
-    return [*(arg for name, value in RELAY_MCA.items() for arg in ("--mca", name, value)),
-            *network_mca_flags()]
-
-
-def relay_mca_env() -> dict[str, str]:
-    """`RELAY_MCA` as the environment variables mpirun reads them from."""
-    return {f"OMPI_MCA_{name}": value for name, value in RELAY_MCA.items()}
-
-
-def missing_relay_mca(environ: dict[str, str] | None = None) -> list[str]:
-    """The settings of `RELAY_MCA` that a relay's world (`environ`: a relay's
-    environment, which mpirun gives its --mca flags) was started without."""
-    env = os.environ if environ is None else environ
-    return [name for name in RELAY_MCA
-            if env.get(f"OMPI_MCA_{name}", "0").lower() not in ("1", "true", "yes")]
-
-
-def service_env(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of a service a relay starts: the relay's, less what mpirun set for
-    the relay alone (the service does no MPI, and the mpirun a leader's service starts
-    would take those for its own)."""
-    env = dict(os.environ if environ is None else environ)
-    return {k: v for k, v in env.items() if not k.startswith(_LAUNCH_PREFIXES)}
-
-
-def daemon_flags(argv: list[str]) -> list[str]:
-    """The world's settings among a daemon's arguments (`argv`, after `-m crossover`):
-    without the subcommand and the flags that name a node or a generation."""
-    kept, skip = [], False
-    for i, arg in enumerate(argv):
-        if skip:
-            skip = False
-        elif arg in _OWN:
-            skip = True
-        elif not (i == 0 and arg == "daemon") and arg != "--service" and \
-                not arg.startswith(tuple(f"{o}=" for o in _OWN)):
-            kept.append(arg)
-    return kept
-
-
-def service_argv(name: str, argv: list[str]) -> list[str]:
-    """The service's command line for node `name`: `crossover daemon` with the world's
-    settings (`argv`: a daemon's arguments after `-m crossover`)."""
-    return [sys.executable, "-m", "crossover", "daemon", *daemon_flags(argv), "--service",
-            "--node", name]
-
-
 class Relay:
     """One node's relay in one generation.
 

@@ -22,8 +22,8 @@ import sys
 from pathlib import Path
 
 from crossover import environment as E
-from crossover.daemon.relay import daemon_flags, relay_mca_flags, service_env
-from crossover.daemon.wire import KEY_ENV
+from crossover.daemon.relay.launch import daemon_flags, relay_mca_flags, service_env
+from crossover.daemon.world.wire import KEY_ENV
 
 log = logging.getLogger("crossover.daemon")
 

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from crossover import environment as E
 from crossover import protocol as P
-from crossover.daemon.conns import Connections, RankConn
-from crossover.daemon.table import TableSync
-from crossover.daemon.uplink import Uplink
+from crossover.daemon.node.conns import Connections, RankConn
+from crossover.daemon.node.table import TableSync
+from crossover.daemon.relay.uplink import Uplink
 from crossover.placement import partition
 from crossover.protocol import Mode, Phase
 from crossover.scheduler import SlotGrant, SlotScheduler
@@ -40,6 +43,17 @@ class Node:
     def cpu_device(self, index: int) -> tuple[str, list[int]]:
         """Device i is every cpu_devices-th core from core i: one core each by default."""
         return f"cpu{index}", self.cores[index :: self.cpu_devices]
+
+
+def node_identity() -> tuple[str, list[int]]:
+    """This node service's name (given on its command line, else as `E.node_name`) and
+    the CPU cores its devices are made of: fake node r gets every N-th core."""
+    cores = sorted(os.sched_getaffinity(0))
+    fake, name = E.fake_nodes(), E.node_name()
+    if not (fake and re.fullmatch(r"fake\d+", name)):
+        return name, cores
+    r = int(name[4:])
+    return name, cores[r % len(cores) :: fake] or cores
 
 
 class Ranks:

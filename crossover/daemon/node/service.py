@@ -13,8 +13,8 @@ a rank that holds past its lease loses it then. Clients treat a vanished daemon 
 The parts, composed here, each with its own module: `Connections` (sockets and frames),
 `Ranks` (what ranks say, and their company), `TableSync` (the slot table and the
 scheduler in one order), `Leader` (the leader's decisions, on a thread of their own:
-`leading`). `Daemon` owns the serve loop, the scheduler's clock-driven changes (leases,
-re-alignment), and what a node does with the other daemons' messages.
+`leader_thread`). `Daemon` owns the serve loop, the scheduler's clock-driven changes
+(leases, re-alignment), and what a node does with the other daemons' messages.
 """
 
 from __future__ import annotations
@@ -28,21 +28,21 @@ import time
 from collections.abc import Callable
 
 from crossover import protocol as P
-from crossover.daemon.conns import Connections, RankConn
-from crossover.daemon.generation import is_fake
-from crossover.daemon.leading import LeaderThread
 from crossover.daemon.logfile import LOG_FILE
-from crossover.daemon.member import TO_LEADER, Member
-from crossover.daemon.metrics import MetricsEndpoint, MetricsError, NodeFigures
-from crossover.daemon.notify import notify
-from crossover.daemon.ranks import Node, Ranks
-from crossover.daemon.relay import relay_path
-from crossover.daemon.sockets import NodeSockets
-from crossover.daemon.table import TableSync
-from crossover.daemon.uplink import Uplink
-from crossover.daemon.users import Users, user_name
-from crossover.daemon.wire import world_key
-from crossover.daemon.world import Leader, node_identity
+from crossover.daemon.node.conns import Connections, RankConn
+from crossover.daemon.node.metrics import MetricsEndpoint, MetricsError, NodeFigures
+from crossover.daemon.node.notify import notify
+from crossover.daemon.node.ranks import Node, Ranks, node_identity
+from crossover.daemon.node.sockets import NodeSockets
+from crossover.daemon.node.table import TableSync
+from crossover.daemon.node.users import Users, user_name
+from crossover.daemon.relay.launch import relay_path
+from crossover.daemon.relay.uplink import Uplink
+from crossover.daemon.world.generation import is_fake
+from crossover.daemon.world.leader import Leader
+from crossover.daemon.world.leader_thread import LeaderThread
+from crossover.daemon.world.member import TO_LEADER, Member
+from crossover.daemon.world.wire import world_key
 from crossover.procstats import RankUsage, daemon_figures, process_state
 from crossover.protocol import Mode
 from crossover.scheduler import ModeController, SlotScheduler, make_policy

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import psutil
 
 from crossover import __version__
-from crossover.daemon.users import owner_of
+from crossover.daemon.node.users import owner_of
 from crossover.protocol import Mode
 
 log = logging.getLogger("crossover.daemon")

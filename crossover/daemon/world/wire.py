@@ -1,6 +1,6 @@
 """Messages between the node services as data: typed, versioned and signed.
 
-A service's message to another node's service (`world` lists the kinds) crosses its
+A service's message to another node's service (`leader` lists the kinds) crosses its
 relay, MPI and the other node's relay, none of which reads it. On the wire it is
 
     b"XO1" | HMAC-SHA256 tag (32 bytes) | JSON {"gen", "from", "to", "seq", "kind", "args"}

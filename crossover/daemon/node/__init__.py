@@ -1,0 +1,2 @@
+"""A node's service: what serves the ranks of one node, and outlives any fault of the
+world around it (see `crossover.daemon`)."""
