@@ -5,6 +5,7 @@ HTTP server's answers, and a real daemon scraped while two jobs share its device
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -20,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from crossover import trace
 from crossover.daemon.node import metrics as M
 from crossover.protocol import Phase
-from tests.conftest import PY, Cluster, Proc, wait_for
+from tests.conftest import PY, REPO, Cluster, Proc, wait_for
 from tests.test_scheduler import build
 
 COMMUNICATE = Phase.COMMUNICATE  # a release before an allreduce hands the device over
@@ -138,6 +139,17 @@ def test_the_text_names_every_figure_by_prometheus_conventions():
         ("crossover_job_memory_bytes", (("device", "cpu0"), ("job_name", "B"))): 2000.0,
     }
     assert got == expected
+
+
+def test_a_job_of_a_service_for_several_users_names_its_owner():
+    shared = M.NodeFigures(node="n1", user="crossover", leads=False, world={},
+                           mode="antiphase",
+                           accounts={"cpu0": {"grants": 1, "jobs": {
+                               "bob/train": {"held_s": 1.0, "waited_s": 0.0}}}})
+    info = [labels for (name, labels), _ in samples(M.render(shared)).items()
+            if name == "crossover_job_info"]
+    assert info == [(("device", "cpu0"), ("hpc_job", ""), ("job_name", "bob/train"),
+                     ("user", "bob"))]
 
 
 def test_a_member_without_jobs_shows_the_world_only():
@@ -310,11 +322,34 @@ def test_a_daemon_shows_two_running_jobs_holds_and_forgets_them_when_they_end(
 PROMETHEUS = shutil.which("prometheus")
 
 
-def prometheus_query(port: int, query: str) -> list[dict]:
-    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": query})
-    status, body = get(url)
-    assert status == 200, body[-500:]
+def prometheus_query(port: int, query: str, at: float | None = None) -> list[dict]:
+    """The result of an instant query (at `at`, else now); fails on a query error."""
+    args = {"query": query, **({"time": f"{at:.3f}"} if at is not None else {})}
+    status, body = get(f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode(args))
+    assert status == 200, (query, body[-500:])
     return json.loads(body)["data"]["result"]
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    """(panel title, PromQL) of each query of deploy/grafana/crossover.json, with its
+    variables as "All" and Grafana's rate interval as 5 s (the test scrapes every
+    second)."""
+    board = json.loads((REPO / "deploy/grafana/crossover.json").read_text())
+    out = []
+    for panel in board["panels"]:
+        for target in panel["targets"]:
+            expr = target["expr"].replace("$__rate_interval", "5s")
+            out.append((panel["title"], re.sub(r"\$(instance|job_name)", ".*", expr)))
+    return out
+
+
+def test_the_dashboard_asks_only_for_what_the_services_serve():
+    """Every metric a panel of the Grafana dashboard queries is one the service renders
+    (the real Prometheus test runs each query)."""
+    served = set(re.findall(r"^(crossover_\w+?)(?:\{| )", M.render(FIGURES).decode(), re.M))
+    asked = {name for _, expr in dashboard_queries()
+             for name in re.findall(r"crossover_\w+", expr)}
+    assert asked and asked <= served, asked - served
 
 
 def reserved_bounds(holds: list[tuple[float, float, str, int]], job: str,
@@ -368,6 +403,16 @@ def test_a_real_prometheus_scrapes_two_nodes_hold_seconds_as_the_traces_bound_th
             job.wait(300)
         series = prometheus_query(
             web, 'crossover_device_hold_seconds_total{job_name=~"A|B"}[10m]')
+        # the Grafana dashboard's queries, at a moment both jobs ran
+        while_both = sorted(float(t) for s in series for t, _ in s["values"])
+        dashboard = {title: prometheus_query(web, expr, while_both[len(while_both) // 2])
+                     for title, expr in dashboard_queries()}
+        labels = get(f"http://127.0.0.1:{web}/api/v1/label/job_name/values?" +
+                     urllib.parse.urlencode({"match[]": "crossover_job_info"}))[1]
+    # each panel has data (the leader's group modes only under an adaptive policy)
+    assert {title for title, found in dashboard.items() if not found} <= {
+        "Mode of each group of jobs (the leader's decision)"}, dashboard
+    assert {"A", "B"} <= set(json.loads(labels)["data"])  # the job variable's choices
     holds = trace.holds_by_device(trace.merge(sorted(cluster.traces.glob("*.json")),
                                               cluster.tmp / "merged.json"))
     node = {f"127.0.0.1:{port + n}": f"fake{n}" for n in range(2)}
