@@ -355,6 +355,10 @@ def _status(args: argparse.Namespace) -> int:
             return 0
 
 
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
 def status_table(nodes: dict) -> str:
     """Devices, the job holding each, the queue, and per job the share of time spent
     holding and waiting since it joined the device (and whether it is dormant there)."""
@@ -378,6 +382,10 @@ def status_table(nodes: dict) -> str:
             rows.append(f"{node:<10} daemon pid {d['pid']}: {d['fds']} fds, "
                         f"{d['rss_mb']:.0f} MiB, {d['connections']} connections"
                         + (f"; {jobs}" if jobs else ""))
+        for dev, mem in snap.get("memory", {}).items():  # a GPU's, as its ranks said
+            jobs = ", ".join(f"{job} {_gib(u['reserved'])} (peak {_gib(u['peak'])})"
+                             for job, u in mem["jobs"].items())
+            rows.append(f"{node:<10} {dev:<7} memory: {jobs} of {_gib(mem['capacity'])}")
         if "fast_path" in snap:
             fast = snap["fast_path"]
             rows.append(f"{node:<10} fast path: " + (

@@ -18,7 +18,7 @@ from enum import Enum
 from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
 
 #: Bumped on any incompatible change; a client and daemon that differ refuse each other.
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 
 
 class ErrorCode(str, Enum):
@@ -184,6 +184,18 @@ class Waited(Message):
 
 
 @dataclass
+class Memory(Message):
+    """Rank -> daemon, one-way: the device memory a GPU rank's allocator holds now
+    (`reserved_bytes`), the most it held (`peak_bytes`), and its device's capacity
+    (`capacity_bytes`), for status and metrics (now and then, when it changed)."""
+
+    kind: ClassVar[str] = "memory"
+    reserved_bytes: int
+    peak_bytes: int
+    capacity_bytes: int
+
+
+@dataclass
 class Release(Message):
     kind: ClassVar[str] = "release"
     phase: str
@@ -232,14 +244,14 @@ class Error(Message):
 #: What a rank may send. Every number in these is a count, an index, a pid, a weight
 #: or a duration: finite, >= 0 and within 64 bits, or the decoder refuses it (a NaN
 #: wait once reached the leader's phase aligner and stopped a peer daemon).
-REQUESTS = frozenset({"hello", "acquire", "attached", "ring", "progress", "waited",
+REQUESTS = frozenset({"hello", "acquire", "attached", "ring", "progress", "waited", "memory",
                       "release", "renew", "status", "grow", "stop_world"})
 #: The largest number a request may carry.
 MAX_NUMBER = 2**63 - 1
 
 KINDS: dict[str, type[Message]] = {
     cls.kind: cls
-    for cls in (Hello, Welcome, Acquire, Attached, Ring, Grant, Company, Progress, Waited,
+    for cls in (Hello, Welcome, Acquire, Attached, Ring, Grant, Company, Progress, Waited, Memory,
                 Release, Renew, Status, Grow, StopWorld, StatusReport, Error)
 }
 

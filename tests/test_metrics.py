@@ -5,6 +5,7 @@ HTTP server's answers, and a real daemon scraped while two jobs share its device
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import socket
@@ -18,6 +19,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from crossover import protocol as P
 from crossover import trace
 from crossover.daemon.node import metrics as M
 from crossover.protocol import Phase
@@ -316,6 +318,53 @@ def test_a_daemon_shows_two_running_jobs_holds_and_forgets_them_when_they_end(
         for job in jobs:
             job.wait(300)
         wait_for(lambda: hold_seconds(port) == {}, 30, "the ended jobs' series to go")
+
+
+@pytest.mark.mpi
+def test_a_gpu_jobs_memory_is_shown_beside_its_devices_capacity(cluster: Cluster):
+    """Two ranks of a job on GPU 0 say what their allocators hold: status and metrics
+    show the job's sum on that device beside the device's capacity, and the node's
+    memory as the CPU devices' capacity."""
+    from crossover.__main__ import status_table
+    from crossover.probe import daemon_status
+    from crossover.transport import connect, recv_msg, send_msg
+
+    port = free_port()
+    gib = 1 << 30
+    with cluster.daemon(extra=("--metrics-port", str(port))):
+        sock_path = next(cluster.runtime.glob("node-*.sock"))
+        socks = []
+        try:
+            for rank in (0, 1):
+                sock = connect(sock_path, 10)
+                socks.append(sock)
+                send_msg(sock, P.Hello("G", rank, 2, rank, 2, os.getpid(), 1.0, 0))
+                while not isinstance(reply := recv_msg(sock), P.Welcome):
+                    assert not isinstance(reply, P.Error), reply
+                send_msg(sock, P.Memory((rank + 1) * gib, 2 * (rank + 1) * gib, 80 * gib))
+
+            def memory() -> dict:
+                return next(iter(daemon_status(cluster.runtime).values())).get("memory", {})
+            wait_for(lambda: len(memory().get("gpu0", {}).get("jobs", {}).get("G", {})) == 2
+                     and memory()["gpu0"]["jobs"]["G"]["reserved"] == 3 * gib, 10,
+                     "both ranks' reports")
+            assert memory() == {"gpu0": {"capacity": 80 * gib, "jobs": {
+                "G": {"reserved": 3 * gib, "peak": 6 * gib}}}}
+            table = status_table(daemon_status(cluster.runtime))
+            assert "gpu0    memory: G 3.0 GiB (peak 6.0 GiB) of 80.0 GiB" in table, table
+            status, body = get(f"http://127.0.0.1:{port}/metrics")
+            got = samples(body)
+        finally:
+            for sock in socks:
+                sock.close()
+    assert got[("crossover_job_device_memory_bytes",
+                (("device", "gpu0"), ("job_name", "G")))] == 3 * gib
+    assert got[("crossover_job_device_memory_peak_bytes",
+                (("device", "gpu0"), ("job_name", "G")))] == 6 * gib
+    node = next(dict(labels)["node"] for (name, labels) in got if name == "crossover_build_info")
+    assert got[("crossover_device_memory_bytes", (("device", "gpu0"), ("node", node)))] == \
+        80 * gib
+    assert got[("crossover_device_memory_bytes", (("device", "host"), ("node", node)))] > 0
 
 
 # --- a real Prometheus -----------------------------------------------------------------------

@@ -80,3 +80,45 @@ def test_wait_reports(row, aligns, waits, reported):
             assert isinstance(msg, P.Waited)
             got.append(msg.wait_s)
     assert got == reported
+
+
+def test_a_gpu_ranks_memory_is_reported_when_due_and_changed():
+    from crossover.client.reporting import MEMORY_REPORT_S
+
+    clock = FakeClock()
+    clock.now = START
+    rep = StepReporter(3, clock)  # every rank reports its own device's memory
+    figures = [(100, 200, 1000)]
+    read = lambda: figures[0]  # noqa: E731
+    assert rep.memory(read) == P.Memory(100, 200, 1000)
+    clock.now += MEMORY_REPORT_S / 2
+    figures[0] = (150, 200, 1000)
+    assert rep.memory(read) is None  # not due yet
+    clock.now += MEMORY_REPORT_S
+    assert rep.memory(read) == P.Memory(150, 200, 1000)
+    clock.now += MEMORY_REPORT_S
+    assert rep.memory(read) is None  # unchanged
+    rep.forget_memory()  # a new daemon: told at once
+    assert rep.memory(read) == P.Memory(150, 200, 1000)
+    clock.now += MEMORY_REPORT_S
+    assert rep.memory(lambda: None) is None  # no CUDA in this process
+
+
+def test_cuda_memory_reads_torch_only_where_the_process_used_cuda(monkeypatch):
+    import sys
+    import types
+
+    from crossover.client.reporting import cuda_memory
+
+    monkeypatch.setitem(sys.modules, "torch", None)
+    assert cuda_memory(0) is None  # torch not imported: nothing is imported for it
+    cuda = types.SimpleNamespace(
+        is_initialized=lambda: True, memory_reserved=lambda d: 5 << 30,
+        max_memory_reserved=lambda d: 7 << 30,
+        get_device_properties=lambda d: types.SimpleNamespace(total_memory=80 << 30))
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    assert cuda_memory(1) == (5 << 30, 7 << 30, 80 << 30)
+    cuda.is_initialized = lambda: False
+    assert cuda_memory(1) is None  # CUDA never used: no report
+    cuda.is_initialized = lambda: 1 / 0
+    assert cuda_memory(1) is None  # whatever torch raises, the job goes on

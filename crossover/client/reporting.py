@@ -1,5 +1,6 @@
 """What a rank tells its daemon about its steps: the step count with the steps' profile
-(rank 0's `Progress`), and the median of its allreduce waits (`Waited`).
+(rank 0's `Progress`), the median of its allreduce waits (`Waited`), and a GPU rank's
+device memory (`Memory`).
 
 Both are small one-way messages, rate-limited here: a report costs CPU on the cores the
 jobs compute on. The reporter holds no socket. Each call that may be due a report
@@ -11,6 +12,7 @@ injected clock, and the wire stays the client's alone.
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -22,6 +24,22 @@ REPORT_S, ALONE_REPORT_S = 0.05, 1.0
 #: Shortest time between two reports of a rank's allreduce waits, and the fewest waits
 #: one reports the median of (a single step's wait carries its hold's jitter).
 WAIT_REPORT_S, WAIT_REPORT_MIN = 0.5, 3
+#: Shortest time between two reports of a GPU rank's memory (sent only when it changed).
+MEMORY_REPORT_S = 5.0
+
+
+def cuda_memory(gpu: int) -> tuple[int, int, int] | None:
+    """(reserved, peak reserved, capacity) bytes of PyTorch's allocator on CUDA device
+    `gpu` in this process, or None where the process has not used CUDA through torch
+    (torch is not imported here for it: a job that does not use it pays nothing)."""
+    torch = sys.modules.get("torch")
+    try:
+        if torch is None or not torch.cuda.is_initialized():
+            return None
+        return (torch.cuda.memory_reserved(gpu), torch.cuda.max_memory_reserved(gpu),
+                torch.cuda.get_device_properties(gpu).total_memory)
+    except Exception:  # noqa: BLE001 - a report is never worth a job's failure
+        return None
 
 
 class StepReporter:
@@ -42,6 +60,8 @@ class StepReporter:
         self._last_progress = 0.0
         self._waits: list[float] = []  # allreduce waits since the last report of them
         self._last_waited = 0.0
+        self._last_memory_at = -MEMORY_REPORT_S
+        self._last_memory: tuple[int, int, int] | None = None
 
     # --- the edges of a step, for its profile -----------------------------------------
     def computing(self) -> None:
@@ -94,3 +114,20 @@ class StepReporter:
         waited = P.Waited(statistics.median(self._waits))
         self._waits.clear()
         return waited
+
+    def memory(self, read: Callable[[], tuple[int, int, int] | None]) -> P.Memory | None:
+        """A GPU rank's device memory (`read`: e.g. `cuda_memory`), when a report is due:
+        at most every MEMORY_REPORT_S, and only when it changed since the last one."""
+        now = self.clock()
+        if now - self._last_memory_at < MEMORY_REPORT_S:
+            return None
+        self._last_memory_at = now
+        figures = read()
+        if figures is None or figures == self._last_memory:
+            return None
+        self._last_memory = figures
+        return P.Memory(*figures)
+
+    def forget_memory(self) -> None:
+        """A new daemon knows nothing yet: the next report goes whatever it says."""
+        self._last_memory, self._last_memory_at = None, -MEMORY_REPORT_S

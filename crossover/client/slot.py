@@ -22,7 +22,7 @@ from crossover.client.link import (
     not_admitted,
 )
 from crossover.client.pinning import Pinning
-from crossover.client.reporting import StepReporter
+from crossover.client.reporting import StepReporter, cuda_memory
 from crossover.protocol import Mode, Phase
 from crossover.trace import TraceRecorder
 from crossover.transport import readable, recv_msg, socket_path
@@ -143,6 +143,7 @@ class SlotClient(DaemonLink):
         if self._wait_s is None:
             self._wait_s = 2 * welcome.lease_s + 5.0
         self._alone, self._mode = False, Mode.ANTIPHASE  # until the daemon's notice
+        self._reporter.forget_memory()
         self._asked = 0  # this daemon has seen no request of ours yet
         self._pinning.welcomed(welcome.cores)
         self._place()
@@ -242,6 +243,12 @@ class SlotClient(DaemonLink):
         progress = self._reporter.step(self._points, self._alone, self._sock is not None)
         if progress is not None:
             self._send(progress)
+        hello = getattr(self, "_hello", None)  # (none where the node name did not parse)
+        gpu = hello.gpu if hello is not None else None
+        if gpu is not None and self._sock is not None:
+            memory = self._reporter.memory(lambda: cuda_memory(gpu))
+            if memory is not None:
+                self._send(memory)
 
     def _pass_point(self) -> None:
         """One more point of this rank's request sequence (asked at, or passed holding)."""

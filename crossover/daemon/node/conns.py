@@ -43,6 +43,8 @@ class RankConn:
     device: str | None = None  # where the scheduler placed the rank
     uid: int | None = None  # the user of its process, from the kernel (SO_PEERCRED)
     pid: int | None = None
+    #: a GPU rank's (reserved, peak, capacity) device memory, as it last said (`Memory`)
+    memory: tuple[int, int, int] | None = None
 
     @property
     def open(self) -> bool:

@@ -76,6 +76,10 @@ class NodeFigures:
             (`with_memory` fills it from `pids`, off the serve loop).
         pids: {(job, device): the pids of the job's ranks on that device}.
         groups: the leader's mode decisions, {group: {"mode": ...}} (the leader only).
+        device_memory: {(job, device): (reserved, peak) bytes} of a GPU's memory, as
+            the job's ranks there said (`Ranks.device_memory`).
+        capacity: {device: bytes} of each GPU that a rank said.
+        host_memory: the node's memory in bytes, which its CPU devices share.
     """
 
     node: str
@@ -87,6 +91,9 @@ class NodeFigures:
     memory: dict[tuple[str, str], int] = field(default_factory=dict)
     pids: dict[tuple[str, str], list[int]] = field(default_factory=dict)
     groups: dict[str, dict] | None = None
+    device_memory: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
+    capacity: dict[str, int] = field(default_factory=dict)
+    host_memory: int = 0
 
     def with_memory(self) -> NodeFigures:
         """These figures with the memory of the ranks in `pids` read now."""
@@ -148,6 +155,19 @@ def families(f: NodeFigures) -> list:
     memory = core.GaugeMetricFamily(
         "crossover_job_memory_bytes", "Resident memory of a job's ranks on a device.",
         labels=["job_name", "device"])
+    on_device = core.GaugeMetricFamily(
+        "crossover_job_device_memory_bytes", "A GPU's memory that a job's ranks on it "
+        "hold (their allocator's reserved bytes, as they said).", labels=["job_name", "device"])
+    peak = core.GaugeMetricFamily(
+        "crossover_job_device_memory_peak_bytes", "The most of a GPU's memory that a job's "
+        "ranks on it held (their allocators' peaks, summed).", labels=["job_name", "device"])
+    capacity = core.GaugeMetricFamily(
+        "crossover_device_memory_bytes", "A GPU's memory (as its ranks said); device "
+        '"host": the node\'s memory, which its CPU devices share.', labels=["node", "device"])
+    if f.host_memory:
+        capacity.add_metric([f.node, "host"], f.host_memory)
+    for device, total in sorted(f.capacity.items()):
+        capacity.add_metric([f.node, device], total)
     for device, acc in sorted(f.accounts.items()):
         grants.add_metric([f.node, device], acc["grants"])
         for job, spent in sorted(acc["jobs"].items()):
@@ -157,7 +177,11 @@ def families(f: NodeFigures) -> list:
             waited.add_metric([job, device], spent["waited_s"])
             if (job, device) in f.memory:
                 memory.add_metric([job, device], f.memory[(job, device)])
-    return [*out, grants, info, held, waited, memory]
+            if (job, device) in f.device_memory:
+                reserved, most = f.device_memory[(job, device)]
+                on_device.add_metric([job, device], reserved)
+                peak.add_metric([job, device], most)
+    return [*out, grants, info, held, waited, memory, on_device, peak, capacity]
 
 
 def render(f: NodeFigures) -> bytes:

@@ -114,6 +114,31 @@ class Ranks:
                 out.setdefault((key[0], device), []).append(conn.hello.pid)
         return out
 
+    def device_memory(self) -> tuple[dict[tuple[str, str], tuple[int, int]], dict[str, int]]:
+        """What GPU ranks said of their devices' memory: {(job, device): (reserved,
+        peak)} summed over the job's ranks there, and {device: capacity}."""
+        used: dict[tuple[str, str], tuple[int, int]] = {}
+        capacity: dict[str, int] = {}
+        for key, conn in self.by_key.items():
+            device = self.sched.device_of(*key)
+            if conn.memory is None or device is None:
+                continue
+            reserved, peak, total = conn.memory
+            was = used.get((key[0], device), (0, 0))
+            used[(key[0], device)] = (was[0] + reserved, was[1] + peak)
+            capacity[device] = max(capacity.get(device, 0), total)
+        return used, capacity
+
+    def memory_report(self) -> dict[str, dict]:
+        """Each GPU's memory as its ranks said, beside its capacity, for status:
+        {device: {"capacity": bytes, "jobs": {job: {"reserved": .., "peak": ..}}}}."""
+        used, capacity = self.device_memory()
+        out: dict[str, dict] = {}
+        for (job, device), (reserved, peak) in sorted(used.items()):
+            entry = out.setdefault(device, {"capacity": capacity.get(device, 0), "jobs": {}})
+            entry["jobs"][job] = {"reserved": reserved, "peak": peak}
+        return out
+
     def pids_on(self, device: str) -> list[int]:
         return sorted(conn.hello.pid for key, conn in self.by_key.items()
                       if self.sched.device_of(*key) == device)
@@ -143,6 +168,8 @@ class Ranks:
                 conn, lambda: self.deliver(self.sched.release(job, rank, phase))))
         elif isinstance(msg, P.Renew):
             self.sched.renew(job, rank)
+        elif isinstance(msg, P.Memory):
+            conn.memory = (msg.reserved_bytes, msg.peak_bytes, msg.capacity_bytes)
         elif isinstance(msg, P.Waited):
             if self.aligning:  # (the leader's: every daemon has the setting)
                 self.peers.send_leader(("waited", job, msg.wait_s))

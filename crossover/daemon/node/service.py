@@ -27,6 +27,8 @@ import signal
 import time
 from collections.abc import Callable
 
+import psutil
+
 from crossover import protocol as P
 from crossover.daemon.logfile import LOG_FILE
 from crossover.daemon.node.conns import Connections, RankConn
@@ -50,6 +52,9 @@ from crossover.scheduler.phase import PhaseAligner
 from crossover.transport import socket_path
 
 log = logging.getLogger("crossover.daemon")
+
+#: the node's memory, which its CPU devices share (for metrics)
+HOST_MEMORY = psutil.virtual_memory().total
 
 
 class Daemon:
@@ -417,15 +422,18 @@ class Daemon:
         # the native fast path: on or off, and the grants it made per device
         snap["fast_path"] = self.table.fast_grants()
         snap["table"] = self.table.pending()
+        snap["memory"] = self.ranks.memory_report()
         return snap
 
     def _figures(self) -> NodeFigures:
         """What a metrics scrape shows of this node (copied: it renders elsewhere)."""
         groups = self.leader.snapshot(wait_s=0.0) if self.leader is not None else None
+        device_memory, capacity = self.ranks.device_memory()
         return NodeFigures(
             node=self.node.name, user=self._user, leads=self.leader is not None,
             world=self.member.snapshot(), mode=self.sched.mode.value,
-            accounts=self.sched.accounts(), pids=self.ranks.pids_by_place(), groups=groups)
+            accounts=self.sched.accounts(), pids=self.ranks.pids_by_place(), groups=groups,
+            device_memory=device_memory, capacity=capacity, host_memory=HOST_MEMORY)
 
     def _start_status(self, conn: RankConn) -> None:
         self._status_token += 1
