@@ -235,6 +235,10 @@ def _users(args: argparse.Namespace) -> Users:
     if args.system and args.runtime_dir is not None:
         raise ValueError("--system listens in $CROSSOVER_SYSTEM_DIR, where every user's "
                          "ranks look for it: set that instead of --runtime-dir")
+    if args.system and args.policy == "priority":
+        raise ValueError("--system with --policy priority: each job says its own weight, "
+                         "so any user could take the devices; run auto, crossover or "
+                         "round-robin")
     if args.system and ("OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ):
         raise ValueError("--system serves this node alone: run it on each node (e.g. from "
                          "systemd), not under mpirun")
@@ -301,7 +305,7 @@ def _daemon(args: argparse.Namespace) -> int:
                          args.nodes.split(",") if args.nodes else None, argv,
                          args.runtime_dir)
     try:
-        adopted = adopt(runtime_dir(args.runtime_dir, create=False) / LOG_FILE,
+        adopted = adopt(runtime_dir(args.runtime_dir, create=True) / LOG_FILE,
                         E.log_bytes(), "crossover-daemon")
     except PermissionError:  # the daemon names what is wrong with the directory
         adopted = False

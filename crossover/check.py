@@ -188,7 +188,7 @@ def check_native() -> Finding:
 
 def check_runtime_dir() -> Finding:
     from crossover.probe import daemon_listens
-    from crossover.transport import runtime_dir
+    from crossover.transport import runtime_dir, system_dir
 
     try:
         rdir = runtime_dir(create=False)
@@ -202,6 +202,11 @@ def check_runtime_dir() -> Finding:
                            f"your own")
         return Finding("ok", "runtime dir", f"{rdir} (made by the first daemon); no daemon "
                                             f"running (crossoverrun --crossover starts one)")
+    if rdir == system_dir():
+        state = "listens" if daemon_listens(rdir) else "does not answer now"
+        return Finding("ok", "runtime dir", f"{rdir}: this node's crossover service for every "
+                                            f"user, which {state} (CROSSOVER_RUNTIME_DIR "
+                                            f"names a daemon of your own instead)")
     daemon = "a daemon listens" if daemon_listens(rdir) else \
         "no daemon running (crossoverrun --crossover starts one)"
     return Finding("ok", "runtime dir", f"{rdir} (yours, 0700); {daemon}")

@@ -80,16 +80,18 @@ def runtime_dir(path: str | os.PathLike | None = None, create: bool = True) -> P
     directory (`system_dir`) is checked as `shared_dir_problem` says instead.
 
     Args:
-        path: an explicit directory; default $CROSSOVER_RUNTIME_DIR, else the system
-            service's where one serves this machine, else `default_runtime_dir()`.
-        create: make it if missing (the daemon); clients only look.
+        path: an explicit directory; default $CROSSOVER_RUNTIME_DIR, else (for a client
+            that looks) the system service's where one serves this machine, else
+            `default_runtime_dir()`.
+        create: make it if missing (a user's daemon, which never takes the system
+            service's directory unless it is named); clients only look.
 
     Raises:
         PermissionError: the path is a symbolic link or not a directory, belongs to
             another user, or others can open it; the message names the fix.
     """
     explicit = path or E.runtime_dir_setting()
-    if explicit is None and (shared := system_service_dir()) is not None:
+    if explicit is None and not create and (shared := system_service_dir()) is not None:
         return shared
     d = Path(explicit or default_runtime_dir())
     if d == system_dir():
@@ -128,7 +130,8 @@ def _system_runtime_dir(d: Path, create: bool) -> Path:
     """The system service's directory (made 0755 by the service where missing)."""
     if create:
         try:
-            d.mkdir(mode=0o755)
+            d.mkdir()
+            d.chmod(0o755)  # whatever the umask: every user's ranks look in it
         except FileExistsError:
             pass
     elif not os.path.lexists(d):

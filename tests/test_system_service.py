@@ -92,9 +92,11 @@ class Service:
         self.log = tmp / "daemon.log"
 
     @contextmanager
-    def running(self, *extra: str, env: dict | None = None) -> Iterator[Proc]:
-        proc = Proc([PY, "-m", "crossover", "daemon", "--system", "--policy", "crossover",
-                     "--allow-group", GROUP, *extra], {**self.env, **(env or {})}, self.log)
+    def running(self, *extra: str, env: dict | None = None,
+                prefix: tuple[str, ...] = ()) -> Iterator[Proc]:
+        proc = Proc([*prefix, PY, "-m", "crossover", "daemon", "--system", "--policy",
+                     "crossover", "--allow-group", GROUP, *extra],
+                    {**self.env, **(env or {})}, self.log)
         try:
             wait_for(lambda: any(self.dir.glob("node-*.sock")) or proc.popen.poll() is not None,
                      60, "the service's socket")
@@ -344,3 +346,48 @@ def test_a_user_fuzzing_the_service_stops_neither_it_nor_another_users_job(servi
         finally:
             holder.stdin.close()
             holder.wait(30)
+
+
+# A user who asks for status twice on one connection without reading, then opens more
+# connections than one user may hold.
+FLOOD = """
+import socket, sys, time
+from crossover import protocol as P
+from crossover.transport import connect, frame, recv_msg
+sock = connect(sys.argv[1], 10)
+sock.sendall(frame(P.Status()) * 2)
+try:
+    while True:
+        got = recv_msg(sock)
+        if isinstance(got, P.Error):
+            print("error:", got.message)
+except (ConnectionError, OSError):
+    print("closed")
+held, refused = [], None
+for _ in range(200):
+    s = connect(sys.argv[1], 10)
+    held.append(s)
+    s.settimeout(0.5)
+    try:
+        msg = recv_msg(s)
+        refused = msg.message
+        break
+    except (TimeoutError, OSError):
+        pass
+print(len(held), refused)
+"""
+
+
+def test_a_user_can_neither_stall_the_service_nor_take_every_connection(service):
+    # 200 descriptors: 136 connections, at most 17 of them one user's
+    with service.running(prefix=("prlimit", "--nofile=200")):
+        sock = str(service.sock())
+        res = service.run_as(BOB, [PY, "-c", FLOOD, sock])
+        assert res.returncode == 0, res.stderr[-2000:]
+        lines = res.stdout.splitlines()
+        assert "error: a status request before the answer to the last one" in lines, lines
+        held, refused = lines[-1].split(" ", 1)
+        assert f"user {BOB} has" in refused and "the most one user may" in refused, lines
+        assert int(held) == 17 + 1, lines  # the one refused included
+        # another user still gets in and is answered
+        assert json.loads(status_as(service, ALICE))

@@ -46,13 +46,38 @@ def test_who_may_connect_and_who_may_stop(users, uid, admits, manages):
     assert users.manages(uid) is manages
 
 
-@pytest.mark.parametrize("users, socket_mode, directory_mode", [
-    (Users(), 0o600, 0o700),
-    (Users(shared=True), 0o666, 0o755),
-    (Users(shared=True, group="root"), 0o660, 0o755),
+@pytest.mark.parametrize("users, socket_mode", [
+    (Users(), 0o600),
+    (Users(shared=True), 0o666),
+    (Users(shared=True, group="root"), 0o660),
 ])
-def test_the_socket_says_who_may_connect(users, socket_mode, directory_mode):
-    assert (users.socket_mode, users.directory_mode) == (socket_mode, directory_mode)
+def test_the_socket_says_who_may_connect(users, socket_mode):
+    assert users.socket_mode == socket_mode
+
+
+def test_a_connection_the_kernel_does_not_name_is_a_users_own_daemons_only():
+    assert Users(service_uid=SERVICE).admits(None)  # as before: its 0700 directory let it in
+    shared = Users(shared=True, service_uid=SERVICE)
+    assert not shared.admits(None) and not shared.manages(None)
+    assert "did not say which user" in shared.refusal(None)
+
+
+def test_a_users_groups_are_read_once_a_minute_and_a_failed_lookup_refuses_only_them():
+    from crossover.daemon.node.users import GROUPS_TTL_S
+
+    asked, now = [], [0.0]
+
+    def lookup(uid: int) -> set[int]:
+        asked.append(uid)
+        if uid == BOB:
+            raise OSError("LDAP down")
+        return groups(uid)
+    users = Users(shared=True, group="root", service_uid=SERVICE, groups_of=lookup,
+                  clock=lambda: now[0])
+    assert users.admits(ALICE) and users.admits(ALICE) and asked == [ALICE]
+    assert not users.admits(BOB)  # the lookup failed: refused, and the service goes on
+    now[0] += GROUPS_TTL_S + 1
+    assert users.admits(ALICE) and asked == [ALICE, BOB, ALICE]
 
 
 def test_a_job_is_its_owners_on_a_service_for_several_users():
@@ -169,7 +194,12 @@ def test_stop_and_grow_are_the_managers_and_a_hello_is_its_owners():
         assert shared.refuses(ROOT, msg, "n1") is None
         assert "its operator does" in shared.refuses(ALICE, msg, "n1")
     assert shared.refuses(ALICE, P.Status(), "n1") is None
+    assert "its operator does" in shared.refuses(None, P.StopWorld(), "n1")
     hello = P.Hello("train", 0, 1, 0, 1, 42)
-    assert shared.owned(os.getuid(), hello).job == f"{user_name(os.getuid())}/train"
-    assert Users().owned(os.getuid(), hello) is hello  # a user's own daemon: as sent
-    assert shared.owned(os.getuid(), P.Status()) == P.Status()
+    owned = shared.owned(os.getuid(), 4242, hello)
+    # the owner's job, and the process the kernel says connected (not one it names)
+    assert (owned.job, owned.pid) == (f"{user_name(os.getuid())}/train", 4242)
+    assert Users().owned(os.getuid(), 4242, hello) is hello  # a user's own daemon: as sent
+    assert shared.owned(os.getuid(), 4242, P.Status()) == P.Status()
+    long = P.Hello("x" * 201, 0, 1, 0, 1, 42)
+    assert shared.owned(os.getuid(), 4242, long) is long  # refused as it came

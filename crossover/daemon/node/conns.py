@@ -12,12 +12,13 @@ from __future__ import annotations
 import logging
 import selectors
 import socket
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from crossover import protocol as P
 from crossover.daemon.credentials import peer_credentials
-from crossover.daemon.node.users import Users
+from crossover.daemon.node.users import Users, user_name
 from crossover.scheduler import SchedulerError
 from crossover.transport import FrameBuffer, send_msg
 
@@ -82,6 +83,9 @@ class Connections:
                  closed: Callable[[RankConn, str], None], users: Users | None = None) -> None:
         self.sel, self.clock = sel, clock
         self.users = users or Users()
+        #: the most connections one user may hold open to a service for several users
+        self.per_user = max(16, max_conns // 8)
+        self._by_uid: Counter[int | None] = Counter()  # connections open, by user
         self.hello_timeout_s, self.max_conns = hello_timeout_s, max_conns
         self._handle, self._closed = handle, closed
         self._refused_at = -1e9  # when a connection over max_conns was last logged
@@ -97,12 +101,22 @@ class Connections:
         except OSError:  # gone already, or out of descriptors: the listener stays
             return
         uid, pid = peer_credentials(sock)
-        if uid is not None and not self.users.admits(uid):
+        why = None
+        if not self.users.admits(uid):
             # The socket's mode (and a user's own daemon's 0700 directory) keeps other
             # users out; should it have been opened up, this keeps them out all the same
             # (and says who tried).
             why = self.users.refusal(uid)
-            log.warning("refused a connection from uid %d (process %s): %s", uid, pid, why)
+            log.warning("refused a connection from uid %s (process %s): %s", uid, pid, why)
+        elif self.users.shared and not self.users.manages(uid) \
+                and self._by_uid[uid] >= self.per_user:
+            # one user cannot take every descriptor of a service for several users
+            why = (f"user {user_name(uid)} has {self.per_user} connections open to this "
+                   f"node's crossover service, the most one user may: close some")
+            if self.clock() - self._refused_at > 10:
+                self._refused_at = self.clock()
+                log.warning("refused a connection of process %s: %s", pid, why)
+        if why is not None:
             try:
                 sock.settimeout(0.1)
                 send_msg(sock, P.Error(why, P.ErrorCode.REFUSED.value))
@@ -122,6 +136,7 @@ class Connections:
         sock.setblocking(False)
         self.sel.register(sock, selectors.EVENT_READ,
                           RankConn(sock, self.clock(), uid=uid, pid=pid))
+        self._by_uid[uid] += 1
 
     def drop_silent(self, asking: set[int]) -> None:
         """Close connections that said nothing useful within hello_timeout_s, but those
@@ -193,4 +208,7 @@ class Connections:
         except (KeyError, ValueError):
             return  # closed already
         conn.sock.close()
+        self._by_uid[conn.uid] -= 1
+        if not self._by_uid[conn.uid]:
+            del self._by_uid[conn.uid]
         self._closed(conn, why)

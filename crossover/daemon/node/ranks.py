@@ -71,14 +71,17 @@ class Ranks:
         core_shares: give each concurrent CPU job on this host its own cores (`_shares`).
         table_for: whether a rank's connection may be offered the slot table (the native
             fast path); the others are granted over their sockets.
+        max_job: the longest job name (on a service for several users, its owner's name
+            comes before the name its ranks gave: `users`).
     """
 
     def __init__(self, node: Node, sched: SlotScheduler, table: TableSync,
                  conns: Connections, peers: Uplink, aligning: bool, deciding: bool,
                  clock: Callable[[], float], core_shares: bool = True,
-                 table_for: Callable[[RankConn], bool] = lambda conn: True) -> None:
+                 table_for: Callable[[RankConn], bool] = lambda conn: True,
+                 max_job: int = 200) -> None:
         self.node, self.sched, self.table, self.conns = node, sched, table, conns
-        self.table_for = table_for
+        self.table_for, self.max_job = table_for, max_job
         self.core_shares = core_shares
         self.peers, self.aligning, self.deciding, self.clock = peers, aligning, deciding, clock
         self.by_key: dict[tuple[str, int], RankConn] = {}
@@ -207,7 +210,7 @@ class Ranks:
         # The decoder checked the types; these are the values that make sense.
         problems = [
             name for name, ok in [
-                ("job", 0 < len(hello.job) <= 200 and hello.job.isprintable()),
+                ("job", 0 < len(hello.job) <= self.max_job and hello.job.isprintable()),
                 ("size", hello.size >= 1),
                 ("rank", 0 <= hello.rank < hello.size),
                 ("local_size", hello.local_size >= 1),

@@ -19,11 +19,13 @@ scheduler in one order), `Leader` (the leader's decisions, on a thread of their 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import resource
 import selectors
 import signal
+import socket
 import time
 from collections.abc import Callable
 
@@ -37,7 +39,7 @@ from crossover.daemon.node.notify import notify
 from crossover.daemon.node.ranks import Node, Ranks, node_identity
 from crossover.daemon.node.sockets import NodeSockets
 from crossover.daemon.node.table import TableSync
-from crossover.daemon.node.users import Users, user_name
+from crossover.daemon.node.users import MAX_JOB, MAX_OWNER, Users, user_name
 from crossover.daemon.relay.launch import relay_path
 from crossover.daemon.relay.uplink import Uplink
 from crossover.daemon.world.generation import is_fake
@@ -157,7 +159,8 @@ class Daemon:
                            core_shares=core_shares,
                            # the slot table is the service user's file (0600): other
                            # users' ranks are granted over their sockets
-                           table_for=lambda conn: conn.uid in (None, users.service_uid))
+                           table_for=lambda conn: conn.uid in (None, users.service_uid),
+                           max_job=MAX_JOB + (MAX_OWNER + 1 if users.shared else 0))
         self.handovers_delayed = 0  # on this node, by the leader's corrections
         self._status_waits: dict[int, tuple[RankConn, dict, float]] = {}
         self._status_token = 0
@@ -308,7 +311,7 @@ class Daemon:
             log.warning("refused %s of process %s: %s", msg.kind, conn.pid, why)
             self.conns.reply(conn, P.Error(why, P.ErrorCode.REFUSED.value))
             return
-        msg = self.users.owned(conn.uid, msg)
+        msg = self.users.owned(conn.uid, conn.pid, msg)
         if isinstance(msg, P.Status):
             self._start_status(conn)
         elif isinstance(msg, P.Grow):
@@ -436,6 +439,8 @@ class Daemon:
             device_memory=device_memory, capacity=capacity, host_memory=HOST_MEMORY)
 
     def _start_status(self, conn: RankConn) -> None:
+        if any(waiting is conn for waiting, _, _ in self._status_waits.values()):
+            raise P.ProtocolError("a status request before the answer to the last one")
         self._status_token += 1
         self._status_waits[self._status_token] = (conn, {}, self.clock() + 2.0)
         self.peers.broadcast(("status?", self._status_token))  # the lost are skipped
@@ -447,9 +452,19 @@ class Daemon:
                 del self._status_waits[token]
                 if not conn.open:
                     continue  # the asker left
-                # A report of many nodes may outgrow the socket's buffer: give the asker
-                # a second to read it (status is rare and never on the grant path).
-                conn.sock.settimeout(1.0)
-                self.conns.reply(conn, P.StatusReport(nodes))
-                if conn.open:
-                    conn.sock.setblocking(False)
+                report = P.StatusReport(nodes)
+                if self.users.manages(conn.uid):
+                    # A report of many nodes may outgrow the socket's buffer: give the
+                    # service's own user a second to read it (status is rare and never
+                    # on the grant path).
+                    conn.sock.settimeout(1.0)
+                    self.conns.reply(conn, report)
+                    if conn.open:
+                        conn.sock.setblocking(False)
+                else:
+                    # another user's asker: the loop never waits for it to read; a
+                    # report that does not fit its socket's buffer closes it
+                    with contextlib.suppress(OSError):
+                        conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF,
+                                             min(len(P.encode(report)) + 64, 1 << 24))
+                    self.conns.reply(conn, report)

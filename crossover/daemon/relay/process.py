@@ -325,7 +325,9 @@ def run_relay(epoch: int, leader_node: str | None, nodes: list[str] | None,
               file=sys.stderr, flush=True)
     # the node's log, beside its service's (not through mpirun, which cannot bound it)
     log_to(rdir / LOG_FILE, E.log_bytes(), "crossover-relay")
-    code = Relay(epoch, leader_node, nodes, args, directory).run()
+    # (named from here on: a node service for every user, found where nothing is
+    # named, is not this world's)
+    code = Relay(epoch, leader_node, nodes, args, str(rdir)).run()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
