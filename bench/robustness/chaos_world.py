@@ -29,8 +29,10 @@ few seconds (exponentially distributed, mean --fault-every) one fault strikes:
                   2-12 s (TCP cannot connect or deliver either way then)
     loss          (--emulated) 10-50 % of one host's packets dropped for 2-12 s
 
-Network faults come one at a time, and no job starts while one lasts and none is cut in
-its first RENDEZVOUS_S: a launch over a cut link fails with or without crossover.
+Network faults come one at a time, and no job starts while one lasts or waits for the
+running jobs' rendezvous (a job is cut neither in its first RENDEZVOUS_S nor before all
+its ranks asked for a slot: a launch over a cut link fails with or without crossover);
+the other faults strike meanwhile.
 
 --emulated: emulated hosts of bench/harness/cluster.py (--hosts of them, network
 namespaces on a bridge, 1000 Mbit/s links, root only) instead of fake nodes; every job
@@ -454,10 +456,10 @@ def run(args: argparse.Namespace, cluster: EmulatedCluster | None) -> int:
                     world.cut or world.cut_due):
                 n += 1
                 jobs.append(start_job(n, rng, world, env, tmp))
-            if time.monotonic() >= next_fault or world.cut_due:
-                kind = rng.choice([k for k in faults_here if k in NETWORK]) \
-                    if world.cut_due else rng.choices(
-                    list(faults_here), weights=list(faults_here.values()))[0]
+            if time.monotonic() >= next_fault:
+                # (a network fault that waits for the jobs' rendezvous lets the others
+                # strike meanwhile: it lands at its kind's next draw)
+                kind = rng.choices(list(faults_here), weights=list(faults_here.values()))[0]
                 what = inject(kind, world, jobs, rng, later, windows, stops)
                 if what is not None:
                     faults[kind] += 1
