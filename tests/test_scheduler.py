@@ -130,6 +130,31 @@ def test_table(name, policy, jobs, events, expected):
     assert run(sched, clock, events) == expected
 
 
+@pytest.mark.parametrize("waiter, held_until", [
+    (True, 18.0),    # past max_hold_s (12) with B waiting: the lease renewed at 9 runs out
+    (False, None),   # nobody waits: renewed for as long as A asks
+])
+def test_renewals_keep_a_device_no_longer_than_max_hold_while_another_job_waits(
+        waiter, held_until):
+    clock = FakeClock()
+    sched = SlotScheduler(make_policy("crossover"), clock, lease_s=9.0, max_hold_s=12.0)
+    sched.register("A", 0, "d0", (0, "A"))
+    sched.register("B", 0, "d0", (1, "B"))
+    sched.request("A", 0)
+    if waiter:
+        sched.request("B", 0)
+    revoked_at = None
+    for _ in range(10):  # A renews every 3 s and never releases
+        clock.now += 3.0
+        revoked, grants = sched.expire()
+        if revoked:
+            revoked_at = clock.now
+            assert revoked == [("A", 0, "d0")] and [g.job for g in grants] == ["B"]
+            break
+        sched.renew("A", 0)
+    assert revoked_at == held_until
+
+
 @pytest.mark.parametrize("policy,share_a", [("priority", 0.5), ("crossover", 1 / 3)])
 def test_priority_weight_shares_device_time(policy, share_a):
     # Three jobs always ready; A has weight 2. Under priority (weighted fair queuing)

@@ -195,7 +195,23 @@ def reply():
         msg = recv_msg(sock)
         if not isinstance(msg, P.Company):
             return msg
-if what == "hold":  # hello as job `arg`, take the device, and keep it until stdin ends
+if what == "squat":  # take the device and renew its lease, never releasing it
+    import time
+    send_msg(sock, P.Hello(arg, 0, 1, 0, 1, os.getpid()))
+    print(type(reply()).__name__, flush=True)
+    send_msg(sock, P.Acquire(1))
+    print(type(reply()).__name__, flush=True)
+    while True:
+        send_msg(sock, P.Renew())
+        time.sleep(0.2)
+elif what == "wait":  # ask for the device and say how long the grant took
+    import time
+    send_msg(sock, P.Hello(arg, 0, 1, 0, 1, os.getpid()))
+    reply()
+    t0 = time.monotonic()
+    send_msg(sock, P.Acquire(1))
+    print(type(reply()).__name__, round(time.monotonic() - t0, 1), flush=True)
+elif what == "hold":  # hello as job `arg`, take the device, and keep it until stdin ends
     send_msg(sock, P.Hello(arg, 0, 1, 0, 1, os.getpid()))
     print(type(reply()).__name__, flush=True)
     send_msg(sock, P.Acquire(1))
@@ -391,3 +407,21 @@ def test_a_user_can_neither_stall_the_service_nor_take_every_connection(service)
         assert int(held) == 17 + 1, lines  # the one refused included
         # another user still gets in and is answered
         assert json.loads(status_as(service, ALICE))
+
+
+def test_a_user_who_renews_without_releasing_keeps_the_device_at_most_two_leases(service):
+    with service.running("--lease", "1"):
+        sock = str(service.sock())
+        squatter = subprocess.Popen(as_user(BOB, [PY, "-c", ACTOR, sock, "squat", "S"]),
+                                    env=service.env, stdout=subprocess.PIPE, text=True,
+                                    cwd=REPO)
+        try:
+            assert squatter.stdout.readline().strip() == "Welcome"
+            assert squatter.stdout.readline().strip() == "Grant"
+            res = service.run_as(ALICE, [PY, "-c", ACTOR, sock, "wait", "W"])
+            kind, took = res.stdout.split()
+            assert kind == "Grant" and float(took) <= 2.5, res.stdout  # two leases, and 0.5
+        finally:
+            squatter.kill()
+            squatter.wait(30)
+    assert re.search(rf"job {BOB}/S rank 0 held cpu\d+ past its 1 s lease", service.log.read_text())

@@ -71,12 +71,15 @@ class SlotScheduler(ModeSwitching, SchedulerViews):
     """
 
     def __init__(self, policy: Policy, clock: Callable[[], float], lease_s: float = 60.0,
-                 patience_s: float = 1.0):
+                 patience_s: float = 1.0, max_hold_s: float | None = None):
         if lease_s <= 0 or patience_s <= 0:
             raise ValueError(f"lease_s and patience_s must be > 0, got {lease_s}, {patience_s}")
         self.policy = policy
         self.clock = clock
         self.lease_s = lease_s
+        #: past this long one hold is renewed no more while another job waits for its
+        #: device (None: renewed for as long as the rank asks)
+        self.max_hold_s = max_hold_s
         self.patience_s = patience_s
         self._where: dict[tuple[str, int], str] = {}  # (job, rank) -> device
         self._jobs: dict[str, tuple[JobOrder, float]] = {}  # job -> (order, weight)
@@ -242,10 +245,19 @@ class SlotScheduler(ModeSwitching, SchedulerViews):
         self._devices[device].handover_delay = seconds
 
     def renew(self, job: str, rank: int) -> None:
-        """Extend the rank's lease on the device it holds (no-op if it holds none)."""
-        _, r = self._lookup(job, rank)
-        if r.state == HOLDING:
-            r.deadline = self.clock() + self.lease_s
+        """Extend the rank's lease on the device it holds (no-op if it holds none), unless
+        it has held it `max_hold_s` while another job waits for it: then its lease runs
+        out as it stands, and `expire` revokes it (renewals alone do not keep a device
+        from the others)."""
+        device, r = self._lookup(job, rank)
+        if r.state != HOLDING:
+            return
+        now = self.clock()
+        if self.max_hold_s is not None and now - r.since >= self.max_hold_s and any(
+                w.state == WAITING and w.job != job
+                for w in self._devices[device].ranks.values()):
+            return
+        r.deadline = now + self.lease_s
 
     def expire(self) -> tuple[list[tuple[str, int, str]], list[SlotGrant]]:
         """Revoke grants whose lease ran out; pass over ranks that kept a device waiting.

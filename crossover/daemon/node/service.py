@@ -121,7 +121,11 @@ class Daemon:
         name, cores = node_identity()
         self.node = Node(name, cores, max(1, min(cpu_devices or len(cores), len(cores))))
         self.clock = clock
-        self.sched = SlotScheduler(make_policy(policy), clock, lease_s, patience_s)
+        # On a service for several users a rank that renews without releasing cannot
+        # keep a device from another's waiting job past a lease (it is revoked within
+        # two, before that job's ranks give up waiting)
+        self.sched = SlotScheduler(make_policy(policy), clock, lease_s, patience_s,
+                                   max_hold_s=lease_s if users.shared else None)
         self.path = socket_path(name, runtime_dir, create=True)
         self.sockets = NodeSockets(self.path, relay_path(name, self.path.parent)
                                    if relayed else None, users.socket_mode, users.gid)
