@@ -144,8 +144,11 @@ def test_two_users_jobs_on_one_device_take_turns_and_keep_their_math(service, so
     with service.running():
         for user, job, seed in ((ALICE, "A", 1), (BOB, "B", 2)):
             d = home(service.tmp, user)
+            # (mpirun checks its executable with access(2), which ignores the
+            # capability that reads the environment under /root; env executes it)
             cmd = as_user(user, ["mpirun", "--oversubscribe", "--bind-to", "none", "-np",
-                                 "2", PY, str(REPO / "examples/torch_mlp.py"), "--seed",
+                                 "2", "/usr/bin/env", PY, str(REPO / "examples/torch_mlp.py"),
+                                 "--seed",
                                  str(seed), "--steps", str(STEPS), "--out",
                                  str(d / f"{job}.pt"), "--start-barrier", str(barrier),
                                  "--start-jobs", "2"])
