@@ -50,6 +50,13 @@ def system_service_dir() -> Path | None:
     return d if shared_dir_problem(d) is None else None
 
 
+def system_service_in_use() -> Path | None:
+    """The system service's directory where ranks and launchers use it: one serves this
+    machine (`system_service_dir`) and CROSSOVER_RUNTIME_DIR names no daemon of the
+    user's own."""
+    return None if E.runtime_dir_setting() else system_service_dir()
+
+
 def shared_dir_problem(d: Path) -> str | None:
     """Why `d` cannot hold a node service for several users, or None. It must be a
     directory (not a link) that only its owner may change, in a parent that only root
@@ -90,9 +97,9 @@ def runtime_dir(path: str | os.PathLike | None = None, create: bool = True) -> P
         PermissionError: the path is a symbolic link or not a directory, belongs to
             another user, or others can open it; the message names the fix.
     """
-    explicit = path or E.runtime_dir_setting()
-    if explicit is None and not create and (shared := system_service_dir()) is not None:
+    if path is None and not create and (shared := system_service_in_use()) is not None:
         return shared
+    explicit = path or E.runtime_dir_setting()
     d = Path(explicit or default_runtime_dir())
     if d == system_dir():
         return _system_runtime_dir(d, create)

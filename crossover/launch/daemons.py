@@ -29,7 +29,7 @@ from crossover.daemon.logfile import LOG_FILE
 from crossover.daemon.relay.launch import relay_mca_flags
 from crossover.daemon.world.wire import KEY_ENV, KEY_FILE, make_key, world_key
 from crossover.probe import daemon_listens, daemon_status, grow_world, stop_world
-from crossover.transport import runtime_dir, socket_path, system_dir, system_service_dir
+from crossover.transport import runtime_dir, socket_path, system_dir, system_service_in_use
 
 #: How often crossoverrun checks that the daemon it started is still there.
 WATCH_S = 2.0
@@ -136,7 +136,7 @@ def ensure_daemon(address: str, policy: str | None, hosts: list[str],
         _check_policy(nodes, policy, rdir)
         _check_hosts(nodes, hosts, rdir)
         return rdir
-    if not E.runtime_dir_setting() and (shared := system_service_dir()) is not None:
+    if (shared := system_service_in_use()) is not None:
         return _use_system_service(shared, policy, quiet)
     rdir = runtime_dir(create=True)
     # Serialise check-and-start: jobs launched together must share one daemon.

@@ -23,7 +23,7 @@ from crossover.daemon.relay.launch import relay_mca_flags
 from crossover.launch import cli
 from crossover.launch.daemons import UsageError, daemon_watch, ensure_daemon
 from crossover.launch.running import merge_traces, run_runner_child
-from crossover.transport import system_service_dir
+from crossover.transport import system_service_in_use
 
 PROG = "crossover-torchrun"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -108,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         parsed = torchrun_args(rest)
         if not args.crossover or parsed is None:  # torchrun runs, or says what is wrong
             return run_runner_child([*TORCHRUN, *rest])
-        if not _single_node(parsed) and args.crossover_daemon == "auto" and (
-                E.runtime_dir_setting() or system_service_dir() is None):
+        if not _single_node(parsed) and args.crossover_daemon == "auto" \
+                and system_service_in_use() is None:
             raise UsageError(f"--nnodes {parsed.nnodes}: --crossover-daemon auto starts a "
                              f"daemon for this host only; run the node service on every "
                              f"node (crossover daemon --system: docs/deploy.md), or start "
