@@ -401,6 +401,11 @@ def test_the_dashboard_asks_only_for_what_the_services_serve():
     assert asked and asked <= served, asked - served
 
 
+#: How late the service may count a hold, or answer a scrape, after the moment it
+#: stands for (its loop and a loaded machine).
+LATE_S = 0.1
+
+
 def reserved_bounds(holds: list[tuple[float, float, str, int]], job: str,
                     until_s: float) -> tuple[float, float]:
     """What the service may count of `job`'s holds on one device up to `until_s`, from
@@ -476,7 +481,11 @@ def test_a_real_prometheus_scrapes_two_nodes_hold_seconds_as_the_traces_bound_th
         assert len(points) >= 3 and values == sorted(values) and values[-1] > values[0], \
             points
         for at, value in points:
-            low, high = reserved_bounds(traced, job, at)
+            # the service counts a hold from when its loop applies the rank's slot-table
+            # event, and computes the sample after Prometheus stamps the scrape: each of
+            # them up to LATE_S (a loaded 2-core CI saw 16 ms on 1.05 s of holds)
+            low = reserved_bounds(traced, job, at - LATE_S)[0]
+            high = reserved_bounds(traced, job, at + LATE_S)[1]
             if low >= 0.5:  # half a second of holds: past the clocks' noise
                 compared += 1
                 assert 0.99 * low <= value <= 1.01 * high, (job, device, at, low, value, high)
