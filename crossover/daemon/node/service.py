@@ -13,33 +13,31 @@ a rank that holds past its lease loses it then. Clients treat a vanished daemon 
 The parts, composed here, each with its own module: `Connections` (sockets and frames),
 `Ranks` (what ranks say, and their company), `TableSync` (the slot table and the
 scheduler in one order), `Leader` (the leader's decisions, on a thread of their own:
-`leader_thread`). `Daemon` owns the serve loop, the scheduler's clock-driven changes
-(leases, re-alignment), and what a node does with the other daemons' messages.
+`leader_thread`), `NodeStatus` (status reports and metrics figures). `Daemon` owns the
+serve loop, the scheduler's clock-driven changes (leases, re-alignment), and what a node
+does with the other daemons' messages.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import resource
 import selectors
 import signal
-import socket
 import time
 from collections.abc import Callable
-
-import psutil
 
 from crossover import protocol as P
 from crossover.daemon.logfile import LOG_FILE
 from crossover.daemon.node.conns import Connections, RankConn
-from crossover.daemon.node.metrics import MetricsEndpoint, MetricsError, NodeFigures
+from crossover.daemon.node.metrics import MetricsEndpoint, MetricsError
 from crossover.daemon.node.notify import notify
 from crossover.daemon.node.ranks import Node, Ranks, node_identity
 from crossover.daemon.node.sockets import NodeSockets
+from crossover.daemon.node.status import NodeStatus
 from crossover.daemon.node.table import TableSync
-from crossover.daemon.node.users import MAX_JOB, MAX_OWNER, Users, user_name
+from crossover.daemon.node.users import MAX_JOB, MAX_OWNER, Users
 from crossover.daemon.relay.launch import relay_path
 from crossover.daemon.relay.uplink import Uplink
 from crossover.daemon.world.generation import is_fake
@@ -47,16 +45,13 @@ from crossover.daemon.world.leader import Leader
 from crossover.daemon.world.leader_thread import LeaderThread
 from crossover.daemon.world.member import TO_LEADER, Member
 from crossover.daemon.world.wire import world_key
-from crossover.procstats import RankUsage, daemon_figures, process_state
+from crossover.procstats import process_state
 from crossover.protocol import Mode
 from crossover.scheduler import ModeController, SlotScheduler, make_policy
 from crossover.scheduler.phase import PhaseAligner
 from crossover.transport import socket_path
 
 log = logging.getLogger("crossover.daemon")
-
-#: the node's memory, which its CPU devices share (for metrics)
-HOST_MEMORY = psutil.virtual_memory().total
 
 
 class Daemon:
@@ -166,13 +161,11 @@ class Daemon:
                            table_for=lambda conn: conn.uid in (None, users.service_uid),
                            max_job=MAX_JOB + (MAX_OWNER + 1 if users.shared else 0))
         self.handovers_delayed = 0  # on this node, by the leader's corrections
-        self._status_waits: dict[int, tuple[RankConn, dict, float]] = {}
-        self._status_token = 0
+        self.status = NodeStatus(self.node, self.sched, self.ranks, self.table, self.member,
+                                 self.conns, self.peers, users, clock,
+                                 handovers_delayed=lambda: self.handovers_delayed)
         self._stop = False
-        self._started = time.monotonic()
-        self._usage = RankUsage()
         self._metrics_at = metrics
-        self._user = user_name(users.service_uid)
         self.metrics: MetricsEndpoint | None = None
         self._said_ready = False
 
@@ -245,16 +238,16 @@ class Daemon:
                 self.table.run_backlog()
                 self._handle_peers()
                 self.member.tick()
-                self.conns.drop_silent({id(c) for c, _, _ in self._status_waits.values()})
+                self.conns.drop_silent(self.status.askers())
                 self._expire()
                 if self.leader is not None:
                     self.leader.busy_here = self.ranks.busy
                     self.leader.raise_error()
-                self._finish_status_waits()
+                self.status.answer_ready()
                 self._realign()
                 self.table.publish_plans()
                 if self.metrics is not None:  # after the table's events are applied
-                    self.metrics.answer(self._figures)
+                    self.metrics.answer(self.status.figures)
                 self.ranks.update_company()
         finally:
             notify(STOPPING=1)
@@ -289,9 +282,7 @@ class Daemon:
         if self.table.stuck:
             return 0.005  # a device's mutex is busy: try again soon (not at once: a spin)
         t = 0.5 if not self.table.replan else 0.01
-        deadlines = [self.sched.next_deadline()]
-        deadlines.append(self.member.next_deadline())
-        for deadline in deadlines:
+        for deadline in (self.sched.next_deadline(), self.member.next_deadline()):
             if deadline is not None:
                 t = min(t, max(0.0, deadline - self.clock()))
         return t
@@ -317,7 +308,7 @@ class Daemon:
             return
         msg = self.users.owned(conn.uid, conn.pid, msg)
         if isinstance(msg, P.Status):
-            self._start_status(conn)
+            self.status.request(conn)
         elif isinstance(msg, P.Grow):
             bad = [n for n in msg.nodes if not (0 < len(n) <= 200 and n.isprintable())]
             if bad or len(msg.nodes) > 4096:
@@ -388,11 +379,10 @@ class Daemon:
         elif kind == "delay":  # this node's turns ran ahead: hand over later, once
             self.table.change(None, lambda: self._delay_handovers(msg[1], msg[2]))
         elif kind == "status?":
-            self.peers.send(source, ("status!", msg[1], self.node.name, self._snapshot()))
+            self.peers.send(source, ("status!", msg[1], self.node.name,
+                                     self.status.snapshot()))
         elif kind == "status!":
-            wait = self._status_waits.get(msg[1])
-            if wait is not None:
-                wait[1][msg[2]] = msg[3]
+            self.status.part(msg[1], msg[2], msg[3])
         elif kind == "shutdown":
             self.stop()
 
@@ -408,67 +398,3 @@ class Daemon:
         log.info("node %s's turns %.0f ms ahead of another node's: next hand-over of %s "
                  "%.0f ms later", self.node.name, 1000 * lead_s, ", ".join(shared)
                  or "no device", 1000 * delay_s)
-
-    # --- status -------------------------------------------------------------------------
-    def _snapshot(self) -> dict:
-        """This node's part of a status report."""
-        snap = self.sched.snapshot()
-        snap["mode_reason"] = self.ranks.mode_reason
-        # the nodes' phases: hand-overs this node delayed to get back in step
-        snap["handovers_delayed"] = self.handovers_delayed
-        decision = self.leader.snapshot() if self.leader is not None else None
-        if decision is not None:
-            snap["mode_decision"] = decision
-        # the world as this daemon sees it: who leads, and the nodes lost
-        snap["world"] = self.member.snapshot()
-        snap["devices_cores"] = dict(self.node.cpu_device(i)
-                                     for i in range(self.node.cpu_devices))
-        snap["daemon"] = {**daemon_figures(self._started),
-                          "connections": self.conns.count()}
-        snap["job_usage"] = self._usage.job_usage(self.ranks.pids())
-        # the native fast path: on or off, and the grants it made per device
-        snap["fast_path"] = self.table.fast_grants()
-        snap["table"] = self.table.pending()
-        snap["memory"] = self.ranks.memory_report()
-        return snap
-
-    def _figures(self) -> NodeFigures:
-        """What a metrics scrape shows of this node (copied: it renders elsewhere)."""
-        groups = self.leader.snapshot(wait_s=0.0) if self.leader is not None else None
-        device_memory, capacity = self.ranks.device_memory()
-        return NodeFigures(
-            node=self.node.name, user=self._user, leads=self.leader is not None,
-            world=self.member.snapshot(), mode=self.sched.mode.value,
-            accounts=self.sched.accounts(), pids=self.ranks.pids_by_place(), groups=groups,
-            device_memory=device_memory, capacity=capacity, host_memory=HOST_MEMORY)
-
-    def _start_status(self, conn: RankConn) -> None:
-        if any(waiting is conn for waiting, _, _ in self._status_waits.values()):
-            raise P.ProtocolError("a status request before the answer to the last one")
-        self._status_token += 1
-        self._status_waits[self._status_token] = (conn, {}, self.clock() + 2.0)
-        self.peers.broadcast(("status?", self._status_token))  # the lost are skipped
-
-    def _finish_status_waits(self) -> None:
-        now = self.clock()
-        for token, (conn, nodes, deadline) in list(self._status_waits.items()):
-            if len(nodes) >= len(self.member.world.alive) or now >= deadline:
-                del self._status_waits[token]
-                if not conn.open:
-                    continue  # the asker left
-                report = P.StatusReport(nodes)
-                if self.users.manages(conn.uid):
-                    # A report of many nodes may outgrow the socket's buffer: give the
-                    # service's own user a second to read it (status is rare and never
-                    # on the grant path).
-                    conn.sock.settimeout(1.0)
-                    self.conns.reply(conn, report)
-                    if conn.open:
-                        conn.sock.setblocking(False)
-                else:
-                    # another user's asker: the loop never waits for it to read; a
-                    # report that does not fit its socket's buffer closes it
-                    with contextlib.suppress(OSError):
-                        conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF,
-                                             min(len(P.encode(report)) + 64, 1 << 24))
-                    self.conns.reply(conn, report)
