@@ -322,6 +322,23 @@ def job_start_ns() -> int:
     return get(JOB_START)
 
 
+#: Where batch systems put the id of the job a process runs in, first set wins: Slurm,
+#: PBS and Torque, LSF.
+BATCH_JOB_VARS = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID")
+#: The longest batch job id a rank says (longer: not said).
+MAX_BATCH_JOB = 64
+
+
+def batch_job() -> str:
+    """The batch system's id of this process's job (`BATCH_JOB_VARS`), "" outside one or
+    where it is not 1-64 printable characters."""
+    for name in BATCH_JOB_VARS:
+        value = os.environ.get(name, "")
+        if value:
+            return value if len(value) <= MAX_BATCH_JOB and value.isprintable() else ""
+    return ""
+
+
 def runtime_dir_setting() -> str | None:
     """CROSSOVER_RUNTIME_DIR as given, or None (see `crossover.transport.runtime_dir`)."""
     return get(RUNTIME_DIR)

@@ -18,7 +18,7 @@ from enum import Enum
 from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
 
 #: Bumped on any incompatible change; a client and daemon that differ refuse each other.
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 
 
 class ErrorCode(str, Enum):
@@ -87,6 +87,9 @@ class Hello(Message):
     # launcher or agreed with the job's name; 0 if unknown. (start_ns, job) is the job's
     # place in the global order on every node (`scheduler.state.JobOrder`).
     start_ns: int = 0
+    # The batch system's id of the job this rank runs in (Slurm's SLURM_JOB_ID, say;
+    # `environment.batch_job`), "" outside one: metrics name it beside the job.
+    batch_job: str = ""
 
 
 @dataclass

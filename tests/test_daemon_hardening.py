@@ -68,6 +68,17 @@ def test_a_pid_past_32_bits_is_refused_and_the_daemon_lives(cluster: Cluster, pi
         round_trip(cluster)
 
 
+@pytest.mark.parametrize("batch_job", ["x" * 65, "42\n43"])
+def test_a_batch_job_id_that_is_no_id_is_refused_and_the_daemon_lives(cluster: Cluster,
+                                                                       batch_job):
+    with cluster.daemon() as daemon:
+        sock, reply = raw(cluster, P.Hello("batch", 0, 1, 0, 1, 1, batch_job=batch_job))
+        sock.close()
+        assert isinstance(reply, P.Error) and "invalid batch_job" in reply.message, reply
+        assert daemon.popen.poll() is None
+        round_trip(cluster)
+
+
 def test_ranks_of_one_new_job_with_different_weights(cluster: Cluster):
     """Read in one pass, before their job has its order: one is refused by name, the
     daemon lives, and the refused rank can join again with the job's weight."""

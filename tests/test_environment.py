@@ -350,3 +350,20 @@ def test_the_local_runner_refuses_a_bad_value_before_starting_the_daemon(tmp_pat
     assert str(exc.value) == ("CROSSOVER_FAKE_NODES='x': give a whole number of nodes >= 0 "
                               "(default 0)")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(("environ", "want"), [
+    ({}, ""),
+    ({"SLURM_JOB_ID": "4242"}, "4242"),
+    ({"PBS_JOBID": "17.server", "LSB_JOBID": "9"}, "17.server"),
+    ({"SLURM_JOB_ID": "4242", "PBS_JOBID": "17.server"}, "4242"),  # Slurm's first
+    ({"SLURM_JOB_ID": "x" * 65}, ""),  # too long to be an id: not said
+    ({"SLURM_JOB_ID": "42\n43"}, ""),
+])
+def test_the_batch_job_is_the_first_batch_systems_id_that_is_set(environ, want,
+                                                                  monkeypatch):
+    for name in E.BATCH_JOB_VARS:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    assert E.batch_job() == want

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import re
 import shutil
 import socket
@@ -22,10 +23,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from crossover import protocol as P
 from crossover import trace
 from crossover.daemon.node import metrics as M
+from crossover.daemon.world.leader import Durations
 from crossover.protocol import Phase
 from tests.conftest import PY, REPO, Cluster, Proc, wait_for
 from tests.test_scheduler import build
 
+USER = pwd.getpwuid(os.getuid()).pw_name
 COMMUNICATE = Phase.COMMUNICATE  # a release before an allreduce hands the device over
 
 
@@ -109,6 +112,8 @@ FIGURES = M.NodeFigures(
               "cpu1": {"grants": 0, "jobs": {}}},
     memory={("A", "cpu0"): 1000, ("B", "cpu0"): 2000},
     groups={"0": {"mode": "concurrent"}},
+    decisions=Durations(sum_s=15.0, count=2, at_most=[0, 0, 1, 1, 2, 2, 2, 2, 2]),
+    batch_jobs={"A": "4242"},
 )
 
 
@@ -129,7 +134,7 @@ def test_the_text_names_every_figure_by_prometheus_conventions():
             1.0,
         ("crossover_grants_total", (("device", "cpu0"), ("node", "n1"))): 7.0,
         ("crossover_grants_total", (("device", "cpu1"), ("node", "n1"))): 0.0,
-        ("crossover_job_info", (("device", "cpu0"), ("hpc_job", ""), ("job_name", "A"),
+        ("crossover_job_info", (("device", "cpu0"), ("hpc_job", "4242"), ("job_name", "A"),
                                 ("user", "alice"))): 1.0,
         ("crossover_job_info", (("device", "cpu0"), ("hpc_job", ""), ("job_name", "B"),
                                 ("user", "alice"))): 1.0,
@@ -139,8 +144,24 @@ def test_the_text_names_every_figure_by_prometheus_conventions():
         ("crossover_slot_wait_seconds_total", (("device", "cpu0"), ("job_name", "B"))): 0.5,
         ("crossover_job_memory_bytes", (("device", "cpu0"), ("job_name", "A"))): 1000.0,
         ("crossover_job_memory_bytes", (("device", "cpu0"), ("job_name", "B"))): 2000.0,
+        **{("crossover_mode_decision_seconds_bucket", (("le", le), ("node", "n1"))): n
+           for le, n in [("1.0", 0), ("2.5", 0), ("5.0", 1), ("10.0", 1), ("20.0", 2),
+                         ("30.0", 2), ("60.0", 2), ("120.0", 2), ("300.0", 2),
+                         ("+Inf", 2)]},
+        ("crossover_mode_decision_seconds_sum", (("node", "n1"),)): 15.0,
+        ("crossover_mode_decision_seconds_count", (("node", "n1"),)): 2.0,
     }
     assert got == expected
+
+
+def test_a_decisions_histogram_counts_each_duration_under_every_bound_above_it():
+    d = Durations()
+    for seconds in (3.0, 12.0, 400.0):
+        d.observe(seconds)
+    assert (d.at_most, d.sum_s, d.count) == ([0, 0, 1, 1, 2, 2, 2, 2, 2], 415.0, 3)
+    copy = d.copy()
+    d.observe(0.5)
+    assert copy.count == 3 and copy.at_most[0] == 0  # a snapshot, not a view
 
 
 def test_a_job_of_a_service_for_several_users_names_its_owner():
@@ -324,7 +345,7 @@ def test_a_daemon_shows_two_running_jobs_holds_and_forgets_them_when_they_end(
 def test_a_gpu_jobs_memory_is_shown_beside_its_devices_capacity(cluster: Cluster):
     """Two ranks of a job on GPU 0 say what their allocators hold: status and metrics
     show the job's sum on that device beside the device's capacity, and the node's
-    memory as the CPU devices' capacity."""
+    memory as the CPU devices' capacity; its batch job's id labels it."""
     from crossover.__main__ import status_table
     from crossover.probe import daemon_status
     from crossover.transport import connect, recv_msg, send_msg
@@ -338,7 +359,8 @@ def test_a_gpu_jobs_memory_is_shown_beside_its_devices_capacity(cluster: Cluster
             for rank in (0, 1):
                 sock = connect(sock_path, 10)
                 socks.append(sock)
-                send_msg(sock, P.Hello("G", rank, 2, rank, 2, os.getpid(), 1.0, 0))
+                send_msg(sock, P.Hello("G", rank, 2, rank, 2, os.getpid(), 1.0, 0,
+                                       batch_job="4242"))
                 while not isinstance(reply := recv_msg(sock), P.Welcome):
                     assert not isinstance(reply, P.Error), reply
                 send_msg(sock, P.Memory((rank + 1) * gib, 2 * (rank + 1) * gib, 80 * gib))
@@ -357,6 +379,8 @@ def test_a_gpu_jobs_memory_is_shown_beside_its_devices_capacity(cluster: Cluster
         finally:
             for sock in socks:
                 sock.close()
+    assert got[("crossover_job_info", (("device", "gpu0"), ("hpc_job", "4242"),
+                                       ("job_name", "G"), ("user", USER)))] == 1.0
     assert got[("crossover_job_device_memory_bytes",
                 (("device", "gpu0"), ("job_name", "G")))] == 3 * gib
     assert got[("crossover_job_device_memory_peak_bytes",
@@ -481,9 +505,10 @@ def test_a_real_prometheus_scrapes_two_nodes_hold_seconds_as_the_traces_bound_th
         assert len(points) >= 3 and values == sorted(values) and values[-1] > values[0], \
             points
         for at, value in points:
-            # the service counts a hold from when its loop applies the rank's slot-table
-            # event, and computes the sample after Prometheus stamps the scrape: each of
-            # them up to LATE_S (a loaded 2-core CI saw 16 ms on 1.05 s of holds)
+            # a fast-path hold counts once the service's loop applies the rank's event
+            # (backdated to when the rank wrote it), and the service computes the sample
+            # after Prometheus stamps the scrape: each up to LATE_S (a loaded 2-core CI
+            # saw a sample 16 ms short on 1.05 s of holds)
             low = reserved_bounds(traced, job, at - LATE_S)[0]
             high = reserved_bounds(traced, job, at + LATE_S)[1]
             if low >= 0.5:  # half a second of holds: past the clocks' noise

@@ -100,6 +100,29 @@ def test_mode_decision(name, rates, mode, switches):
     assert ctl.reason.endswith(mode.value)
 
 
+def test_a_decision_says_how_long_it_took_since_it_was_due():
+    """For the leader's histogram: a decision's time runs from the jobs' change (the
+    second job's first step) or a held mode's drift to the hold, and a probe's own
+    switches carry none."""
+    ctl, clock = controller(hold_s=100.0)
+    seen: list[tuple[float, object]] = []
+    for name in ("progress", "tick"):
+        call = getattr(ctl, name)
+        setattr(ctl, name, lambda *a, call=call, **k: [
+            seen.append((clock.now, s)) or s for s in call(*a, **k)])
+    # the host slows to half at 12 s: a held mode's rates drift, and it is probed again
+    simulate(ctl, clock, scaled(LONG_COMM, lambda t: 0.5 if t >= 12 else 1.0), until=40.0)
+    probes = [(t, s) for t, s in seen if s.decided_after_s is None]
+    decisions = [(t, s) for t, s in seen if s.decided_after_s is not None]
+    assert len(decisions) == 2, seen
+    (first_due, _), (first, d1), (second, d2) = probes[0], *decisions
+    assert d1.decided_after_s == pytest.approx(first - first_due) and \
+        d1.decided_after_s > 2 * ctl.probe_s, seen
+    reprobe = min(t for t, s in probes if t > first)
+    assert 12 <= reprobe < second and \
+        d2.decided_after_s == pytest.approx(second - reprobe), seen
+
+
 def test_one_pair_alone_is_fooled_by_a_slow_moment():
     """The trap the repeated pairs avoid: with one pair the slow window above decides."""
     ctl, clock = controller(max_pairs=1)

@@ -9,12 +9,14 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 
 import psutil
 import pytest
 
 from crossover import trace
 from tests.conftest import Cluster, Proc, assert_ran_together, held, same_weights, wait_for
+from tests.test_metrics import free_port, get, samples
 
 pytestmark = pytest.mark.mpi
 
@@ -78,15 +80,26 @@ def test_mode_switches_mid_run_keep_the_math(cluster: Cluster, solo):
     (Holds overlap in concurrent windows by design; tests/test_mode.py proves that
     antiphase stays exclusive across switches.)"""
     # (--mode-probe-local: these jobs' ranks share this host, which is otherwise not probed)
+    port = free_port()
     with cluster.daemon(policy="auto", extra=("--mode-probe", "0.2", "--mode-hold", "0.5",
-                                              "--mode-probe-local")):
+                                              "--mode-probe-local", "--metrics-port",
+                                              str(port))):
+        began = time.monotonic()
         a, b = cluster.jobs_together(("A", 1, MODE_STEPS), ("B", 2, MODE_STEPS))
         a.wait(180)
         b.wait(180)
+        ran_s = time.monotonic() - began
         log = (cluster.tmp / "daemon.log").read_text()
+        got = samples(get(f"http://127.0.0.1:{port}/metrics")[1])
     decided = re.findall(r"mode (antiphase|concurrent) for group \d+ \(nodes [^)]*\): ", log)
     # concurrent (probe), antiphase (probe), then a decision: both directions of switch
     assert {"antiphase", "concurrent"} <= set(decided) and len(decided) >= 3, log
+    # the leader's decisions as its log times them, in its histogram
+    took = [float(s) for s in re.findall(r"\(decided in ([0-9.]+) s\)", log)]
+    count, sum_s = (next(v for (n, _), v in got.items() if n == name) for name in (
+        "crossover_mode_decision_seconds_count", "crossover_mode_decision_seconds_sum"))
+    assert took and count == len(took) and max(took) < ran_s, (took, count, ran_s)
+    assert sum_s == pytest.approx(sum(took), abs=0.001 * len(took)), (sum_s, took)
     events = trace.merge(sorted(cluster.traces.glob("*.json")), cluster.tmp / "merged.json")
     seen = {ev["name"] for ev in events if ev.get("ph") == "i"}
     assert {"mode antiphase", "mode concurrent"} <= seen, "the ranks' traces show the switches"

@@ -120,7 +120,8 @@ class DecisionLog:
     """The mode decisions a daemon's log gained since the last `new()`: each switch's
     reason, in order (a daemon that serves many runs: what the latest run decided)."""
 
-    PATTERN = re.compile(r" mode (?:antiphase|concurrent) for group \d+ \([^)]*\): (.*)$", re.M)
+    PATTERN = re.compile(r" mode (?:antiphase|concurrent) for group \d+ \([^)]*\): (.*?)"
+                         r"(?: \(decided in [0-9.]+ s\))?$", re.M)
     #: a node's hand-over delayed by the phase aligner (`--align-phases`): its lead, ms
     DELAYS = re.compile(r"'s turns (\d+) ms ahead of another node's", re.M)
 

@@ -103,7 +103,8 @@ class SlotClient(DaemonLink):
             # Under fake nodes local rank l is local rank l // N of node fake<l % N>.
             local_rank = info.local_rank // fake if fake else info.local_rank
             self._hello = P.Hello(self.job, info.rank, info.size, local_rank,
-                                  info.local_size, os.getpid(), weight, gpu, start_ns)
+                                  info.local_size, os.getpid(), weight, gpu, start_ns,
+                                  E.batch_job())
             node = E.node_name(info.local_rank)
         except ValueError as exc:  # a CROSSOVER_NODE / _FAKE_NODES that does not parse
             self._fail_open(f"{exc}; crossover is off in this process", heal=False)

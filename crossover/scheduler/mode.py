@@ -56,10 +56,13 @@ from crossover.scheduler.window import RateWindow, each_job, mean_speedup, per_j
 
 @dataclass(frozen=True)
 class ModeSwitch:
-    """Serve devices in `mode` from now on, because of `reason` (for traces and status)."""
+    """Serve devices in `mode` from now on, because of `reason` (for traces and status).
+    `decided_after_s`: on a decision, how long it took since it was due (the jobs
+    changed, or a held mode's rates drifted); None on a probe's switches."""
 
     mode: Mode
     reason: str
+    decided_after_s: float | None = None
 
 
 class ModeController:
@@ -137,6 +140,7 @@ class ModeController:
         self._hold_until: float | None = None
         self._decided: Mode | None = None  # the last probe's decision
         self._watched: dict[str, float] = {}  # rates of the first watch window of a hold
+        self._due_since: float | None = None  # a decision is due since then
 
     # --- events ---------------------------------------------------------------------
     def progress(self, job: str, steps: int, local: bool = False,
@@ -237,6 +241,7 @@ class ModeController:
         self._rates, self._measured, self._pairs, self._concurrent = {}, {}, [], []
         self._hold_until, self._decided, self._held = None, None, None
         self._prediction, self._overruled = None, False
+        self._due_since = None
         if len(self._steps) < 2:
             self.state, self.reason, self._plan, self._window = "solo", why, [], None
             return []
@@ -246,6 +251,7 @@ class ModeController:
             self.reason = (f"{why}: every job allreduces in this host's memory, on the cores "
                            f"that compute: nothing to fill; concurrent")
             return [ModeSwitch(Mode.CONCURRENT, self.reason)]
+        self._due_since = self.clock()
         predicted = self._from_prediction(why)
         if predicted is not None:
             return predicted
@@ -256,6 +262,8 @@ class ModeController:
     def _probe(self, plan: list[Mode], why: str, settle: int | None = None,
                lean: bool = False) -> list[ModeSwitch]:
         self._prediction, self._lean = None, lean
+        if self._due_since is None:  # a re-probe of a held mode
+            self._due_since = self.clock()
         self.state, self._order, self._plan, self._hold_until = "probe", plan, plan[1:], None
         self._watched, self._pairs, self._concurrent, self._held = {}, [], [], None
         self._open(plan[0], f"{why} {plan[0].value}", settle=settle)
@@ -369,7 +377,9 @@ class ModeController:
             if mode == Mode.ANTIPHASE else None
         self._open(mode, why, self.watch_s)
         self.reason = why
-        return [ModeSwitch(mode, why)]  # announced even if unchanged: the reason is news
+        took = None if self._due_since is None else self.clock() - self._due_since
+        self._due_since = None
+        return [ModeSwitch(mode, why, took)]  # announced even if unchanged: the reason is news
 
     def _watch(self, rates: dict[str, float]) -> list[ModeSwitch]:
         for job, rate in sorted(rates.items()):

@@ -31,6 +31,7 @@ import psutil
 
 from crossover import __version__
 from crossover.daemon.node.users import owner_of
+from crossover.daemon.world.leader import Durations
 from crossover.protocol import Mode
 
 log = logging.getLogger("crossover.daemon")
@@ -80,6 +81,9 @@ class NodeFigures:
             the job's ranks there said (`Ranks.device_memory`).
         capacity: {device: bytes} of each GPU that a rank said.
         host_memory: the node's memory in bytes, which its CPU devices share.
+        decisions: how long the leader's mode decisions took (the leader only).
+        batch_jobs: {job: the batch system's id of the job (Slurm's, say)}, as its
+            ranks said.
     """
 
     node: str
@@ -94,6 +98,8 @@ class NodeFigures:
     device_memory: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
     capacity: dict[str, int] = field(default_factory=dict)
     host_memory: int = 0
+    decisions: Durations | None = None
+    batch_jobs: dict[str, str] = field(default_factory=dict)
 
     def with_memory(self) -> NodeFigures:
         """These figures with the memory of the ranks in `pids` read now."""
@@ -133,6 +139,16 @@ def families(f: NodeFigures) -> list:
                                      "are served in.", labels=node)
     mode.add_metric([f.node], {m: m == f.mode for m in MODES})
     out.append(mode)
+    if f.decisions is not None:
+        decisions = core.HistogramMetricFamily(
+            "crossover_mode_decision_seconds", "How long the leader's mode decisions took, "
+            "from the change of a group's jobs (or a held mode's drift) to the decision.",
+            labels=node)
+        d = f.decisions
+        le = prometheus_client().utils.floatToGoString  # "1.0", as its own histograms
+        buckets = [(le(b), n) for b, n in zip(d.bounds, d.at_most, strict=True)]
+        decisions.add_metric([f.node], [*buckets, ("+Inf", d.count)], sum_value=d.sum_s)
+        out.append(decisions)
     if f.groups is not None:
         groups = core.StateSetMetricFamily(
             "crossover_group_mode", "Each group of jobs' mode, as the leader decided it.",
@@ -172,7 +188,8 @@ def families(f: NodeFigures) -> list:
         grants.add_metric([f.node, device], acc["grants"])
         for job, spent in sorted(acc["jobs"].items()):
             # on a service for several users the job's key names its owner
-            info.add_metric([job, owner_of(job) or f.user, device, ""], {})  # no batch id yet
+            info.add_metric([job, owner_of(job) or f.user, device,
+                             f.batch_jobs.get(job, "")], {})
             held.add_metric([job, device], spent["held_s"])
             waited.add_metric([job, device], spent["waited_s"])
             if (job, device) in f.memory:

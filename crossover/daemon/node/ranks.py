@@ -108,6 +108,11 @@ class Ranks:
             out.setdefault(job, []).append(conn.hello.pid)
         return out
 
+    def batch_jobs(self) -> dict[str, str]:
+        """{job: the batch system's id of the job} for the jobs here that said one."""
+        return {job: conn.hello.batch_job for (job, _), conn in self.by_key.items()
+                if conn.hello.batch_job}
+
     def pids_by_place(self) -> dict[tuple[str, str], list[int]]:
         """Each job's pids here, per device: {(job, device): pids}."""
         out: dict[tuple[str, str], list[int]] = {}
@@ -219,6 +224,8 @@ class Ranks:
                 ("weight", math.isfinite(hello.weight) and hello.weight > 0),
                 ("gpu", hello.gpu is None or 0 <= hello.gpu <= INT32_MAX),
                 ("start_ns", 0 <= hello.start_ns < 2**63),
+                ("batch_job", len(hello.batch_job) <= E.MAX_BATCH_JOB
+                 and hello.batch_job.isprintable()),
             ] if not ok
         ]
         if problems:

@@ -86,7 +86,9 @@ class NodeStatus:
             node=self.node.name, user=self._user, leads=leader is not None,
             world=self.member.snapshot(), mode=self.sched.mode.value,
             accounts=self.sched.accounts(), pids=self.ranks.pids_by_place(), groups=groups,
-            device_memory=device_memory, capacity=capacity, host_memory=HOST_MEMORY)
+            device_memory=device_memory, capacity=capacity, host_memory=HOST_MEMORY,
+            decisions=leader.last_decisions if leader is not None else None,
+            batch_jobs=self.ranks.batch_jobs())
 
     def askers(self) -> set[int]:
         """The connections waiting for a report (ids): not silent, only patient."""

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from crossover.daemon.relay.uplink import Uplink
 from crossover.scheduler import ModeController, ModeSwitch
@@ -43,6 +44,34 @@ from crossover.scheduler.phase import PhaseAligner
 from crossover.scheduler.predict import Profile
 
 log = logging.getLogger("crossover.daemon")
+
+#: The bounds (s) of the mode decisions' histogram: a probe takes a pair of windows of
+#: at least 2 s after its jobs settle, a close call up to three pairs.
+DECISION_BUCKETS_S = (1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+
+
+@dataclass
+class Durations:
+    """A histogram of durations as Prometheus keeps one: per upper bound, how many were
+    at most that (cumulative), and their sum and number."""
+
+    bounds: tuple[float, ...] = DECISION_BUCKETS_S
+    at_most: list[int] = field(default_factory=list)
+    sum_s: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        self.at_most = self.at_most or [0] * len(self.bounds)
+
+    def observe(self, seconds: float) -> None:
+        for i, bound in enumerate(self.bounds):
+            if seconds <= bound:
+                self.at_most[i] += 1
+        self.sum_s += seconds
+        self.count += 1
+
+    def copy(self) -> Durations:
+        return Durations(self.bounds, list(self.at_most), self.sum_s, self.count)
 
 
 class Leader:
@@ -72,6 +101,7 @@ class Leader:
         self._points: dict[str, int] = {}  # job -> its request points, reported
         self._idle_since: float | None = clock()
         self._shut = False
+        self.decisions = Durations()  # how long each group's mode decisions took
 
     def handle(self, source: int, msg: tuple) -> bool:
         """A message for the leader from daemon `source`; False if it is not one."""
@@ -211,9 +241,13 @@ class Leader:
     def _announce(self, group: int, switches: list[ModeSwitch]) -> None:
         """Tell the group's nodes its mode decisions."""
         for switch in switches:
+            took = ""
+            if switch.decided_after_s is not None:
+                self.decisions.observe(switch.decided_after_s)
+                took = f" (decided in {switch.decided_after_s:.3f} s)"
             nodes = sorted(self.groups.nodes(group))
-            log.info("mode %s for group %d (nodes %s): %s", switch.mode.value, group,
-                     _ranges(nodes), switch.reason)
+            log.info("mode %s for group %d (nodes %s): %s%s", switch.mode.value, group,
+                     _ranges(nodes), switch.reason, took)
             msg = ("mode", switch.mode.value, switch.reason, self._group_points(group))
             for node in nodes:
                 self.peers.send(node, msg)

@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from crossover.daemon.world.leader import Leader
+from crossover.daemon.world.leader import Durations, Leader
 
 log = logging.getLogger("crossover.daemon")
 
@@ -57,6 +57,8 @@ class LeaderThread:
         self._queue: queue.Queue[Any] = queue.Queue()
         self._lock = threading.Lock()  # the leader's state, against `snapshot`
         self._last_snapshot: dict | None = None
+        #: how long the mode decisions took, as of the last snapshot (for metrics)
+        self.last_decisions = Durations()
         self._thread = threading.Thread(target=self._run, name="crossover-leader",
                                         daemon=True)
         self._thread.start()
@@ -87,6 +89,7 @@ class LeaderThread:
         if self._lock.acquire(timeout=wait_s):
             try:
                 self._last_snapshot = self.leader.snapshot()
+                self.last_decisions = self.leader.decisions.copy()
             finally:
                 self._lock.release()
         return self._last_snapshot
