@@ -6,7 +6,9 @@ from __future__ import annotations
 import ipaddress
 import os
 import queue
+import signal
 import socket
+import subprocess
 import threading
 import time
 
@@ -24,7 +26,7 @@ from crossover.daemon.relay.launch import (
 )
 from crossover.daemon.relay.network import network_mca_flags, own_network, relay_network
 from crossover.daemon.relay.uplink import Uplink
-from crossover.daemon.world.generation import generation_command
+from crossover.daemon.world.generation import generation_command, reap_orphans, record
 from crossover.daemon.world.wire import encode, unseal
 
 KEY = bytes(range(32))
@@ -357,3 +359,38 @@ def test_a_message_read_before_a_new_generation_is_taken_is_dropped(tmp_path):
     with pytest.raises(queue.Empty):
         node.next(timeout=0.2)
     assert node.uplink.stale == 1
+
+
+def test_an_older_generations_mpirun_whose_service_is_gone_is_ended_and_no_other(
+        tmp_path, caplog):
+    """A service killed while its generation ran leaves the mpirun behind; the next
+    service to attach to a newer generation ends it. A generation whose service lives,
+    the newer ones, and a record whose pid now names another process are left alone."""
+    def session() -> subprocess.Popen:  # an mpirun stands in: its own process group
+        return subprocess.Popen(["sleep", "60"], start_new_session=True)
+
+    starter, orphan, kept, newer = session(), session(), session(), session()
+    reused = session()
+    try:
+        record(tmp_path, 3, orphan.pid)  # (this process records: it is the service)
+        path = record(tmp_path, 4, kept.pid)
+        record(tmp_path, 6, newer.pid)
+        record(tmp_path, 2, reused.pid).write_text(f"{reused.pid} 1.0 {os.getpid()} 1.0\n")
+        # generation 3's service: another process, gone
+        gone = (tmp_path / "generation-3.mpirun")
+        pid, started, _, _ = gone.read_text().split()
+        gone.write_text(f"{pid} {started} {starter.pid} "
+                        f"{psutil.Process(starter.pid).create_time()}\n")
+        starter.kill()
+        starter.wait(5)
+        with caplog.at_level("WARNING", logger="crossover.daemon"):
+            assert reap_orphans(tmp_path, 5) == [orphan.pid]
+        assert orphan.wait(5) == -signal.SIGKILL
+        assert "generation 3's mpirun" in caplog.text and "replaced it: ended" in caplog.text
+        assert all(p.poll() is None for p in (kept, newer, reused))
+        assert sorted(p.name for p in tmp_path.iterdir()) == [
+            path.name, "generation-6.mpirun"]  # the ended and the reused forgotten
+    finally:
+        for p in (starter, orphan, kept, newer, reused):
+            p.kill()
+            p.wait(5)

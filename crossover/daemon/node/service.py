@@ -148,11 +148,11 @@ class Daemon:
         # the world's key signs and checks every message to and from other nodes
         secret = world_key(self.path.parent) if relayed else b""
         self.peers = Uplink(self._wakeup, relayed, name, secret)
+        run_dir = self.path.parent if relayed else None  # a world's node: logs, records
         self.member = Member(self.peers, name, clock, self._new_leader,
                              holdings=lambda: self.ranks.holdings(), argv=list(argv or []),
-                             secret=secret,
-                             log_path=self.path.parent / LOG_FILE if relayed else None,
-                             beat_s=beat_s, dead_after_s=dead_after_s)
+                             secret=secret, log_path=run_dir and run_dir / LOG_FILE,
+                             run_dir=run_dir, beat_s=beat_s, dead_after_s=dead_after_s)
         self.ranks = Ranks(self.node, self.sched, self.table, self.conns, self.peers,
                            aligning=aligning, deciding=policy_.adaptive, clock=clock,
                            core_shares=core_shares,

@@ -9,10 +9,17 @@ every member started (an allgather). One that has not formed within
 `GENERATION_TIMEOUT_S` (and `PER_NODE_S` a node) is killed whole (its mpirun's process
 group: MPI's calls are never cancelled, their processes are) and the leader tries again
 later, without the nodes that were new to it.
+
+Each generation's mpirun is recorded in the runtime directory of the service that
+started it (`record`), with that service: a service killed while its generation runs
+leaves the mpirun behind, and one whose relays all ended waits for ever where an Open
+MPI daemon of it died with its host. A service that attaches to a newer generation ends
+the older ones whose service is gone (`reap_orphans`); a live service ends its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -20,6 +27,8 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import psutil
 
 from crossover import environment as E
 from crossover.daemon.relay.launch import daemon_flags, relay_mca_flags, service_env
@@ -32,6 +41,7 @@ log = logging.getLogger("crossover.daemon")
 GENERATION_TIMEOUT_S = 20.0
 PER_NODE_S = 0.5
 _FAKE = re.compile(r"fake\d+")
+_RECORD = re.compile(r"generation-(\d+)\.mpirun")
 
 
 def is_fake(node: str) -> bool:
@@ -58,7 +68,8 @@ class Generation:
     get the world's key `secret` (their services sign and check messages with it)."""
 
     def __init__(self, nodes: list[str], epoch: int, leader: str, argv: list[str],
-                 started_at: float, log_path: Path | None, secret: bytes = b"") -> None:
+                 started_at: float, log_path: Path | None, secret: bytes = b"",
+                 run_dir: Path | None = None) -> None:
         self.nodes, self.epoch, self.started_at = nodes, epoch, started_at
         self.timeout_s = GENERATION_TIMEOUT_S + PER_NODE_S * len(nodes)
         cmd = generation_command(nodes, epoch, leader, argv)
@@ -75,6 +86,8 @@ class Generation:
         finally:
             if out is not None:
                 out.close()
+        self._record = record(run_dir, epoch, self.proc.pid) \
+            if run_dir is not None and self.proc is not None else None
 
     @property
     def failed(self) -> bool:
@@ -87,6 +100,8 @@ class Generation:
 
     def kill(self) -> None:
         """End every process of it (its relays say nothing more to their services)."""
+        if self._record is not None:
+            self._record.unlink(missing_ok=True)
         if self.proc is None or self.proc.poll() is not None:
             return
         try:
@@ -98,3 +113,50 @@ class Generation:
         except subprocess.TimeoutExpired:
             log.warning("generation %d's mpirun (process %d) did not end after SIGKILL",
                         self.epoch, self.proc.pid)
+
+
+def _started(pid: int) -> float:
+    """When process `pid` started (its identity, with the pid: pids are reused)."""
+    return psutil.Process(pid).create_time()
+
+
+def record(run_dir: Path, epoch: int, pid: int) -> Path | None:
+    """Write down that this process started generation `epoch`'s mpirun `pid`."""
+    path = run_dir / f"generation-{epoch}.mpirun"
+    try:
+        path.write_text(f"{pid} {_started(pid)} {os.getpid()} {_started(os.getpid())}\n")
+    except (OSError, psutil.Error) as exc:
+        log.warning("cannot record generation %d's mpirun in %s: %s", epoch, run_dir, exc)
+        return None
+    return path
+
+
+def reap_orphans(run_dir: Path, before: int) -> list[int]:
+    """End the mpiruns of the generations before `before` recorded in `run_dir` whose
+    starting service is gone, and forget every record of those generations whose mpirun
+    ended; returns the pids ended."""
+    ended = []
+    for path in run_dir.glob("generation-*.mpirun"):
+        match = _RECORD.fullmatch(path.name)
+        if match is None or int(match[1]) >= before:
+            continue
+        try:
+            pid, started, starter, starter_started = path.read_text().split()
+            mpirun_lives = _started(int(pid)) == float(started)
+        except (OSError, ValueError, psutil.Error):
+            mpirun_lives = False  # ended (or its pid reused), or no record to read
+        if mpirun_lives:
+            try:
+                if _started(int(starter)) == float(starter_started):
+                    continue  # its service lives and ends it itself
+            except psutil.Error:
+                pass
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(int(pid), signal.SIGKILL)  # its own process group
+            ended.append(int(pid))
+            log.warning("generation %s's mpirun (process %s) outlived the service that "
+                        "started it, and generation %d replaced it: ended", match[1], pid,
+                        before)
+        path.unlink(missing_ok=True)
+    return ended
+

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from crossover.daemon.relay.uplink import Uplink
-from crossover.daemon.world.generation import Generation
+from crossover.daemon.world.generation import Generation, reap_orphans
 from crossover.daemon.world.leader import Leader
 from crossover.daemon.world.membership import Changes, Membership
 
@@ -64,6 +64,8 @@ class Member:
         holdings: the jobs with a rank on this node (`Ranks.holdings`), for a new leader.
         argv: this daemon's arguments after `-m crossover`, for the generations it forms.
         log_path: where the generations it forms write their output (None: inherited).
+        run_dir: the node's runtime directory, where the generations it forms are
+            recorded (`generation.record`; None: not recorded).
         secret: the world's key, handed to the relays of the generations it forms.
         beat_s, dead_after_s: see `Membership`.
     """
@@ -72,9 +74,9 @@ class Member:
                  new_leader: Callable[[Uplink], Leader | LeaderThread],
                  holdings: Callable[[], list[str]], argv: list[str],
                  log_path: Path | None = None, secret: bytes = b"", beat_s: float = 1.0,
-                 dead_after_s: float = 5.0) -> None:
+                 dead_after_s: float = 5.0, run_dir: Path | None = None) -> None:
         self.peers, self.name, self.clock, self.argv = peers, name, clock, argv
-        self.log_path, self._secret = log_path, secret
+        self.log_path, self._secret, self.run_dir = log_path, secret, run_dir
         self._new_leader, self._holdings = new_leader, holdings
         self.world = Membership(0, 1, clock, beat_s, dead_after_s)
         self.names: dict[int, str] = {0: name}  # every member's node, by rank
@@ -189,6 +191,8 @@ class Member:
                 forming.kill()
         for node in names:
             self._respawn.pop(node, None)
+        if self.run_dir is not None:
+            reap_orphans(self.run_dir, epoch)
         if self.world.leads:
             if self.leader is None:
                 self.leader = self._new_leader(self.peers)
@@ -346,7 +350,7 @@ class Member:
         log.info("forming generation %d of the world: %s%s", self._epoch,
                  ", ".join(present + new), f" (new: {', '.join(new)})" if new else "")
         self._forming = Generation(present + new, self._epoch, self.name, self.argv, now,
-                                   self.log_path, self._secret)
+                                   self.log_path, self._secret, self.run_dir)
 
     def _retry_spawns(self) -> None:
         """The leader: the new nodes of a generation that did not form are due again,
