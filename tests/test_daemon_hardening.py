@@ -79,6 +79,22 @@ def test_a_batch_job_id_that_is_no_id_is_refused_and_the_daemon_lives(cluster: C
         round_trip(cluster)
 
 
+def test_a_rank_in_another_batch_job_than_its_jobs_is_refused(cluster: Cluster):
+    """A job's ranks on a node run in one batch job: a rank that says another (a second
+    job under the same name, or a label borrowed) is refused by name."""
+    with cluster.daemon() as daemon:
+        first, reply = raw(cluster, P.Hello("twice", 0, 2, 0, 2, 1, batch_job="100"))
+        try:
+            assert isinstance(reply, P.Welcome), reply
+            other, reply = raw(cluster, P.Hello("twice", 1, 2, 1, 2, 1, batch_job="200"))
+            other.close()
+            assert isinstance(reply, P.Error) and "batch job '200'" in reply.message \
+                and "['100']" in reply.message, reply
+        finally:
+            first.close()
+        assert daemon.popen.poll() is None
+
+
 def test_ranks_of_one_new_job_with_different_weights(cluster: Cluster):
     """Read in one pass, before their job has its order: one is refused by name, the
     daemon lives, and the refused rank can join again with the job's weight."""

@@ -90,14 +90,19 @@ def test_mode_switches_mid_run_keep_the_math(cluster: Cluster, solo):
         b.wait(180)
         ran_s = time.monotonic() - began
         log = (cluster.tmp / "daemon.log").read_text()
-        got = samples(get(f"http://127.0.0.1:{port}/metrics")[1])
+        took = [float(s) for s in re.findall(r"\(decided in ([0-9.]+) s\)", log)]
+
+        def histogram() -> tuple[float, float]:  # (the leader's thread copies it when free)
+            got = samples(get(f"http://127.0.0.1:{port}/metrics")[1])
+            return tuple(next(v for (n, _), v in got.items() if n == name) for name in (
+                "crossover_mode_decision_seconds_count",
+                "crossover_mode_decision_seconds_sum"))
+        wait_for(lambda: histogram()[0] == len(took), 10, "the histogram to count them")
+        count, sum_s = histogram()
     decided = re.findall(r"mode (antiphase|concurrent) for group \d+ \(nodes [^)]*\): ", log)
     # concurrent (probe), antiphase (probe), then a decision: both directions of switch
     assert {"antiphase", "concurrent"} <= set(decided) and len(decided) >= 3, log
     # the leader's decisions as its log times them, in its histogram
-    took = [float(s) for s in re.findall(r"\(decided in ([0-9.]+) s\)", log)]
-    count, sum_s = (next(v for (n, _), v in got.items() if n == name) for name in (
-        "crossover_mode_decision_seconds_count", "crossover_mode_decision_seconds_sum"))
     assert took and count == len(took) and max(took) < ran_s, (took, count, ran_s)
     assert sum_s == pytest.approx(sum(took), abs=0.001 * len(took)), (sum_s, took)
     events = trace.merge(sorted(cluster.traces.glob("*.json")), cluster.tmp / "merged.json")

@@ -365,31 +365,33 @@ def test_an_older_generations_mpirun_whose_service_is_gone_is_ended_and_no_other
         tmp_path, caplog):
     """A service killed while its generation ran leaves the mpirun behind; the next
     service to attach to a newer generation ends it. A generation whose service lives,
-    the newer ones, and a record whose pid now names another process are left alone."""
+    the newer ones, and a record whose pid now names another process are left alone;
+    a record that is none is logged and kept, never raised."""
     def session() -> subprocess.Popen:  # an mpirun stands in: its own process group
         return subprocess.Popen(["sleep", "60"], start_new_session=True)
 
-    starter, orphan, kept, newer = session(), session(), session(), session()
-    reused = session()
+    starter, orphan, kept, newer, reused = (session() for _ in range(5))
     try:
-        record(tmp_path, 3, orphan.pid)  # (this process records: it is the service)
-        path = record(tmp_path, 4, kept.pid)
-        record(tmp_path, 6, newer.pid)
-        record(tmp_path, 2, reused.pid).write_text(f"{reused.pid} 1.0 {os.getpid()} 1.0\n")
-        # generation 3's service: another process, gone
-        gone = (tmp_path / "generation-3.mpirun")
+        kept_path = record(tmp_path, 4, kept.pid)  # (this process records: the service)
+        newer_path = record(tmp_path, 6, newer.pid)
+        record(tmp_path, 2, reused.pid).write_text(f"{reused.pid} 1 {os.getpid()} 1\n")
+        # generation 3: its service, another process, is gone
+        ticks = open(f"/proc/{starter.pid}/stat").read().rsplit(")", 1)[1].split()[19]
+        gone = record(tmp_path, 3, orphan.pid)
         pid, started, _, _ = gone.read_text().split()
-        gone.write_text(f"{pid} {started} {starter.pid} "
-                        f"{psutil.Process(starter.pid).create_time()}\n")
+        gone.write_text(f"{pid} {started} {starter.pid} {ticks}\n")
         starter.kill()
         starter.wait(5)
+        (tmp_path / "generation-1-7.mpirun").write_text("not a record\n")
         with caplog.at_level("WARNING", logger="crossover.daemon"):
             assert reap_orphans(tmp_path, 5) == [orphan.pid]
         assert orphan.wait(5) == -signal.SIGKILL
         assert "generation 3's mpirun" in caplog.text and "replaced it: ended" in caplog.text
+        assert "generation-1-7.mpirun left" in caplog.text
         assert all(p.poll() is None for p in (kept, newer, reused))
-        assert sorted(p.name for p in tmp_path.iterdir()) == [
-            path.name, "generation-6.mpirun"]  # the ended and the reused forgotten
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([
+            kept_path.name, newer_path.name, "generation-1-7.mpirun"])  # ended, reused: gone
+        assert reap_orphans(tmp_path, 7) == []  # their service (this process) lives
     finally:
         for p in (starter, orphan, kept, newer, reused):
             p.kill()

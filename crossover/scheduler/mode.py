@@ -58,7 +58,8 @@ from crossover.scheduler.window import RateWindow, each_job, mean_speedup, per_j
 class ModeSwitch:
     """Serve devices in `mode` from now on, because of `reason` (for traces and status).
     `decided_after_s`: on a decision, how long it took since it was due (the jobs
-    changed, or a held mode's rates drifted); None on a probe's switches."""
+    changed, a held mode's rates drifted or its hold ended, or a doubt about it); None
+    on a probe's switches."""
 
     mode: Mode
     reason: str
@@ -353,6 +354,8 @@ class ModeController:
     def _pair_again(self, why: str) -> list[ModeSwitch]:
         """One more pair, in the reverse order of the last (module doc)."""
         self._order = self._order[::-1]  # (a doubt follows a probe: it has an order)
+        if self._due_since is None:  # a doubt about a held mode: decided again
+            self._due_since = self.clock()
         self.state, self._plan, self._hold_until = "probe", self._order[1:], None
         self._held, self._watched, first = None, {}, self._order[0]
         self.reason = why = f"{why} {first.value}"
@@ -377,7 +380,9 @@ class ModeController:
             if mode == Mode.ANTIPHASE else None
         self._open(mode, why, self.watch_s)
         self.reason = why
-        took = None if self._due_since is None else self.clock() - self._due_since
+        # (a hold given up or changed on a new profile is decided at once: 0 s)
+        now = self.clock()
+        took = now - (self._due_since if self._due_since is not None else now)
         self._due_since = None
         return [ModeSwitch(mode, why, took)]  # announced even if unchanged: the reason is news
 

@@ -142,7 +142,8 @@ def families(f: NodeFigures) -> list:
     if f.decisions is not None:
         decisions = core.HistogramMetricFamily(
             "crossover_mode_decision_seconds", "How long the leader's mode decisions took, "
-            "from the change of a group's jobs (or a held mode's drift) to the decision.",
+            "from the moment one was due (a group's jobs changed, a held mode drifted or "
+            "its hold ended) to the decision.",
             labels=node)
         d = f.decisions
         le = prometheus_client().utils.floatToGoString  # "1.0", as its own histograms

@@ -255,6 +255,13 @@ class Ranks:
                          f"{hello.weight}, its other ranks {sorted(weights)}: give every "
                          f"rank of a job the same CROSSOVER_PRIORITY")
             return
+        batch = {h.batch_job for h in peers}
+        if batch and batch != {hello.batch_job}:
+            self._refuse(conn, P.ErrorCode.REFUSED, "batch job differs from its job's",
+                         f"job {hello.job!r} rank {hello.rank} runs in batch job "
+                         f"{hello.batch_job!r}, its other ranks here in {sorted(batch)}: "
+                         f"two jobs with one name? Give each its own (CROSSOVER_JOB)")
+            return
         conn.hello = hello
         if not peers:  # the job's first rank here: the leader counts its nodes
             self.peers.send_leader(("join", hello.job))

@@ -19,7 +19,6 @@ the older ones whose service is gone (`reap_orphans`); a live service ends its o
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
@@ -27,8 +26,6 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-
-import psutil
 
 from crossover import environment as E
 from crossover.daemon.relay.launch import daemon_flags, relay_mca_flags, service_env
@@ -41,7 +38,7 @@ log = logging.getLogger("crossover.daemon")
 GENERATION_TIMEOUT_S = 20.0
 PER_NODE_S = 0.5
 _FAKE = re.compile(r"fake\d+")
-_RECORD = re.compile(r"generation-(\d+)\.mpirun")
+_RECORD = re.compile(r"generation-(\d+)-\d+\.mpirun")
 
 
 def is_fake(node: str) -> bool:
@@ -115,17 +112,30 @@ class Generation:
                         self.epoch, self.proc.pid)
 
 
-def _started(pid: int) -> float:
-    """When process `pid` started (its identity, with the pid: pids are reused)."""
-    return psutil.Process(pid).create_time()
+def _started(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot (its identity, with the
+    pid: pids are reused; unlike a wall-clock start, no clock step moves it); None where
+    no such process runs."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # (the command in parentheses may hold spaces and parentheses: fields follow the last)
+    return int(stat[stat.rindex(")") + 2:].split()[19])
 
 
 def record(run_dir: Path, epoch: int, pid: int) -> Path | None:
-    """Write down that this process started generation `epoch`'s mpirun `pid`."""
-    path = run_dir / f"generation-{epoch}.mpirun"
+    """Write down that this process started generation `epoch`'s mpirun `pid` (written
+    whole or not at all: a reader never sees half a record)."""
+    me, started = os.getpid(), _started(pid)
+    if started is None:
+        return None  # it ended already
+    path = run_dir / f"generation-{epoch}-{me}.mpirun"
     try:
-        path.write_text(f"{pid} {_started(pid)} {os.getpid()} {_started(os.getpid())}\n")
-    except (OSError, psutil.Error) as exc:
+        part = path.with_suffix(".part")
+        part.write_text(f"{pid} {started} {me} {_started(me)}\n")
+        os.replace(part, path)
+    except OSError as exc:
         log.warning("cannot record generation %d's mpirun in %s: %s", epoch, run_dir, exc)
         return None
     return path
@@ -133,30 +143,27 @@ def record(run_dir: Path, epoch: int, pid: int) -> Path | None:
 
 def reap_orphans(run_dir: Path, before: int) -> list[int]:
     """End the mpiruns of the generations before `before` recorded in `run_dir` whose
-    starting service is gone, and forget every record of those generations whose mpirun
-    ended; returns the pids ended."""
+    starting service is gone, and forget the records of those generations whose mpirun
+    ended; returns the pids ended. Never raises: a record it cannot read or remove is
+    logged and left."""
     ended = []
     for path in run_dir.glob("generation-*.mpirun"):
         match = _RECORD.fullmatch(path.name)
         if match is None or int(match[1]) >= before:
             continue
         try:
-            pid, started, starter, starter_started = path.read_text().split()
-            mpirun_lives = _started(int(pid)) == float(started)
-        except (OSError, ValueError, psutil.Error):
-            mpirun_lives = False  # ended (or its pid reused), or no record to read
-        if mpirun_lives:
-            try:
-                if _started(int(starter)) == float(starter_started):
+            pid, started, starter, starter_started = map(int, path.read_text().split())
+            if _started(pid) == started:
+                if _started(starter) == starter_started:
                     continue  # its service lives and ends it itself
-            except psutil.Error:
-                pass
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(int(pid), signal.SIGKILL)  # its own process group
-            ended.append(int(pid))
-            log.warning("generation %s's mpirun (process %s) outlived the service that "
-                        "started it, and generation %d replaced it: ended", match[1], pid,
-                        before)
-        path.unlink(missing_ok=True)
+                os.killpg(pid, signal.SIGKILL)  # its own process group
+                ended.append(pid)
+                log.warning("generation %s's mpirun (process %d) outlived the service "
+                            "that started it, and generation %d replaced it: ended",
+                            match[1], pid, before)
+            path.unlink(missing_ok=True)
+        except ProcessLookupError:  # it ended just now
+            path.unlink(missing_ok=True)
+        except (OSError, ValueError) as exc:  # another user's, or not a record
+            log.warning("generation record %s left: %s", path, exc)
     return ended
-
