@@ -8,6 +8,7 @@ import re
 import resource
 import signal
 import socket
+import statistics
 import subprocess
 import threading
 import time
@@ -272,11 +273,14 @@ def test_a_mutex_stuck_past_the_fence_sends_its_ranks_to_the_socket(cluster: Clu
                     assert c.coordinated
                     c.release(Phase.IDLE)
             wait_for(lambda: "stayed busy" in daemon.output(), 15, "the fence")
-            start = time.monotonic()
+            took = []
             for _ in range(5):  # fenced: the table refuses at once, the socket serves
+                start = time.monotonic()
                 a.acquire()
+                took.append(time.monotonic() - start)
                 a.release(Phase.IDLE)
-            assert a.coordinated and time.monotonic() - start < 2.0
+            # (a wait for the busy table costs each acquire 0.5 s; a loaded host, a few)
+            assert a.coordinated and statistics.median(took) < 0.4, took
         finally:
             holder.kill()
             holder.wait()
@@ -298,12 +302,14 @@ def test_a_stopped_daemon_costs_one_grant_timeout_then_heals(cluster: Cluster, c
             first = time.monotonic() - start
             assert not c.coordinated and 6 < first < 12, first
             c.release(Phase.IDLE)
-            start = time.monotonic()
+            spent = 0.0
             for _ in range(20):  # uncoordinated: no step waits for the stopped daemon
+                start = time.monotonic()
                 c.acquire()
                 c.release(Phase.IDLE)
+                spent += time.monotonic() - start
                 time.sleep(0.05)
-            assert time.monotonic() - start < 1.0 + 20 * 0.05
+            assert spent < 2.0, spent  # (a step that waited would take seconds)
         finally:
             os.kill(daemon.popen.pid, signal.SIGCONT)
         deadline = time.monotonic() + 30

@@ -427,7 +427,7 @@ def test_the_dashboard_asks_only_for_what_the_services_serve():
 
 #: How late the service may count a hold, or answer a scrape, after the moment it
 #: stands for (its loop and a loaded machine).
-LATE_S = 0.1
+LATE_S = 0.25
 
 
 def reserved_bounds(holds: list[tuple[float, float, str, int]], job: str,
@@ -508,7 +508,8 @@ def test_a_real_prometheus_scrapes_two_nodes_hold_seconds_as_the_traces_bound_th
             # a fast-path hold counts once the service's loop applies the rank's event
             # (backdated to when the rank wrote it), and the service computes the sample
             # after Prometheus stamps the scrape: each up to LATE_S (a loaded 2-core CI
-            # saw a sample 16 ms short on 1.05 s of holds)
+            # saw a sample 16 ms short on 1.05 s of holds: a stall of the
+            # service's loop can make more)
             low = reserved_bounds(traced, job, at - LATE_S)[0]
             high = reserved_bounds(traced, job, at + LATE_S)[1]
             if low >= 0.5:  # half a second of holds: past the clocks' noise

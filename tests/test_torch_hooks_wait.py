@@ -63,7 +63,7 @@ opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
 # another job shares the device: the rank waits quietly
 life = lifecycle.SlotLifecycle(types.SimpleNamespace(keeps_device=lambda: False), [opt])
 if hvd.rank() == 1:
-    time.sleep(2.0)  # a slow peer: rank 0's allreduce waits for it
+    time.sleep(5.0)  # a slow peer: rank 0's allreduce waits for it
 model((hvd.rank() + 1) * torch.ones(2, 4)).sum().backward()  # the allreduces start
 start = time.monotonic()
 life.wait_for_gradients(opt)
@@ -88,6 +88,8 @@ def test_the_quiet_wait_hands_over_to_horovods_own_wait_after_its_limit():
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(next(ln for ln in res.stdout.splitlines() if ln.startswith("{")))
     assert out["waited_s"] > 1.0, out  # the peer came after the quiet wait's limit
-    assert out["last_poll_s"] < 0.3 + 0.2, out  # no polling past the limit
+    # no polling past the limit (a loaded host may wake the last poll late, never by the
+    # seconds that polling on until the peer came would take)
+    assert out["last_poll_s"] < 0.3 + 1.5, out
     # the mean over the ranks of the inputs' sums: (2 + 4) / 2 per weight
     assert out["grad"] == [[3.0, 3.0, 3.0, 3.0]], out

@@ -111,10 +111,10 @@ def registrations(cluster: Cluster, job: str, node: str) -> int:
 
 def test_a_members_death_costs_only_its_node_and_a_new_daemon_rejoins(cluster: Cluster):
     """SIGKILL the daemon of fake3, its service and its relay, while two jobs train with
-    a rank on fake1 and one on fake3: the other three answer status within a second and
-    say fake3 is lost; the jobs' fake1 ranks stay coordinated; the leader forms a new
-    generation with a new daemon on fake3, and the fake3 ranks are coordinated again
-    within 15 s of it. Both jobs train to the weights they have alone."""
+    a rank on fake1 and one on fake3: the other three answer status without waiting for
+    fake3 and say it is lost; the jobs' fake1 ranks stay coordinated; the leader forms a
+    new generation with a new daemon on fake3, and the fake3 ranks are coordinated again
+    within 20 s of it (their reconnects back off to 10 s). Both jobs train to the weights they have alone."""
     specs = [("A", 1, 4000), ("B", 2, 4000)]  # long enough to outlast the rejoin
     with cluster.daemon(nodes=4):
         together = cluster.start_args(2)
@@ -130,10 +130,13 @@ def test_a_members_death_costs_only_its_node_and_a_new_daemon_rejoins(cluster: C
         wait_for(lambda: lost_seen(cluster, "fake0", "fake3"), 20,
                  "the leader to find fake3 lost")
         for node in ("fake0", "fake1", "fake2"):
-            start = time.monotonic()
-            nodes = status(cluster, node)
-            assert time.monotonic() - start < 1.0
-            assert sorted(nodes) == ["fake0", "fake1", "fake2"]
+            took = []
+            for _ in range(3):  # (waiting for the lost node costs every try 2 s; load, one)
+                start = time.monotonic()
+                nodes = status(cluster, node)
+                took.append(time.monotonic() - start)
+                assert sorted(nodes) == ["fake0", "fake1", "fake2"]
+            assert min(took) < 1.5, (node, took)
 
         def rejoined() -> bool:
             try:
@@ -143,8 +146,9 @@ def test_a_members_death_costs_only_its_node_and_a_new_daemon_rejoins(cluster: C
             return "fake3" in nodes and nodes["fake3"]["daemon"]["pid"] != old
         wait_for(rejoined, 30, "a new daemon on fake3 in the world")
         back = time.time()
+        # (a rank's reconnect backs off to HEAL_MOST_S, and a try may take HEAL_TIMEOUT_S)
         wait_for(lambda: all(registrations(cluster, n, "fake3") == 2 for n, *_ in specs),
-                 15, "the fake3 ranks to register again")
+                 20, "the fake3 ranks to register again")
         assert all(p.popen.poll() is None for p in jobs), "the jobs ended too soon"
         check_jobs(cluster, jobs, references(cluster, specs), fell_open_ranks={1},
                    uncoordinated=("fake3", killed, float("inf")))
@@ -153,7 +157,7 @@ def test_a_members_death_costs_only_its_node_and_a_new_daemon_rejoins(cluster: C
     healed = max(e["ts"] / 1e6 for name, _, _ in specs
                  for e in trace.load(cluster.traces / f"{name}.rank1.json")
                  if e.get("name") == "coordinated again")
-    assert healed - back < 15, healed - back
+    assert healed - back < 20, healed - back
     events = trace.merge(sorted(cluster.traces.glob("*.json")), cluster.tmp / "merged.json")
     late = [o for o in trace.overlaps(events) if o[0].startswith("fake3/")
             and max(o[1][0], o[2][0]) / 1e6 > healed]
