@@ -114,7 +114,8 @@ def test_a_members_death_costs_only_its_node_and_a_new_daemon_rejoins(cluster: C
     a rank on fake1 and one on fake3: the other three answer status without waiting for
     fake3 and say it is lost; the jobs' fake1 ranks stay coordinated; the leader forms a
     new generation with a new daemon on fake3, and the fake3 ranks are coordinated again
-    within 20 s of it (their reconnects back off to 10 s). Both jobs train to the weights they have alone."""
+    within 20 s of it (their reconnects back off to 10 s). Both jobs train to the weights
+    they have alone."""
     specs = [("A", 1, 4000), ("B", 2, 4000)]  # long enough to outlast the rejoin
     with cluster.daemon(nodes=4):
         together = cluster.start_args(2)
