@@ -242,3 +242,27 @@ def test_a_generation_trying_a_dead_host_again_gives_way_to_one_for_another_node
     healing = started[-1]
     assert "n2" not in healing.nodes and "n1" in healing.nodes
     assert healing.started_at - silent_from <= 8.0
+
+
+def test_a_node_left_out_of_a_new_generation_stays_lost_until_brought_back(monkeypatch):
+    """The 60-minute storm's loss: n3 was lost and its leader (n0) formed a generation
+    without it (one that gave way to another node), then n0's service died. n1 knew n3
+    as lost: the new generation does not make it forget n3; leading, it brings n3 back,
+    and as a member it keeps n3 for its own succession. A node given up (down) stays
+    left out."""
+    started = recorded_generations(monkeypatch)
+    clock, link = Clock(), Link()
+    link.rank, link.size = 1, 3
+    m = member("n1", clock, link)
+    m.attached(4, 1, ["n0", "n1", "n2", "n3"], 0)
+    m.route(0, ("members", [0, 1, 2], ["n3"]))
+    m.down.add("n4")
+    m.lost_nodes.append("n4")
+    m.attached(5, 1, ["n0", "n1", "n2"], 0)  # a member of a generation without n3
+    assert m.lost_nodes == ["n3"]
+    m.attached(6, 0, ["n1", "n2"], 0)  # n0's service gone: n1 leads the next one
+    assert m.leader is not None and sorted(m._respawn) == ["n0", "n3"]
+    members = [obj for _, obj in link.sent if obj[0] == "members"]
+    assert members[-1][2] == ["n0", "n3"]
+    clock.run(m, member_mod.RESPAWN_S + 1.0)
+    assert started and set(started[-1].nodes) >= {"n0", "n3"}, [g.nodes for g in started]

@@ -172,10 +172,15 @@ class Member:
         members `names`, led by rank `leader`."""
         by_name = {n: r for r, n in self.names.items()}
         ranks_now = {by_name[n]: new for new, n in enumerate(names) if n in by_name}
+        # A node this service knew, lost or a member, that the new generation left out
+        # (one that gave way, or one a service that did not know it formed) stays lost:
+        # forgotten here, no one might ever bring it back.
+        left_out = (set(self.names.values()) | set(self.lost_nodes)) - set(names) \
+            - self.down - {self.name}
         world = self.world
         self.world = Membership(rank, len(names), self.clock, world.beat_s,
                                 world.dead_after_s, leader=leader, epoch=epoch)
-        self.names, self.lost_nodes = dict(enumerate(names)), []
+        self.names, self.lost_nodes = dict(enumerate(names)), sorted(left_out)
         self._epoch = max(self._epoch, epoch)
         self._detached_at = None
         log.info("generation %d of the world: %d members (%s), this node is daemon %d, "
@@ -198,6 +203,8 @@ class Member:
                 self.leader = self._new_leader(self.peers)
             else:
                 self.leader.renumber(ranks_now)
+            for node in left_out - set(self._respawn) - set(self._spawning):
+                self._respawn_later(node)
             self._lead()
         else:
             if self.leader is not None:
