@@ -141,7 +141,7 @@ class ModeController:
         self._hold_until: float | None = None
         self._decided: Mode | None = None  # the last probe's decision
         self._watched: dict[str, float] = {}  # rates of the first watch window of a hold
-        self._due_since: float | None = None  # a decision is due since then
+        self._due_since: float | None = None  # when the pending decision fell due
 
     # --- events ---------------------------------------------------------------------
     def progress(self, job: str, steps: int, local: bool = False,

@@ -56,6 +56,22 @@ def node_identity() -> tuple[str, list[int]]:
     return name, cores[r % len(cores) :: fake] or cores
 
 
+#: What every rank of a job on a node says alike: (its hello's field, the error code, why
+#: (for the log), what the rank is told: its value, then the other ranks').
+SHARED = [
+    ("start_ns", P.ErrorCode.DUPLICATE, "another job of that name",
+     "started at {} ns, its other ranks here at {}: two jobs with one name? Give each job "
+     "its own name (CROSSOVER_JOB or crossoverrun --crossover-job), or its ranks one "
+     "CROSSOVER_JOB_START"),
+    ("weight", P.ErrorCode.REFUSED, "weight differs from its job's",
+     "has priority weight {}, its other ranks {}: give every rank of a job the same "
+     "CROSSOVER_PRIORITY"),
+    ("batch_job", P.ErrorCode.REFUSED, "batch job differs from its job's",
+     "runs in batch job {!r}, its other ranks here in {}: two jobs with one name? Give "
+     "each its own (CROSSOVER_JOB)"),
+]
+
+
 class Ranks:
     """The node's ranks.
 
@@ -239,29 +255,12 @@ class Ranks:
             return
         peers = [c.hello for c in [*self.by_key.values(), *self.joining.values()]
                  if c.hello.job == hello.job]
-        starts = {h.start_ns for h in peers}
-        if starts and starts != {hello.start_ns}:
-            self._refuse(conn, P.ErrorCode.DUPLICATE, "another job of that name",
-                         f"job {hello.job!r} rank {hello.rank} started at {hello.start_ns} "
-                         f"ns, its other ranks here at {sorted(starts)}: two jobs with one "
-                         f"name? Give each job its own name (CROSSOVER_JOB or crossoverrun "
-                         f"--crossover-job), or its ranks one CROSSOVER_JOB_START")
-            return
-        # A job's ranks share one weight.
-        weights = {h.weight for h in peers}
-        if weights and weights != {hello.weight}:
-            self._refuse(conn, P.ErrorCode.REFUSED, "weight differs from its job's",
-                         f"job {hello.job!r} rank {hello.rank} has priority weight "
-                         f"{hello.weight}, its other ranks {sorted(weights)}: give every "
-                         f"rank of a job the same CROSSOVER_PRIORITY")
-            return
-        batch = {h.batch_job for h in peers}
-        if batch and batch != {hello.batch_job}:
-            self._refuse(conn, P.ErrorCode.REFUSED, "batch job differs from its job's",
-                         f"job {hello.job!r} rank {hello.rank} runs in batch job "
-                         f"{hello.batch_job!r}, its other ranks here in {sorted(batch)}: "
-                         f"two jobs with one name? Give each its own (CROSSOVER_JOB)")
-            return
+        for field, code, why, told in SHARED:  # what a job's ranks all say alike
+            others = {getattr(h, field) for h in peers}
+            if others and others != {getattr(hello, field)}:
+                self._refuse(conn, code, why, f"job {hello.job!r} rank {hello.rank} " +
+                             told.format(getattr(hello, field), sorted(others)))
+                return
         conn.hello = hello
         if not peers:  # the job's first rank here: the leader counts its nodes
             self.peers.send_leader(("join", hello.job))
