@@ -525,7 +525,8 @@ def run(args: argparse.Namespace, cluster: EmulatedCluster | None) -> int:
         "jobs_run": len(jobs), "jobs_compared": len(finished) - len(failed),
         "jobs_failed": failed, "faults_injected": dict(faults),
         "faults_total": sum(faults.values()), "mismatches": len(mismatches),
-        "mismatched_jobs": mismatches, "hangs": len(hangs),
+        "mismatched_jobs": mismatches, "hangs": len(hangs), "hung_jobs": hangs,
+        "job_timeout_s": args.job_timeout, "longest_job_s": longest_job_s(finished),
         "longest_stall_s": round(max((w for w, q in waits if q), default=0.0), 3),
         "longest_stall_raw_s": round(max((w for w, _ in waits), default=0.0), 3),
         "slot_waits": len(waits),
@@ -544,6 +545,14 @@ def run(args: argparse.Namespace, cluster: EmulatedCluster | None) -> int:
                                               "nodes_answering", "world_whole_at_end")}))
     print(f"chaos_world: wrote {out}")
     return 0 if not (mismatches or hangs or failed or world.disagreements) and whole else 1
+
+
+def longest_job_s(finished: list[RunningJob]) -> float | None:
+    """The longest training time a finished job printed ("seconds" of its result line):
+    how close the slowest job came to --job-timeout."""
+    said = [float(m) for j in finished if j.log.exists()
+            for m in re.findall(r'"seconds": ([0-9.]+)', j.log.read_text(errors="replace"))]
+    return round(max(said), 1) if said else None
 
 
 def resource_drift(samples: list[tuple[float, str, int, int, int]], start: float,
