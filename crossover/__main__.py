@@ -123,6 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--allow-group", default=None, metavar="GROUP",
                    help="with --system: serve only the members of GROUP (default: every "
                         "user of the node)")
+    d.add_argument("--hosts", default=None, metavar="LIST",
+                   help="with --system: form one world with the services of these hosts "
+                        "(Slurm's form: gpu[01-04],login1), which decides each job's order "
+                        "and mode across its nodes; every host's service gets the same list "
+                        "and the same CROSSOVER_WORLD_KEY")
+    d.add_argument("--hostfile", default=None, metavar="FILE",
+                   help="with --system: the world's hosts from FILE, one a line")
     # how the parts of a world start each other (`crossover.daemon.relay`), not for users
     d.add_argument("--service", action="store_true", help=argparse.SUPPRESS)
     d.add_argument("--generation", type=int, default=0, help=argparse.SUPPRESS)
@@ -239,10 +246,29 @@ def _users(args: argparse.Namespace) -> Users:
         raise ValueError("--system with --policy priority: each job says its own weight, "
                          "so any user could take the devices; run auto, crossover or "
                          "round-robin")
-    if args.system and ("OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ):
-        raise ValueError("--system serves this node alone: run it on each node (e.g. from "
-                         "systemd), not under mpirun")
+    if (args.hosts or args.hostfile) and not args.system:
+        raise ValueError("--hosts and --hostfile form a world of node services (--system); "
+                         "a daemon of your own forms its world under mpirun (mpirun -H ...)")
+    if args.system and args.generation == 0 and not args.service and (
+            "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ):
+        raise ValueError("--system: run it on each node (e.g. from systemd), not under "
+                         "mpirun; --hosts makes the nodes' services one world")
     return Users(shared=args.system, group=args.allow_group)
+
+
+def _world_hosts(args: argparse.Namespace) -> list[str] | None:
+    """The hosts of a world of node services (--hosts, --hostfile); None for a node
+    alone, or for a relay (which needs none). ValueError names what does not fit."""
+    from crossover.daemon.world.hosts import world_hosts
+
+    if not (args.hosts or args.hostfile) or (args.generation and not args.service):
+        return None
+    hosts = world_hosts(args.hosts, args.hostfile, E.node_name())
+    if len(hosts) > 1 and not args.service and E.world_key() is None:
+        raise ValueError("the services of --hosts sign their messages with one key: give "
+                         "each the same CROSSOVER_WORLD_KEY (64 hex digits, e.g. from "
+                         "`openssl rand -hex 32`, in its unit's EnvironmentFile)")
+    return hosts if len(hosts) > 1 else None
 
 
 def _metrics_setting(args: argparse.Namespace) -> tuple[str, int] | None:
@@ -288,6 +314,7 @@ def _daemon(args: argparse.Namespace) -> int:
         os.environ[E.NODE] = args.node  # read as CROSSOVER_NODE is, by node_identity
     try:
         users = _users(args)
+        hosts = _world_hosts(args)
         metrics = _metrics_setting(args)
     except (ValueError, MetricsError) as exc:
         print(f"crossover daemon: {exc}", file=sys.stderr)
@@ -319,7 +346,8 @@ def _daemon(args: argparse.Namespace) -> int:
                         mode_hold_s=args.mode_hold, mode_probe_local=args.mode_probe_local,
                         align_phases=args.align_phases, core_shares=args.core_shares,
                         hello_timeout_s=args.hello_timeout,
-                        relayed=args.service, argv=argv, metrics=metrics, users=users)
+                        relayed=args.service, argv=argv, metrics=metrics, users=users,
+                        hosts=hosts)
     except (ValueError, PermissionError) as exc:  # a bad setting, or runtime directory
         print(f"crossover daemon: {exc}", file=sys.stderr)
         return 2

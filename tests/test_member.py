@@ -266,3 +266,27 @@ def test_a_node_left_out_of_a_new_generation_stays_lost_until_brought_back(monke
     assert members[-1][2] == ["n0", "n3"]
     clock.run(m, member_mod.RESPAWN_S + 1.0)
     assert started and set(started[-1].nodes) >= {"n0", "n3"}, [g.nodes for g in started]
+
+
+def test_the_services_of_a_host_list_form_their_world_the_first_at_once(monkeypatch):
+    """Services of a cluster's hosts (`--hosts`), started together and never in a
+    generation: the first host's forms one over every host at once; the others wait for
+    it, and (should it be down) form one ORPHANED_S after their start, HOSTS_APART_S
+    apart by their place, so that not all of them do at once."""
+    hosts = ["h0", "h1", "h2"]
+    apart = member_mod.ORPHANED_S + member_mod.HOSTS_APART_S
+    for name, leads_at in (("h0", 0.0), ("h1", member_mod.ORPHANED_S), ("h2", apart)):
+        started = recorded_generations(monkeypatch)
+        clock, link = Clock(), Link()
+        link.key = (-1, "")  # no relay has said hello yet
+        m = Member(link, name, clock, lambda peers, c=clock: Leader(peers, None, None, None, c),
+                   holdings=lambda: [], argv=[], hosts=hosts)
+        clock.t = leads_at - 0.5
+        if leads_at:
+            m.tick()
+            assert m.leader is None and started == [], name
+        clock.t = leads_at + 0.5
+        m.tick()
+        assert m.leader is not None, name
+        assert [(sorted(g.nodes), g.epoch, g.leader) for g in started] == \
+            [(hosts, 2, name)], name

@@ -166,8 +166,11 @@ def test_a_newer_generation_replaces_the_relay_and_an_older_one_is_refused(tmp_p
     assert node.accept() == (2, 1, ["b", "x"], 0)
     assert sent(first) == ("bye", "replaced")  # the old relay ends, not its service
     assert first.recv(1) == b""
-    older = node.relay(1, 0, ["x"], 0)
+    older = node.relay(1, 1, ["c", "x"], 0)
     assert node.accept() is None and older.recv(1) == b""
+    # its leader forms generations of its own (a service started again, say): the
+    # service asks its leader to take that node in (`Member.grow`)
+    assert node.uplink.outsider == "c"
     # same epoch, another leader: the later name wins everywhere, so no tie
     assert node.uplink.key == (2, "b")
     node.uplink.send(0, ("join", "A"))

@@ -84,6 +84,8 @@ class Daemon:
         metrics: (address, port) of the Prometheus endpoint (None: none).
         users: who may use this daemon (default: its own user; `Users(shared=True)`:
             a node service for every user, or a group's).
+        hosts: the hosts of a cluster's world of node services (`--hosts`): this one
+            serves alone at once and forms or joins their world (None: see `relayed`).
         clock: monotonic clock, injectable for tests.
 
     Raises:
@@ -110,8 +112,10 @@ class Daemon:
         argv: list[str] | None = None,
         metrics: tuple[str, int] | None = None,
         users: Users | None = None,
+        hosts: list[str] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        relayed = relayed or bool(hosts)
         self.users = users = users or Users()
         name, cores = node_identity()
         self.node = Node(name, cores, max(1, min(cpu_devices or len(cores), len(cores))))
@@ -123,7 +127,8 @@ class Daemon:
                                    max_hold_s=lease_s if users.shared else None)
         self.path = socket_path(name, runtime_dir, create=True)
         self.sockets = NodeSockets(self.path, relay_path(name, self.path.parent)
-                                   if relayed else None, users.socket_mode, users.gid)
+                                   if relayed else None, users.socket_mode, users.gid,
+                                   serve_alone=bool(hosts))
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = os.pipe()
         # Both ends non-blocking: a full pipe already holds a wake-up, and a blocked
@@ -152,7 +157,8 @@ class Daemon:
         self.member = Member(self.peers, name, clock, self._new_leader,
                              holdings=lambda: self.ranks.holdings(), argv=list(argv or []),
                              secret=secret, log_path=run_dir and run_dir / LOG_FILE,
-                             run_dir=run_dir, beat_s=beat_s, dead_after_s=dead_after_s)
+                             run_dir=run_dir, beat_s=beat_s, dead_after_s=dead_after_s,
+                             hosts=hosts)
         self.ranks = Ranks(self.node, self.sched, self.table, self.conns, self.peers,
                            aligning=aligning, deciding=policy_.adaptive, clock=clock,
                            core_shares=core_shares,
@@ -229,6 +235,8 @@ class Daemon:
                             self.sockets.publish()
                             self._ready()
                             self.member.attached(*hello)
+                        elif self.peers.outsider is not None:  # an older generation's
+                            self.member.grow([self.peers.outsider])  # leader: take it in
                     elif key.data == "wake":
                         self._drain_wakeups()
                     else:

@@ -42,11 +42,13 @@ class NodeSockets:
         relay: the relays' socket, for a world's node service; None for a daemon alone.
         mode: the ranks' socket's mode (`Users.socket_mode`; relays' is always 0600).
         gid: the ranks' socket's group (`Users.gid`), or None to leave it.
+        serve_alone: a node service of a cluster's world (`--hosts`): it serves its
+            ranks at once, and until a generation takes it in, as a node alone.
     """
 
     def __init__(self, path: Path, relay: Path | None, mode: int = 0o600,
-                 gid: int | None = None) -> None:
-        self.path, self.relay = path, relay
+                 gid: int | None = None, serve_alone: bool = False) -> None:
+        self.path, self.relay, self.serve_alone = path, relay, serve_alone
         self.mode, self.gid = mode, gid
         self._started = time.monotonic()
         self._lock = None
@@ -78,7 +80,7 @@ class NodeSockets:
         if self.relay is not None:
             relays = _listener(self.relay.with_suffix(".relay-new"), 16)
             self.relay.with_suffix(".relay-new").rename(self.relay)
-        else:
+        if self.relay is None or self.serve_alone:
             self.publish()
         return ranks, relays
 
@@ -106,6 +108,22 @@ class NodeSockets:
             path.unlink(missing_ok=True)
         if self.relay is not None:
             self.relay.unlink(missing_ok=True)
+
+
+def serving(path: Path) -> bool:
+    """Whether a daemon holds the lock of the node whose socket is `path` (a ranks' or a
+    relays' socket): one runs there, listening or about to (it takes the lock first)."""
+    try:
+        lock = os.open(path.with_suffix(".lock"), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False  # (released as it is closed)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(lock)
 
 
 def _listener(path: Path, backlog: int, mode: int = 0o600,

@@ -17,12 +17,14 @@ waited on by a process that must survive.
 
 A relay finds its node's service on the socket `node-<name>.relay` of the runtime
 directory (0700; the service checks the relay's user, see `uplink`) and starts the
-service there if there is none (a new or lost node). It says hello with its generation's
-epoch, its rank and every member's node name (`frames`), then forwards the services'
-signed messages, unread (`wire`), until the service closes the connection (a newer
-generation took over, or it stops) or its mpirun ends it. A signal ends a relay, never
-its service: an mpirun that aborts (a host of its world went down) takes its relays
-with it, and the services serve on and form a new generation.
+service there if there is none (a new or lost node); a node service for every user
+(`--system`) is the system's to start and restart, and its relay waits for it. It
+says hello with its generation's epoch, its rank and every member's node name
+(`frames`), then forwards the services' signed messages, unread (`wire`), until the
+service closes the connection (a newer generation took over, or it stops) or its mpirun
+ends it. A signal ends a relay, never its service: an mpirun that aborts (a host of its
+world went down) takes its relays with it, and the services serve on and form a new
+generation.
 A world is stopped by `crossover stop` on any of its nodes, or by its idle shutdown.
 """
 
@@ -42,7 +44,7 @@ from crossover import environment as E
 from crossover.backoff import Backoff, wait_until
 from crossover.daemon.credentials import peer_credentials
 from crossover.daemon.logfile import LOG_FILE, log_to
-from crossover.daemon.node.sockets import RUNNING_EXIT
+from crossover.daemon.node.sockets import RUNNING_EXIT, serving
 from crossover.daemon.relay.frames import FrameError, hello, read_frame, write_frame
 from crossover.daemon.relay.launch import (
     missing_relay_mca,
@@ -61,6 +63,9 @@ log = logging.getLogger("crossover.relay")
 FORM_TIMEOUT_S = 30.0
 #: how long a relay waits for the service it started to listen
 SERVICE_START_S = 30.0
+#: how long a relay waits for a node service the system starts (it says so before the
+#: leader kills a generation that did not form, `generation.GENERATION_TIMEOUT_S`)
+SYSTEM_SERVICE_S = 10.0
 #: a relay starts its node's service again when it dies, up to RESTARTS times in
 #: RESTART_WINDOW_S (past that, the node is left to the leader's next generation)
 RESTARTS, RESTART_WINDOW_S = 5, 60.0
@@ -117,6 +122,15 @@ class Relay:
         except (OSError, ValueError) as exc:
             log.error("relay of node %s: no key for the world's messages (%s)", name, exc)
             key = b""
+        if "--system" in self.args and not wait_until(
+                lambda: serving(relay_path(name, self.directory)), SYSTEM_SERVICE_S,
+                Backoff(0.02, 0.5)):
+            # A node service for every user is the system's to start: until it runs this
+            # node is down, and its generation must not form (it would count the node in
+            # and lose it 5 s later)
+            log.error("relay of node %s (generation %d): no node service runs there (the "
+                      "system starts it, e.g. `systemctl start crossover`)", name, self.epoch)
+            return 1
         # every member started: the generation is formed
         members = allgather_json(comm, [name, fingerprint(key)])
         names = [n for n, _ in members]
@@ -247,6 +261,8 @@ class Relay:
             except OSError:
                 pass
             if started is None:
+                if "--system" in self.args:  # the system starts it (systemd, a prolog)
+                    return False
                 started = self._start_service(name)
             # it exited: stop waiting, unless another service was starting there (an
             # older generation's relay started one again): wait for that one to listen
@@ -261,6 +277,8 @@ class Relay:
         if sock is None:
             code = None if started is None else started.poll()
             why = f"none listened in {SERVICE_START_S:g} s"
+            if "--system" in self.args:
+                why += " (a node service: the system starts it, e.g. `systemctl start crossover`)"
             if code == RUNNING_EXIT:
                 why = (f"another daemon holds the node's lock but did not listen for "
                        f"relays in {SERVICE_START_S:g} s (one started without mpirun in "

@@ -67,6 +67,7 @@ class Uplink:
         # (source, message, the generation it came in, None for this node's own)
         self.inbox: queue.Queue[tuple[int, Any, int | None]] = queue.Queue()
         self.key: tuple[int, str] = (-1, "")  # the generation attached: (epoch, leader)
+        self.outsider: str | None = None  # the leader of the older generation refused last
         self.names: list[str] = []  # its members' nodes, by rank
         self.send_errors = 0
         self.refused = self.stale = 0  # messages from peers refused, and dropped as stale
@@ -148,6 +149,7 @@ class Uplink:
     # --- relays ---------------------------------------------------------------------------
     def accept(self, listener: socket.socket) -> tuple | None:
         """A relay connecting: its hello (epoch, rank, names, leader) if it is taken."""
+        self.outsider = None
         try:
             sock, _ = listener.accept()
         except BlockingIOError:
@@ -171,6 +173,9 @@ class Uplink:
             log.info("a relay of generation %d (leader %s) is older than this node's "
                      "(%d, leader %s): refused", epoch, names[leader], *self.key)
             sock.close()
+            # its leader forms generations of its own: a node this world may lack (a
+            # service of a cluster's world that started again, or one split off)
+            self.outsider = names[leader]
             return None
         sock.settimeout(None)
         # a relay that stops reading (stopped, wedged) fails the writer's send after

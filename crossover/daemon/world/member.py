@@ -45,6 +45,10 @@ DETACHED_S = 1.0
 #: and forms one itself: its leader may be gone too (nothing else would bring the world
 #: back if that leader's whole node died before it formed a generation)
 ORPHANED_S = 30.0
+#: a service of a cluster's world (`hosts`) that no generation took in forms one: the
+#: first host's at once, the others' ORPHANED_S later and this far apart by their place
+#: (one of them forms it, not all at once, should the first host be down)
+HOSTS_APART_S = 5.0
 
 #: what only the leader a daemon follows may tell it
 FROM_LEADER = frozenset({"mode", "delay", "shutdown", "members"})
@@ -68,13 +72,16 @@ class Member:
             recorded (`generation.record`; None: not recorded).
         secret: the world's key, handed to the relays of the generations it forms.
         beat_s, dead_after_s: see `Membership`.
+        hosts: the world's hosts, for a node service of a cluster (`--hosts`; None: a
+            world its launcher starts): it serves alone until a generation takes it in.
     """
 
     def __init__(self, peers: Uplink, name: str, clock: Callable[[], float],
                  new_leader: Callable[[Uplink], Leader | LeaderThread],
                  holdings: Callable[[], list[str]], argv: list[str],
                  log_path: Path | None = None, secret: bytes = b"", beat_s: float = 1.0,
-                 dead_after_s: float = 5.0, run_dir: Path | None = None) -> None:
+                 dead_after_s: float = 5.0, run_dir: Path | None = None,
+                 hosts: list[str] | None = None) -> None:
         self.peers, self.name, self.clock, self.argv = peers, name, clock, argv
         self.log_path, self._secret, self.run_dir = log_path, secret, run_dir
         self._new_leader, self._holdings = new_leader, holdings
@@ -96,6 +103,11 @@ class Member:
         self._detached_at: float | None = clock() if peers.relayed else None
         self._fails = 0  # generations in a row that did not form
         self._cut_off = False  # a peer objected to this daemon's succession (said once)
+        if hosts:  # the other hosts are lost to it until a generation takes it in
+            self.lost_nodes = [h for h in hosts if h != name]
+            place = hosts.index(name)
+            self._detached_at = clock() - ORPHANED_S + (
+                ORPHANED_S + HOSTS_APART_S * (place - 1) if place else 0.0)
 
     # --- messages -----------------------------------------------------------------------
     def route(self, source: int, msg: tuple) -> bool:
@@ -293,14 +305,20 @@ class Member:
         one over every node this service knows (a newer generation of another leader,
         if there is one, wins at each service, and this node then follows it)."""
         world = self.world
-        log.warning("node %s: no generation took it back within %.0f s of its relay's "
-                    "loss (its leader %s may be gone too): it leads from epoch %d and "
-                    "forms one", self.name, ORPHANED_S, self.names.get(world.leader, "?"),
-                    world.epoch + 1)
+        if self.peers.key[0] < 0:  # never in a generation: a service of a cluster's hosts
+            log.info("node %s: no generation of its hosts' world took it in: it leads "
+                     "from epoch %d and forms one", self.name, world.epoch + 1)
+        else:
+            log.warning("node %s: no generation took it back within %.0f s of its relay's "
+                        "loss (its leader %s may be gone too): it leads from epoch %d and "
+                        "forms one", self.name, ORPHANED_S,
+                        self.names.get(world.leader, "?"), world.epoch + 1)
         world.lead(self.peers.rank, world.epoch + 1)
         self.peers.leader = self.peers.rank
         self.leader = self._new_leader(self.peers)
         self._bring_back_the_lost()
+        if self.peers.key[0] < 0:  # its hosts at once, in its first generation
+            self._respawn = dict.fromkeys(self._respawn, self.clock())
         self._lead()  # `_form` then forms a generation over the members alive
 
     def next_deadline(self) -> float | None:
