@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from crossover import trace
 from crossover.daemon.relay.launch import relay_mca_env
 from crossover.probe import daemon_status
-from tests.conftest import PY, REPO, Proc, wait_for
+from tests.conftest import PY, REPO, Proc, assert_shared_in_turns, same_weights, wait_for
 
 pytestmark = pytest.mark.mpi
 
@@ -127,6 +128,47 @@ def test_the_services_of_a_host_list_form_one_world_and_take_back_one_started_ag
     wait_for(lambda: services.whole("fake0"), 120, "fake1 back in the world:\n"
              + services.log()[-3000:], interval=0.5)
     assert services.world("fake1")["fake1"]["daemon"]["pid"] == again.popen.pid
+
+
+def job_across(services: Services, name: str, nodes: list[str], seed: int,
+               crossover: bool = True) -> Proc:
+    """A job with a rank on each of `nodes` that finds each node's service as any
+    user's job does (nothing names a daemon or a world)."""
+    env = dict(services.env, CROSSOVER_JOB=name, CROSSOVER_TRACE=str(services.tmp / "traces"))
+    env.pop("CROSSOVER_WORLD_KEY")  # the services' secret, not the jobs'
+    if not crossover:
+        env["CROSSOVER_ENABLE"] = "0"
+        name += "-alone"
+    script = [PY, str(REPO / "examples/torch_mlp.py"), "--seed", str(seed), "--steps",
+              str(STEPS), "--out", str(services.tmp / f"{name}.pt")]
+    cmd = ["mpirun", "--oversubscribe", "--bind-to", "none"]
+    for i, node in enumerate(nodes):
+        cmd += [*([":"] if i else []), "-np", "1", "-x", f"CROSSOVER_NODE={node}", *script]
+    return Proc(cmd, env, services.tmp / f"{name}.log")
+
+
+STEPS = 300
+
+
+@pytest.mark.timeout(300)
+def test_jobs_across_the_hosts_of_the_world_take_turns_on_each_and_keep_their_math(
+        services):
+    """Two jobs with a rank on fake0 and on fake2, launched with plain mpirun and nothing
+    started for them: each node's service serves its rank, the jobs take turns on both
+    nodes' devices, and each trains what it trains alone."""
+    for node in HOSTS:
+        services.start(node)
+    wait_for(lambda: services.whole("fake0"), 90, "one world", interval=0.5)
+    jobs = [job_across(services, name, ["fake0", "fake2"], seed)
+            for name, seed in (("one", 1), ("two", 2))]
+    for job in jobs:
+        job.wait(240)
+    for name, seed in (("one", 1), ("two", 2)):
+        job_across(services, name, ["fake0", "fake2"], seed, crossover=False).wait(240)
+        assert same_weights(services.tmp / f"{name}.pt", services.tmp / f"{name}-alone.pt")
+    events = trace.merge(sorted((services.tmp / "traces").glob("*.json")),
+                         services.tmp / "merged.json")
+    assert_shared_in_turns(events, {"one", "two"}, devices=2)
 
 
 def _daemon(env: dict, *args: str) -> subprocess.CompletedProcess:
