@@ -46,6 +46,15 @@ if [ "$(id -u)" = 0 ] && ! command -v prometheus >/dev/null 2>&1; then
     { apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus; }; } >/dev/null
 fi
 
+# Slurm and munge run the batch jobs of tests/test_slurm.py on the emulated hosts (root
+# only: its daemons, users and namespaces need it)
+if [ "$(id -u)" = 0 ] && ! { command -v slurmd && command -v munged; } >/dev/null 2>&1; then
+  log "apt-get install slurm-wlm munge"
+  export DEBIAN_FRONTEND=noninteractive
+  { apt-get install -y -qq --no-install-recommends slurm-wlm munge ||
+    { apt-get update -qq && apt-get install -y -qq --no-install-recommends slurm-wlm munge; }; } >/dev/null
+fi
+
 # --- 2. the environment, keyed by what it is built from ----------------------------
 req="$repo/requirements"
 # The heavy layer's key: Python, the heavy pins, the Horovod patch, this script.
