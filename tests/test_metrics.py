@@ -265,7 +265,8 @@ def test_a_port_past_65535_is_refused_with_the_fix():
 
 
 def test_each_setting_comes_from_its_flag_else_its_variable(monkeypatch):
-    from crossover.__main__ import _metrics_setting, _with_metrics, build_parser
+    from crossover.__main__ import build_parser
+    from crossover.daemon.command import _metrics_setting, _with_metrics
 
     def setting(argv: list[str], **env: str):
         for name in ("CROSSOVER_METRICS_PORT", "CROSSOVER_METRICS_ADDRESS"):
