@@ -17,6 +17,8 @@ EXPANDED = [
     ("a:2,b:4,a", ["a", "b"]),  # horovodrun's slots dropped, each host once
     ("n[1-2]:4", ["n1", "n2"]),
     ("node1.cluster,node2.cluster", ["node1.cluster", "node2.cluster"]),
+    ("a b\tc", ["a", "b", "c"]),  # as sinfo and scontrol print lists too
+    ("gpu[01-02]\ncpu[1-2] , d", ["gpu01", "gpu02", "cpu1", "cpu2", "d"]),
 ]
 
 
@@ -35,6 +37,12 @@ BAD = [
     ("n[5-2]", "runs backwards"),
     ("n[1-99999999]", "over 65536 hosts"),
     ("a:x", "has slots 'x'"),
+    ("a:4[1-2]", "has slots '4[1-2]'"),
+    ("a:[1-2]", "has slots '[1-2]'"),
+    ("n[\u0661-\u0663]", "must hold numbers and ranges"),  # digits, but not ASCII ones
+    ("a[0-9999]b[0-9999]", "over 65536 hosts"),  # counted before any name is made
+    ("n[1- 2]", "white space inside brackets"),
+    ("a/b", "is no host name"),
 ]
 
 

@@ -290,3 +290,51 @@ def test_the_services_of_a_host_list_form_their_world_the_first_at_once(monkeypa
         assert m.leader is not None, name
         assert [(sorted(g.nodes), g.epoch, g.leader) for g in started] == \
             [(hosts, 2, name)], name
+
+
+def test_hosts_that_did_not_come_back_are_tried_one_at_a_time(monkeypatch):
+    """Found in review: h0's first generation over its hosts does not form (h2 has no
+    service). Tried together again, h2 would keep the live h1 out for ever; each is
+    tried on its own, and a node tried before does not make the one forming give way."""
+    started = recorded_generations(monkeypatch, Unformed)
+    clock, link = Clock(), Link()
+    link.key = (-1, "")
+    m = Member(link, "h0", clock, lambda peers: Leader(peers, None, None, None, clock),
+               holdings=lambda: [], argv=[], hosts=["h0", "h1", "h2"])
+    while clock.t < 200.0:  # a generation of h0 alone forms (its relay says hello)
+        clock.t += 0.5
+        m.tick()
+        if m._forming is not None and m._forming.nodes == ["h0"]:
+            link.key = (m._forming.epoch, "h0")
+            m.attached(m._forming.epoch, 0, ["h0"], 0)
+    tried = [sorted(g.nodes) for g in started]
+    assert tried[0] == ["h0", "h1", "h2"]
+    again = [nodes for nodes in tried[1:] if nodes != ["h0"]]  # (h0's own relay: alone)
+    assert all(len(nodes) == 2 for nodes in again) and len(again) >= 3, tried
+    assert {nodes[1] for nodes in again} == {"h1", "h2"}, tried  # each has its turn
+    # each that did not form ran to its timeout: none gave way to a node tried before
+    unformed = [g for g in started if g.nodes != ["h0"]]
+    assert all(b.started_at - a.started_at >= a.timeout_s
+               for a, b in zip(unformed, unformed[1:], strict=False)), tried
+
+
+def test_a_lost_members_service_started_again_is_taken_back_when_asked(monkeypatch):
+    """Found in review: n1's service was stopped (lost, its next try far off) and
+    started again; its own generation is refused as older, and the node that refused
+    it asks the leader to take n1 in. n1 is still a (lost) member of the world: that
+    must not read as "already in"."""
+    started = recorded_generations(monkeypatch)
+    clock, link = Clock(), Link()
+    link.size = 2
+    m = member("n0", clock, link)
+    m.attached(1, 0, ["n0", "n1"], 0)
+    run_with(m, clock, 8.0, alive=[])  # n1 silent: lost
+    assert 1 in m.world.lost and "n1" in started[-1].nodes
+    started[-1].failed = True  # its service is stopped: the try does not form
+    m.tick()
+    m._respawn["n1"] = clock.t + 900.0  # as after many tries
+    before = len(started)
+    assert m.grow(["n1"]) == ["n1"]
+    m.route(0, link.sent[-1][1])  # the leader (this node) gets the request
+    m.tick()
+    assert len(started) == before + 1 and "n1" in started[-1].nodes

@@ -186,6 +186,7 @@ def _daemon(env: dict, *args: str) -> subprocess.CompletedProcess:
     (("--system", "--hosts", "a", "--hostfile", "f", "--node", "a"), True,
      "--hosts or --hostfile, not both"),
     (("--system", "--hosts", "n[1-", "--node", "n1"), True, "a '\\[' without its '\\]'"),
+    (("--system", "--hosts", "", "--node", "n1"), True, "has an empty name"),  # a failed $(...)
 ])
 def test_a_world_of_services_that_cannot_be_formed_is_refused_saying_why(
         tmp_path, args, key, says):

@@ -24,7 +24,7 @@ def _users(args: argparse.Namespace) -> Users:
         raise ValueError("--system with --policy priority: each job says its own weight, "
                          "so any user could take the devices; run auto, crossover or "
                          "round-robin")
-    if (args.hosts or args.hostfile) and not args.system:
+    if (args.hosts is not None or args.hostfile is not None) and not args.system:
         raise ValueError("--hosts and --hostfile form a world of node services (--system); "
                          "a daemon of your own forms its world under mpirun (mpirun -H ...)")
     if args.system and args.generation == 0 and not args.service and (
@@ -39,7 +39,8 @@ def _world_hosts(args: argparse.Namespace) -> list[str] | None:
     alone, or for a relay (which needs none). ValueError names what does not fit."""
     from crossover.daemon.world.hosts import world_hosts
 
-    if not (args.hosts or args.hostfile) or (args.generation and not args.service):
+    if (args.hosts is None and args.hostfile is None) or (
+            args.generation and not args.service):
         return None
     hosts = world_hosts(args.hosts, args.hostfile, E.node_name())
     if len(hosts) > 1 and not args.service and E.world_key() is None:

@@ -18,12 +18,17 @@ set -a
 . "$conf" || { echo "crossover prolog: cannot read $conf" >&2; exit 0; }
 set +a
 dir=${CROSSOVER_SYSTEM_DIR:-/run/crossover}
-node=$(hostname)
+node=${CROSSOVER_NODE:-$(hostname)}  # the node's name, as its ranks call it
 if [ -S "$dir/node-$node.sock" ] && crossover status --once >/dev/null 2>&1; then
   exit 0  # running (started by another job's prolog, or by systemd)
 fi
 mkdir -p "$dir" && chmod 0755 "$dir"
-hosts=$(sinfo -h -o %N)
+# every node of every partition, hidden ones too, in one order on every node
+hosts=$(sinfo -a -h -N -o %N | sort -u | paste -sd, -)
+if [ -z "$hosts" ]; then
+  echo "crossover prolog: sinfo listed no node; no node service started" >&2
+  exit 0
+fi
 # The service outlives this job: none of the job's variables (an mpirun that finds
 # SLURM_JOB_ID would start the world's relays as steps of this job)
 for var in $(compgen -e); do

@@ -110,22 +110,6 @@ class NodeSockets:
             self.relay.unlink(missing_ok=True)
 
 
-def serving(path: Path) -> bool:
-    """Whether a daemon holds the lock of the node whose socket is `path` (a ranks' or a
-    relays' socket): one runs there, listening or about to (it takes the lock first)."""
-    try:
-        lock = os.open(path.with_suffix(".lock"), os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False  # (released as it is closed)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(lock)
-
-
 def _listener(path: Path, backlog: int, mode: int = 0o600,
               gid: int | None = None) -> socket.socket:
     """A non-blocking Unix listener at `path` of `mode` (and group `gid`): who may

@@ -39,12 +39,13 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 from crossover import environment as E
 from crossover.backoff import Backoff, wait_until
 from crossover.daemon.credentials import peer_credentials
 from crossover.daemon.logfile import LOG_FILE, log_to
-from crossover.daemon.node.sockets import RUNNING_EXIT, serving
+from crossover.daemon.node.sockets import RUNNING_EXIT
 from crossover.daemon.relay.frames import FrameError, hello, read_frame, write_frame
 from crossover.daemon.relay.launch import (
     missing_relay_mca,
@@ -123,8 +124,8 @@ class Relay:
             log.error("relay of node %s: no key for the world's messages (%s)", name, exc)
             key = b""
         if "--system" in self.args and not wait_until(
-                lambda: serving(relay_path(name, self.directory)), SYSTEM_SERVICE_S,
-                Backoff(0.02, 0.5)):
+                lambda: _listens(relay_path(name, self.directory).with_suffix(".sock")),
+                SYSTEM_SERVICE_S, Backoff(0.02, 0.5)):
             # A node service for every user is the system's to start: until it runs this
             # node is down, and its generation must not form (it would count the node in
             # and lose it 5 s later)
@@ -314,6 +315,17 @@ class Relay:
             os.write(self._wake_w, b"x")
         except BlockingIOError:
             pass
+
+
+def _listens(path: Path) -> bool:
+    """Whether a service accepts its ranks' connections on `path` (a node service for
+    every user publishes that socket from its start); the connection is closed at once,
+    which the service drops as any rank's that ends."""
+    try:
+        connect(path, 2.0).close()
+        return True
+    except OSError:
+        return False
 
 
 def _check_keys(name: str, members: list) -> None:

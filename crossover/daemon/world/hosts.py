@@ -16,38 +16,50 @@ from pathlib import Path
 
 #: more names than this from one list is a typo (`n[1-1000000]`), not a cluster
 MAX_HOSTS = 65536
-_RANGE = re.compile(r"(\d+)(?:-(\d+))?")
+_RANGE = re.compile(r"([0-9]+)(?:-([0-9]+))?")
+#: what a host name may hold outside its brackets (a DNS name, Slurm's node names)
+_NAME = re.compile(r"[A-Za-z0-9._-]*")
 
 
 def expand(spec: str) -> list[str]:
-    """The host names of a host list (`a,b[1-3],c:2`), in order, each once.
+    """The host names of a host list (`a,b[1-3],c:2`; commas or white space between
+    them, as `sinfo` and `scontrol` print them), in order, each once.
 
     Raises:
-        ValueError: an empty name, an unbalanced bracket, a range that is not numbers
-            or runs backwards, or more than MAX_HOSTS names; naming the part and the form.
+        ValueError: an empty name, a character no host name has, an unbalanced bracket,
+            a range that is not numbers or runs backwards, or more than MAX_HOSTS names;
+            naming the part and the form.
     """
-    hosts: list[str] = []
-    for item in _split_top(spec):
-        name = item.strip()
-        if ":" in name and "[" not in name.split(":", 1)[1]:
-            name, slots = name.split(":", 1)
-            if not slots.isdigit():
+    hosts: dict[str, None] = {}  # (ordered, and a set)
+    items = _split_top(spec)
+    if not any(item.strip() for item in items):
+        raise ValueError(f"host list {spec!r} has an empty name; write names "
+                         f"separated by commas, e.g. gpu[01-04],login1")
+    for item in items:
+        name = item
+        if ":" in name:
+            name, slots = name.rsplit(":", 1)
+            if not slots.isdigit() or not slots.isascii():
                 raise ValueError(f"host list {spec!r}: {item!r} has slots {slots!r}; "
                                  f"write host or host:N")
         if not name:
             raise ValueError(f"host list {spec!r} has an empty name; write names "
                              f"separated by commas, e.g. gpu[01-04],login1")
-        for host in _expand_one(name, spec):
-            if host not in hosts:
-                hosts.append(host)
-            if len(hosts) > MAX_HOSTS:
-                raise ValueError(f"host list {spec!r} names over {MAX_HOSTS} hosts")
-    return hosts
+        outside = re.sub(r"\[[^]]*\]", "", name)
+        if not _NAME.fullmatch(outside):
+            raise ValueError(f"host list {spec!r}: {item!r} is no host name (letters, "
+                             f"digits, '.', '-' and '_', with [ranges])")
+        if _count(name, spec) + len(hosts) > MAX_HOSTS:
+            raise ValueError(f"host list {spec!r} names over {MAX_HOSTS} hosts")
+        hosts.update(dict.fromkeys(_expand_one(name, spec)))
+    return list(hosts)
 
 
 def _split_top(spec: str) -> list[str]:
-    """`spec` split at the commas outside brackets."""
+    """`spec` split at the commas outside brackets, and at white space; empty items
+    kept where two commas meet (a mistake), dropped around white space."""
     items, depth, start = [], 0, 0
+    spec = re.sub(r"\s*,\s*", ",", spec.strip())
     for i, ch in enumerate(spec):
         if ch == "[":
             depth += 1
@@ -57,12 +69,37 @@ def _split_top(spec: str) -> list[str]:
             depth -= 1
             if depth < 0:
                 raise ValueError(f"host list {spec!r}: a ']' without its '['")
-        elif ch == "," and depth == 0:
+        elif (ch == "," or ch.isspace()) and depth == 0:
             items.append(spec[start:i])
             start = i + 1
+        elif ch.isspace():
+            raise ValueError(f"host list {spec!r}: white space inside brackets")
     if depth:
         raise ValueError(f"host list {spec!r}: a '[' without its ']'")
     return [*items, spec[start:]]
+
+
+def _ranges(body: str, spec: str) -> list[tuple[str, str]]:
+    """The (low, high) of each part of a bracket's `body` (`1-4,7`), checked."""
+    out = []
+    for part in body.split(","):
+        match = _RANGE.fullmatch(part.strip())
+        if match is None:
+            raise ValueError(f"host list {spec!r}: [{body}] must hold numbers and ranges "
+                             f"such as [1-4,7] or [01-16]")
+        low, high = match[1], match[2] if match[2] is not None else match[1]
+        if int(high) < int(low):
+            raise ValueError(f"host list {spec!r}: the range {part.strip()} runs backwards")
+        out.append((low, high))
+    return out
+
+
+def _count(name: str, spec: str) -> int:
+    """How many names one item stands for, counted before any is made."""
+    total = 1
+    for body in re.findall(r"\[([^]]*)\]", name):
+        total *= sum(int(high) - int(low) + 1 for low, high in _ranges(body, spec))
+    return total
 
 
 def _expand_one(name: str, spec: str) -> list[str]:
@@ -72,18 +109,8 @@ def _expand_one(name: str, spec: str) -> list[str]:
         return [name]
     close = name.index("]", open_)
     head, body, tail = name[:open_], name[open_ + 1:close], name[close + 1:]
-    numbers: list[str] = []
-    for part in body.split(","):
-        match = _RANGE.fullmatch(part.strip())
-        if match is None:
-            raise ValueError(f"host list {spec!r}: [{body}] must hold numbers and ranges "
-                             f"such as [1-4,7] or [01-16]")
-        low, high = match[1], match[2] if match[2] is not None else match[1]
-        if int(high) < int(low):
-            raise ValueError(f"host list {spec!r}: the range {part.strip()} runs backwards")
-        if int(high) - int(low) >= MAX_HOSTS:
-            raise ValueError(f"host list {spec!r} names over {MAX_HOSTS} hosts")
-        numbers += [str(n).zfill(len(low)) for n in range(int(low), int(high) + 1)]
+    numbers = [str(n).zfill(len(low)) for low, high in _ranges(body, spec)
+               for n in range(int(low), int(high) + 1)]
     return [f"{head}{n}{rest}" for n in numbers for rest in _expand_one(tail, spec)]
 
 
@@ -139,9 +166,9 @@ def world_hosts(spec: str | None, hostfile: str | None, node: str) -> list[str]:
     Raises:
         ValueError: both given, a bad list or file, or one without this node.
     """
-    if spec and hostfile:
+    if spec is not None and hostfile is not None:
         raise ValueError("--hosts or --hostfile, not both")
-    hosts = expand(spec) if spec else read_hostfile(hostfile or "")
+    hosts = expand(spec) if spec is not None else read_hostfile(hostfile or "")
     place_of(node, hosts)
     return hosts
 

@@ -46,9 +46,10 @@ DETACHED_S = 1.0
 #: back if that leader's whole node died before it formed a generation)
 ORPHANED_S = 30.0
 #: a service of a cluster's world (`hosts`) that no generation took in forms one: the
-#: first host's at once, the others' ORPHANED_S later and this far apart by their place
-#: (one of them forms it, not all at once, should the first host be down)
-HOSTS_APART_S = 5.0
+#: first host's at once, the others' ORPHANED_S later and this far apart by their place,
+#: up to MAX_APART places (one of them forms it, not all at once, should the first host
+#: be down)
+HOSTS_APART_S, MAX_APART = 5.0, 12
 
 #: what only the leader a daemon follows may tell it
 FROM_LEADER = frozenset({"mode", "delay", "shutdown", "members"})
@@ -103,11 +104,12 @@ class Member:
         self._detached_at: float | None = clock() if peers.relayed else None
         self._fails = 0  # generations in a row that did not form
         self._cut_off = False  # a peer objected to this daemon's succession (said once)
+        self._of_hosts = bool(hosts)
         if hosts:  # the other hosts are lost to it until a generation takes it in
             self.lost_nodes = [h for h in hosts if h != name]
             place = hosts.index(name)
             self._detached_at = clock() - ORPHANED_S + (
-                ORPHANED_S + HOSTS_APART_S * (place - 1) if place else 0.0)
+                ORPHANED_S + HOSTS_APART_S * min(place - 1, MAX_APART) if place else 0.0)
 
     # --- messages -----------------------------------------------------------------------
     def route(self, source: int, msg: tuple) -> bool:
@@ -132,8 +134,7 @@ class Member:
             self.down.discard(self.names.get(source, ""))
             return False
         if kind == "grow":
-            self._wanted |= {n for n in msg[1] if n not in self.names.values()
-                             or n in self.down}
+            self._wanted |= self._outside(msg[1])
             return True
         if kind == "members":
             if self.world.members(source, msg[1]):
@@ -169,7 +170,7 @@ class Member:
 
     def grow(self, nodes: list[str]) -> list[str]:
         """A job asks for `nodes` in the world; returns those not in it yet."""
-        missing = sorted(set(nodes) - set(self.names.values()) | set(nodes) & self.down)
+        missing = sorted(self._outside(nodes))
         if missing and not self.peers.relayed:
             log.warning("a job asks for nodes %s, but this daemon was started alone "
                         "(without mpirun): it cannot form a world with them",
@@ -177,6 +178,12 @@ class Member:
         elif missing:
             self.peers.send_leader(("grow", missing))
         return missing
+
+    def _outside(self, nodes: list[str]) -> set[str]:
+        """Of `nodes`, those that do not serve in this world now: never members, lost
+        (a lost member's service started again), or given up."""
+        serving = {self.names[r] for r in self.world.alive if r in self.names}
+        return {n for n in nodes if n not in serving or n in self.down}
 
     # --- generations --------------------------------------------------------------------
     def attached(self, epoch: int, rank: int, names: list[str], leader: int) -> None:
@@ -285,12 +292,12 @@ class Member:
         return bool(self._retrying) and self.leader is not None and bool(self._waiting())
 
     def _waiting(self) -> list[str]:
-        """The nodes that need a generation now: due again (lost since the one being
-        formed started: it would bring them back only if it formed), asked for by a
-        job, or this node (its relay gone since)."""
+        """The nodes that need a generation now: lost since the one being formed started
+        (it would bring them back only if it formed), asked for by a job, or this node
+        (its relay gone since); not those tried before, which wait their turn."""
         now, forming = self.clock(), self._forming
-        waiting = sorted({n for n, when in self._respawn.items() if when <= now}
-                         | self._wanted)
+        waiting = sorted({n for n, when in self._respawn.items()
+                          if when <= now and not self._tries.get(n)} | self._wanted)
         if self._detached_at is not None and now >= self._detached_at + DETACHED_S and \
                 forming is not None and forming.started_at < self._detached_at:
             waiting.append(self.name)
@@ -305,7 +312,7 @@ class Member:
         one over every node this service knows (a newer generation of another leader,
         if there is one, wins at each service, and this node then follows it)."""
         world = self.world
-        if self.peers.key[0] < 0:  # never in a generation: a service of a cluster's hosts
+        if self._of_hosts and self.peers.key[0] < 0:  # a cluster's service, never taken in
             log.info("node %s: no generation of its hosts' world took it in: it leads "
                      "from epoch %d and forms one", self.name, world.epoch + 1)
         else:
@@ -317,7 +324,7 @@ class Member:
         self.peers.leader = self.peers.rank
         self.leader = self._new_leader(self.peers)
         self._bring_back_the_lost()
-        if self.peers.key[0] < 0:  # its hosts at once, in its first generation
+        if self._of_hosts and self.peers.key[0] < 0:  # its first: with all its hosts
             self._respawn = dict.fromkeys(self._respawn, self.clock())
         self._lead()  # `_form` then forms a generation over the members alive
 
@@ -325,8 +332,9 @@ class Member:
         ends = [self.world.next_deadline()] if self.peers.size > 1 else []
         if self._detached_at is not None and self.leader is None:
             ends.append(self._detached_at + ORPHANED_S)
-        if self.leader is not None:
-            ends += list(self._respawn.values())
+        if self.leader is not None:  # (those tried before wait for the one forming)
+            ends += [t for n, t in self._respawn.items()
+                     if self._forming is None or not self._tries.get(n)]
             if self._wanted:
                 ends.append(self.clock())
             if self._detached_at is not None:
@@ -360,7 +368,12 @@ class Member:
                 del self._respawn[node]
             self._tell_members()
         due = {n for n, when in self._respawn.items() if when <= now}
-        new = sorted((due | self._wanted) - set(present))
+        # the nodes lost for the first time or asked for, and one node tried before (the
+        # longest due): several that did not come back, tried together, would keep out
+        # for ever the live ones among them behind one dead host
+        fresh = {n for n in due if not self._tries.get(n)} | self._wanted
+        again = sorted(due - fresh, key=lambda n: (self._respawn[n], n))[:1]
+        new = sorted((fresh | set(again)) - set(present))
         detached = self._detached_at is not None and now >= self._detached_at + DETACHED_S
         self._wanted.clear()
         if not new and not detached:
