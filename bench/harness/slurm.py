@@ -122,6 +122,7 @@ class SlurmCluster:
         self.conf = self.dir / "slurm.conf"
         self.env["SLURM_CONF"] = str(self.conf)
         self._daemons: list[subprocess.Popen] = []
+        self._log = None  # the daemons' output, once they start
 
     def __enter__(self) -> SlurmCluster:
         try:
@@ -189,7 +190,8 @@ class SlurmCluster:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
         self._daemons.clear()
-        if getattr(self, "_log", None) is not None:
+        if self._log is not None:
             self._log.close()
+            self._log = None
         if not os.environ.get("CROSSOVER_KEEP_SLURM"):
             shutil.rmtree(self.dir, ignore_errors=True)

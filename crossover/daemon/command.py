@@ -13,6 +13,11 @@ from crossover import environment as E
 from crossover.daemon.node.users import Users
 
 
+def _under_mpirun() -> bool:
+    """Whether this process is a rank of an mpirun (Open MPI's or a PMI launcher's)."""
+    return "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ
+
+
 def _users(args: argparse.Namespace) -> Users:
     """Who may use the daemon. ValueError (`UsersError`) names a setting that does not
     fit: a group that does not exist, --allow-group without --system, or --system with
@@ -27,8 +32,7 @@ def _users(args: argparse.Namespace) -> Users:
     if (args.hosts is not None or args.hostfile is not None) and not args.system:
         raise ValueError("--hosts and --hostfile form a world of node services (--system); "
                          "a daemon of your own forms its world under mpirun (mpirun -H ...)")
-    if args.system and args.generation == 0 and not args.service and (
-            "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ):
+    if args.system and args.generation == 0 and not args.service and _under_mpirun():
         raise ValueError("--system: run it on each node (e.g. from systemd), not under "
                          "mpirun; --hosts makes the nodes' services one world")
     return Users(shared=args.system, group=args.allow_group)
@@ -104,7 +108,7 @@ def run_daemon(args: argparse.Namespace) -> int:
     # the relays and the generations start every node's service with these arguments
     # (the environment does not reach other hosts)
     argv = _with_metrics(sys.argv[1:], metrics)
-    if not args.service and ("OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ):
+    if not args.service and _under_mpirun():
         # under mpirun: this node's relay, which starts the node's service if need be
         from crossover.daemon.relay.process import run_relay
 

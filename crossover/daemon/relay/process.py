@@ -95,6 +95,8 @@ class Relay:
                  args: list[str], directory: str | None) -> None:
         self.epoch, self.leader_node, self.nodes = epoch, leader_node, nodes
         self.args, self.directory = args, directory
+        # a world of node services for every user (`--system`): the system starts them
+        self.system = "--system" in args
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -123,7 +125,7 @@ class Relay:
         except (OSError, ValueError) as exc:
             log.error("relay of node %s: no key for the world's messages (%s)", name, exc)
             key = b""
-        if "--system" in self.args and not wait_until(
+        if self.system and not wait_until(
                 lambda: _listens(relay_path(name, self.directory).with_suffix(".sock")),
                 SYSTEM_SERVICE_S, Backoff(0.02, 0.5)):
             # A node service for every user is the system's to start: until it runs this
@@ -262,7 +264,7 @@ class Relay:
             except OSError:
                 pass
             if started is None:
-                if "--system" in self.args:  # the system starts it (systemd, a prolog)
+                if self.system:  # the system starts it (systemd, a prolog)
                     return False
                 started = self._start_service(name)
             # it exited: stop waiting, unless another service was starting there (an
@@ -278,7 +280,7 @@ class Relay:
         if sock is None:
             code = None if started is None else started.poll()
             why = f"none listened in {SERVICE_START_S:g} s"
-            if "--system" in self.args:
+            if self.system:
                 why += " (a node service: the system starts it, e.g. `systemctl start crossover`)"
             if code == RUNNING_EXIT:
                 why = (f"another daemon holds the node's lock but did not listen for "

@@ -108,8 +108,9 @@ class Member:
         if hosts:  # the other hosts are lost to it until a generation takes it in
             self.lost_nodes = [h for h in hosts if h != name]
             place = hosts.index(name)
-            self._detached_at = clock() - ORPHANED_S + (
-                ORPHANED_S + HOSTS_APART_S * min(place - 1, MAX_APART) if place else 0.0)
+            # (`_orphaned` fires ORPHANED_S after this)
+            self._detached_at = clock() + HOSTS_APART_S * min(place - 1, MAX_APART) \
+                if place else clock() - ORPHANED_S
 
     # --- messages -----------------------------------------------------------------------
     def route(self, source: int, msg: tuple) -> bool:
@@ -312,7 +313,8 @@ class Member:
         one over every node this service knows (a newer generation of another leader,
         if there is one, wins at each service, and this node then follows it)."""
         world = self.world
-        if self._of_hosts and self.peers.key[0] < 0:  # a cluster's service, never taken in
+        first = self._of_hosts and self.peers.key[0] < 0  # a cluster's, never taken in
+        if first:
             log.info("node %s: no generation of its hosts' world took it in: it leads "
                      "from epoch %d and forms one", self.name, world.epoch + 1)
         else:
@@ -324,7 +326,7 @@ class Member:
         self.peers.leader = self.peers.rank
         self.leader = self._new_leader(self.peers)
         self._bring_back_the_lost()
-        if self._of_hosts and self.peers.key[0] < 0:  # its first: with all its hosts
+        if first:  # its first generation: with all its hosts
             self._respawn = dict.fromkeys(self._respawn, self.clock())
         self._lead()  # `_form` then forms a generation over the members alive
 
